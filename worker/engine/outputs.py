@@ -1,0 +1,51 @@
+"""What the engine returns per request (vLLM's `RequestOutput` / `CompletionOutput` shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-softmax of the raw logits at one position for one token id."""
+
+    logprob: float
+    decoded_token: str
+
+
+# One entry per position: token id -> Logprob (the chosen token plus the top alternatives).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence (one of ``n`` samples, or one beam).
+
+    ``text`` is the detokenized output with any matched stop string removed (unless
+    ``include_stop_str_in_output``); ``stop_reason`` is the matched stop string or stop token id.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """State of one request after an engine step; ``finished`` once every sequence is done."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
