@@ -1,0 +1,83 @@
+"""Plain PyTorch twins of the engine's attention kernels: slow, obviously correct, used as test oracles.
+
+Layout (vLLM's paged KV cache): one tensor per layer, ``kv_cache: [2, num_blocks, block_size,
+num_kv_heads, head_size]`` (index 0 = K, 1 = V). The slot of a token is
+``block_id * block_size + offset``. A sequence's block table maps its logical block ``i``
+(positions ``i * block_size .. (i + 1) * block_size - 1``) to a physical block id.
+
+This module imports nothing of batchinfer's, so kernels can be tested on their own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each new token's K and V at its slot, one token at a time (vLLM's ``reshape_and_cache``).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype as ``kv_cache``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``; mutated in place.
+        slot_mapping: ``[num_tokens]`` integer slots, each in ``[0, num_blocks * block_size)``.
+    """
+    block_size = kv_cache.shape[2]
+    for token_idx, slot in enumerate(slot_mapping.tolist()):
+        block_id, offset = divmod(slot, block_size)
+        kv_cache[0, block_id, offset] = key[token_idx]
+        kv_cache[1, block_id, offset] = value[token_idx]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context, one sequence at a time.
+
+    Sequence ``s`` owns query rows ``query_start_loc[s] : query_start_loc[s + 1]``; they are the last
+    ``query_len`` positions of its context of ``seq_lens[s]`` tokens, so query row ``i`` sits at position
+    ``seq_lens[s] - query_len + i`` and sees keys at positions ``0 ..`` that position (causal). The context
+    (including this step's tokens, which must already be in the cache) is read through the block table.
+    Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    Scores and softmax are computed in float32 (scaled dot-product attention, Vaswani et al. 2017).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        query_start_loc: ``[num_seqs + 1]`` integer prefix sums of the query lengths.
+        seq_lens: ``[num_seqs]`` context lengths including this step's tokens.
+        block_tables: ``[num_seqs, max_num_blocks_per_seq]`` physical block ids (padding ignored).
+        scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
+    """
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_queries_per_kv = num_heads // num_kv_heads
+    output = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[seq_idx], starts[seq_idx + 1]
+        query_len = end - start
+        positions = torch.arange(seq_len, device=kv_cache.device)
+        block_ids = block_tables[seq_idx].long()[positions // block_size]
+        offsets = positions % block_size
+        keys = kv_cache[0][block_ids, offsets].float()  # [seq_len, num_kv_heads, head_size]
+        values = kv_cache[1][block_ids, offsets].float()
+        keys = keys.repeat_interleave(num_queries_per_kv, dim=1)
+        values = values.repeat_interleave(num_queries_per_kv, dim=1)
+        q = query[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=kv_cache.device)
+        visible = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        output[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+    return output

@@ -1,0 +1,141 @@
+"""KVCacheManager: block tables sized exactly, ref counts, and prefix-cache hits that read the right KV.
+
+A shadow cache records, for every slot written, the token prefix whose K/V it holds; every computed
+position of every sequence must then read exactly its own prefix, whatever allocation, preemption,
+prefix hits and evictions happened before. That is "caching is invisible" at the bookkeeping level.
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from worker.engine.block_manager import KVCacheManager
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Sequence
+
+BLOCK_SIZE = 4
+# Prompts made of a few block-sized chunks so that prefix hits (and near misses) are common.
+CHUNKS = [(0, 0, 0, 0), (1, 1, 1, 1), (0, 1, 0, 1)]
+prompts = st.builds(
+    lambda chunks, tail: [token for chunk in chunks for token in chunk] + tail,
+    st.lists(st.sampled_from(CHUNKS), max_size=5),
+    st.lists(st.integers(0, 1), min_size=1, max_size=5),
+)
+
+
+def make_seq(seq_id, tokens, prompt_logprobs=None):
+    params = SamplingParams(prompt_logprobs=prompt_logprobs)
+    return Sequence(seq_id, f"req-{seq_id}", 0, params, list(tokens))
+
+
+def test_allocation_is_on_demand_and_all_or_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK_SIZE, enable_caching=False)
+    seq = make_seq(0, range(9))
+    assert kv.allocate_slots(seq, 5)
+    assert len(kv.get_block_ids(0)) == 2
+    seq.num_computed_tokens = 5
+    assert not kv.allocate_slots(seq, 4 + 4 * BLOCK_SIZE)  # would need 4 more blocks
+    assert len(kv.get_block_ids(0)) == 2 and kv.num_free_blocks == 1
+    assert kv.allocate_slots(seq, 4)
+    assert len(kv.get_block_ids(0)) == 3 and kv.num_free_blocks == 0
+    seq.num_computed_tokens = 9
+    kv.check_invariants()
+    kv.free(seq)
+    assert kv.num_free_blocks == 3
+    kv.check_invariants()
+
+
+def test_second_request_with_same_prefix_hits_full_blocks_only_and_leaves_last_token():
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=True)
+    first = make_seq(0, range(10))
+    assert kv.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    kv.cache_blocks(first)
+    second = make_seq(1, list(range(8)) + [99, 98])
+    blocks, num_cached = kv.get_computed_blocks(second)
+    assert num_cached == 8 and blocks == kv.seq_to_blocks[0][:2]
+    exact = make_seq(2, range(8))  # a prompt of exactly two blocks: the last token must still be computed
+    assert kv.get_computed_blocks(exact)[1] == 4
+    assert kv.get_computed_blocks(make_seq(3, range(8), prompt_logprobs=1)) == ([], 0)
+    assert kv.allocate_slots(second, 2, blocks)
+    second.num_computed_tokens = 8
+    assert [b.ref_cnt for b in kv.seq_to_blocks[1]] == [2, 2, 1]
+    kv.check_invariants()
+
+
+def test_different_earlier_block_means_no_hit_even_with_equal_block_tokens():
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=True)
+    first = make_seq(0, [1, 1, 1, 1, 5, 5, 5, 5, 0])
+    assert kv.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    kv.cache_blocks(first)
+    other = make_seq(1, [2, 2, 2, 2, 5, 5, 5, 5, 0])
+    assert kv.get_computed_blocks(other) == ([], 0)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Random interleavings of admit (with prefix lookup), compute, decode, preempt and finish."""
+
+    seqs = Bundle("seqs")
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=True)
+        self.next_seq_id = 0
+        self.pending: dict[int, int] = {}  # seq_id -> slots allocated, not yet computed
+        self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}  # (block_id, offset) -> prefix held
+
+    @rule(target=seqs, tokens=prompts)
+    def add(self, tokens):
+        seq = make_seq(self.next_seq_id, tokens)
+        self.next_seq_id += 1
+        return seq
+
+    @rule(seq=seqs, data=st.data())
+    def schedule(self, seq, data):
+        if self.pending.get(seq.seq_id) or seq.num_computed_tokens == seq.num_tokens:
+            return
+        holds_blocks = seq.seq_id in self.kv.seq_to_blocks
+        blocks, num_cached = ([], 0) if holds_blocks else self.kv.get_computed_blocks(seq)
+        start = seq.num_computed_tokens + num_cached
+        num_new = data.draw(st.integers(1, seq.num_tokens - start))
+        num_free = self.kv.num_free_blocks
+        if self.kv.allocate_slots(seq, num_new, blocks):
+            seq.num_computed_tokens = start
+            self.pending[seq.seq_id] = num_new
+        else:
+            assert self.kv.num_free_blocks == num_free
+
+    @rule(seq=seqs, next_token=st.integers(0, 1))
+    def compute(self, seq, next_token):
+        num_new = self.pending.pop(seq.seq_id, 0)
+        if not num_new:
+            return
+        block_ids = self.kv.get_block_ids(seq.seq_id)
+        start = seq.num_computed_tokens
+        for pos in range(start, start + num_new):
+            self.shadow[block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = tuple(seq.token_ids[: pos + 1])
+        seq.num_computed_tokens += num_new
+        for pos in range(seq.num_computed_tokens):  # what attention would read
+            assert self.shadow[block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE] == tuple(seq.token_ids[: pos + 1])
+        self.kv.cache_blocks(seq)
+        if seq.num_computed_tokens == seq.num_tokens and seq.num_tokens < 40:
+            seq.append_token(next_token)
+
+    @rule(seq=seqs)
+    def preempt(self, seq):
+        self.kv.free(seq)
+        self.pending.pop(seq.seq_id, None)
+        seq.num_computed_tokens = 0
+
+    @rule(seq=consumes(seqs))
+    def finish(self, seq):
+        self.preempt(seq)
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_invariants()
+
+
+TestKVCacheMachine = KVCacheMachine.TestCase
+TestKVCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

@@ -1,0 +1,192 @@
+"""LLMEngine on a tiny random GQA Llama: greedy parity with Hugging Face under chunking, preemption,
+prefix caching and requests joining mid-run; limits, aborts, stops, logprobs and seeded sampling."""
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
+from tests.helpers.tiny_llama import save_tiny_llama
+from worker.engine import EngineConfig, LLMEngine, PromptTooLongError, SamplingParams
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 259) for _ in range(9)]  # a common prefix longer than two 4-token blocks
+    mixed = [[rng.randrange(3, 259) for _ in range(rng.randrange(1, 40))] for _ in range(5)]
+    return mixed + [shared + [5 + i] * (i + 1) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def references(hf_model, prompts):
+    return [hf_greedy_reference(hf_model, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+def make_engine(model_dir, **overrides):
+    fields = dict(model=str(model_dir), block_size=4, kv_cache_memory_bytes=1 << 22, max_model_len=64)
+    fields.update(overrides)
+    return LLMEngine(EngineConfig(**fields))
+
+
+def run_checked(engine, prompts, params):
+    """generate() by hand, checking the KV cache invariants after every step."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output
+        engine.kv_cache_manager.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == engine.model_runner.num_blocks
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def assert_matches(references, outputs):
+    for i, (ref, out) in enumerate(zip(references, outputs)):
+        assert_greedy_close(ref.token_ids, ref.top2, out.outputs[0].token_ids, label=f"prompt {i}")
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_batched_greedy_matches_hugging_face(model_dir, prompts, references, enable_prefix_caching):
+    engine = make_engine(model_dir, enable_prefix_caching=enable_prefix_caching)
+    outputs = run_checked(engine, prompts, GREEDY)
+    assert_matches(references, outputs)
+    assert engine.stats.num_preemptions == 0
+
+
+def test_chunked_prefill_matches_hugging_face(model_dir, prompts, references):
+    engine = make_engine(model_dir, max_num_batched_tokens=8)
+    assert max(len(p) for p in prompts) > 8  # some prompt cannot be prefilled in one step
+    assert_matches(references, run_checked(engine, prompts, GREEDY))
+
+
+def test_preemption_recomputes_and_matches_hugging_face(model_dir, prompts, references):
+    engine = make_engine(model_dir, num_gpu_blocks_override=16, max_num_batched_tokens=32)
+    outputs = run_checked(engine, prompts, GREEDY)
+    assert engine.stats.num_preemptions > 0
+    assert_matches(references, outputs)
+
+
+def test_prefix_cache_hits_are_counted_and_invisible(model_dir, prompts, references):
+    engine = make_engine(model_dir)
+    first = engine.generate([prompts[-1]], GREEDY)[0]
+    rest = engine.generate(prompts[-3:-1], GREEDY)
+    assert first.num_cached_tokens == 0
+    assert [out.num_cached_tokens for out in rest] == [8, 8]  # two full blocks of the shared 9-token prefix
+    assert engine.stats.num_cached_tokens == 16
+    assert_matches(references[-3:], rest + [first])
+
+
+def test_requests_join_a_running_batch(model_dir, prompts, references):
+    engine = make_engine(model_dir)
+    engine.add_request("early", prompts[0], GREEDY)
+    for _ in range(3):
+        assert engine.step() == []
+    engine.add_request("late", prompts[1], GREEDY)
+    engine.step()
+    assert {seq.request_id for seq in engine.scheduler.running} == {"early", "late"}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert_matches(references[:2], [outputs["early"], outputs["late"]])
+
+
+def test_prompt_too_long_and_generation_stops_at_max_model_len(model_dir):
+    engine = make_engine(model_dir, max_model_len=20)
+    with pytest.raises(PromptTooLongError) as excinfo:
+        engine.add_request("long", list(range(3, 23)), GREEDY)
+    assert (excinfo.value.num_prompt_tokens, excinfo.value.max_model_len) == (20, 20)
+    assert isinstance(excinfo.value, ValueError)
+    [out] = engine.generate([list(range(3, 18))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="exceeds"):
+        make_engine(model_dir, max_model_len=1000)
+    with pytest.raises(ValueError, match="KV cache"):
+        make_engine(model_dir, num_gpu_blocks_override=4, max_model_len=64)
+
+
+def test_abort_frees_everything(model_dir, prompts):
+    engine = make_engine(model_dir, max_num_batched_tokens=8)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.step()
+    engine.step()
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))
+    engine.abort_request("unknown")
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished_seqs()
+    assert engine.kv_cache_manager.num_free_blocks == engine.model_runner.num_blocks
+    engine.kv_cache_manager.check_invariants()
+
+
+def test_stop_string_truncates_text(model_dir):
+    engine = make_engine(model_dir)
+    prompt = engine.tokenizer.encode("Hello there")
+    [full] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    text = full.outputs[0].text
+    stop = next(ch for ch in text[2:] if ch.isascii() and ch.isprintable())
+    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.outputs[0].text == text[: text.index(stop)]
+
+
+def test_eos_stops_unless_ignored(model_dir, prompts):
+    engine = make_engine(model_dir)
+    eos = engine.eos_token_id
+    bias = SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0})
+    [stopped] = engine.generate([prompts[0]], bias)
+    assert stopped.outputs[0].token_ids == [eos] and stopped.outputs[0].finish_reason == "stop"
+    bias.ignore_eos = True
+    [ignored] = engine.generate([prompts[0]], bias)
+    assert ignored.outputs[0].token_ids == [eos] * 8 and ignored.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_and_prompt_logprobs_match_hugging_face(model_dir, hf_model, prompts):
+    engine = make_engine(model_dir, max_num_batched_tokens=8)  # prompt logprobs over several chunks
+    prompt = prompts[2]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    [out] = engine.generate([prompt], params)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        assert token_id in entry and len(entry) == 2  # greedy: the sampled token is the top one
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs))
+    )
+    with torch.inference_mode():
+        hf_logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for position in range(1, len(prompt)):
+        entry = out.prompt_logprobs[position]
+        target = prompt[position]
+        assert entry[target].logprob == pytest.approx(hf_logprobs[position - 1, target].item(), abs=1e-4)
+        top_id = int(hf_logprobs[position - 1].argmax())
+        assert top_id in entry
+
+
+def test_seeded_samples_are_distinct_and_independent_of_the_batch(model_dir, prompts):
+    engine = make_engine(model_dir)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    [alone] = engine.generate([prompts[0]], params)
+    crowded = engine.generate([prompts[1], prompts[0], prompts[3]], [GREEDY, params, params])
+    samples = [out.token_ids for out in alone.outputs]
+    assert [out.index for out in alone.outputs] == [0, 1, 2]
+    assert len({tuple(s) for s in samples}) == 3
+    assert [out.token_ids for out in crowded[1].outputs] == samples

@@ -1,0 +1,161 @@
+"""The KV cache manager: each sequence's block table, on-demand slot allocation, prefix-cache lookups.
+
+vLLM V1's ``KVCacheManager`` (pure Python): a sequence's block table maps logical block ``i`` (positions
+``i * block_size .. (i + 1) * block_size - 1``) to a physical :class:`~worker.engine.block_pool.KVCacheBlock`.
+Blocks are allocated as the scheduler hands out tokens (``allocate_slots``), full computed blocks are
+entered into the prefix cache after each step (``cache_blocks``), and everything goes back to the pool,
+tail first, when the sequence finishes or is preempted (``free``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence as SequenceT
+
+from worker.engine.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, KVCacheBlock, PrefixId
+from worker.engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of all sequences holding KV blocks, over one :class:`BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.seq_to_blocks: dict[int, list[KVCacheBlock]] = {}
+        self._seqs: dict[int, Sequence] = {}
+        # Tokens each block table was sized for (computed + scheduled this step).
+        self._num_slots: dict[int, int] = {}
+        # Prefix ids of each sequence's leading blocks that have been offered to the prefix cache.
+        self._prefix_ids: dict[int, list[PrefixId]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence, in [0, 1]."""
+        return 1.0 - self.block_pool.get_num_free_blocks() / self.block_pool.num_blocks
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
+        """Longest chain of cached full blocks matching ``seq``'s leading tokens, and the tokens they hold.
+
+        At least the last token is always left to compute (its logits give the next token). Requests
+        asking for prompt logprobs get no hit (their logits are needed at every prompt position).
+        Pure lookup: takes no reference (``allocate_slots`` does).
+        """
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
+            return [], 0
+        block_size, token_ids = self.block_size, seq.token_ids
+        blocks: list[KVCacheBlock] = []
+        parent = ROOT_PREFIX_ID
+        for start in range(0, (seq.num_tokens - 1) // block_size * block_size, block_size):
+            block = self.block_pool.get_cached_block(BlockHash((parent, tuple(token_ids[start : start + block_size]))))
+            if block is None:
+                break
+            assert block.prefix_id is not None
+            blocks.append(block)
+            parent = block.prefix_id
+        return blocks, len(blocks) * block_size
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, new_computed_blocks: SequenceT[KVCacheBlock] = ()
+    ) -> bool:
+        """Make ``seq``'s block table cover ``num_new_tokens`` more tokens; all or nothing.
+
+        The table afterwards covers ``seq.num_computed_tokens + len(new_computed_blocks) * block_size +
+        num_new_tokens`` tokens. ``new_computed_blocks`` (from :meth:`get_computed_blocks`, only for a
+        sequence holding no blocks) are prefix-cache hits: referenced, not recomputed; the caller then
+        advances ``seq.num_computed_tokens`` past them.
+
+        Returns:
+            False, changing nothing, when the pool lacks free blocks (the scheduler then preempts).
+        """
+        block_size, seq_id = self.block_size, seq.seq_id
+        blocks = self.seq_to_blocks.get(seq_id)
+        assert not new_computed_blocks or not blocks, "prefix hits only for a sequence without blocks"
+        num_tokens = seq.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
+        num_new_blocks = cdiv(num_tokens, block_size) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
+        # A hit on a free cached block takes it out of the free queue, so it cannot also be a new block.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return False
+        if blocks is None:
+            blocks = self.seq_to_blocks[seq_id] = []
+            self._seqs[seq_id] = seq
+            self._prefix_ids[seq_id] = []
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self._prefix_ids[seq_id].extend(block.prefix_id for block in new_computed_blocks)  # type: ignore[misc]
+        if num_new_blocks > 0:
+            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        self._num_slots[seq_id] = num_tokens
+        return True
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Enter ``seq``'s full blocks whose tokens are all computed into the prefix cache (after a step)."""
+        if not self.enable_caching:
+            return
+        block_size, token_ids = self.block_size, seq.token_ids
+        blocks, prefix_ids = self.seq_to_blocks[seq.seq_id], self._prefix_ids[seq.seq_id]
+        parent = prefix_ids[-1] if prefix_ids else ROOT_PREFIX_ID
+        for block_idx in range(len(prefix_ids), seq.num_computed_tokens // block_size):
+            start = block_idx * block_size
+            block_hash = BlockHash((parent, tuple(token_ids[start : start + block_size])))
+            parent = self.block_pool.cache_full_block(blocks[block_idx], block_hash)
+            prefix_ids.append(parent)
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks, last block first (so its tail is evicted first); no-op if it has none."""
+        blocks = self.seq_to_blocks.pop(seq.seq_id, None)
+        if blocks is None:
+            return
+        del self._seqs[seq.seq_id], self._num_slots[seq.seq_id], self._prefix_ids[seq.seq_id]
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, seq_id: int) -> list[int]:
+        """Physical block ids of ``seq_id``'s block table, in logical order."""
+        return [block.block_id for block in self.seq_to_blocks[seq_id]]
+
+    def kv_cache_utilisation(self) -> float:
+        """Fraction of the slots of referenced blocks that hold computed tokens, in [0, 1] (0 when none is used).
+
+        Only a table's last block can be partly empty and shared blocks are always full, so the empty
+        slots are the sum over tables of ``len(blocks) * block_size - num_computed_tokens``.
+        """
+        num_used_blocks = self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()
+        if not num_used_blocks:
+            return 0.0
+        num_empty = sum(
+            len(self.seq_to_blocks[seq_id]) * self.block_size - seq.num_computed_tokens for seq_id, seq in self._seqs.items()
+        )
+        return 1.0 - num_empty / (num_used_blocks * self.block_size)
+
+    def check_invariants(self) -> None:
+        """Assert engine.md's invariants: pool consistency, ref counts = table references, table sizes, cached contents."""
+        self.block_pool.check_invariants()
+        references = Counter(id(block) for blocks in self.seq_to_blocks.values() for block in blocks)
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == references[id(block)], f"block {block.block_id} ref_cnt != table references"
+        block_size = self.block_size
+        for seq_id, blocks in self.seq_to_blocks.items():
+            seq, num_slots, prefix_ids = self._seqs[seq_id], self._num_slots[seq_id], self._prefix_ids[seq_id]
+            assert len(blocks) == cdiv(num_slots, block_size), "block table does not cover its tokens exactly"
+            assert seq.num_computed_tokens <= num_slots <= seq.num_tokens
+            assert len(prefix_ids) * block_size <= seq.num_computed_tokens
+            for block_idx, block in enumerate(blocks[: len(prefix_ids)]):
+                if block.block_hash is None:
+                    continue
+                parent = prefix_ids[block_idx - 1] if block_idx else ROOT_PREFIX_ID
+                start = block_idx * block_size
+                assert block.block_hash == (parent, tuple(seq.token_ids[start : start + block_size])), "cached block content"
+                assert block.prefix_id == prefix_ids[block_idx]
+            assert all(block.block_hash is None for block in blocks[len(prefix_ids) :]), "uncomputed block is cached"

@@ -1,0 +1,42 @@
+"""Engine configuration (vLLM's ``EngineArgs`` subset that batchinfer uses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How to build one :class:`~worker.engine.llm_engine.LLMEngine`.
+
+    ``model`` is a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files).
+    The KV cache gets ``kv_cache_memory_bytes`` (bytes) unless ``num_gpu_blocks_override`` forces a
+    number of blocks (tests use it to make preemption happen). ``block_size`` is tokens per KV block.
+    ``max_num_batched_tokens`` is the per-step token budget, ``max_num_seqs`` the cap on running
+    sequences; ``max_model_len`` (prompt + output tokens) defaults to the model's
+    ``max_position_embeddings``. ``enable_prefix_caching`` reuses KV blocks of identical prefixes
+    (invisible in the output).
+
+    Raises:
+        ValueError: on a non-positive size.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

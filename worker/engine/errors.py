@@ -1,0 +1,18 @@
+"""Errors the engine raises for bad input."""
+
+from __future__ import annotations
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate: ``num_prompt_tokens >= max_model_len``.
+
+    The API maps it to a 400 response for that line (the line, not the batch, fails).
+    """
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"prompt has {num_prompt_tokens} tokens but the model's context is {max_model_len} tokens "
+            f"(prompt plus at least one generated token must fit)"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len

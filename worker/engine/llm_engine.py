@@ -1,0 +1,299 @@
+"""LLMEngine: continuous batching over a paged KV cache (vLLM's ``LLMEngine`` / ``EngineCore`` loop).
+
+Each :meth:`LLMEngine.step` schedules work (scheduler), runs one forward pass over all scheduled tokens
+(model runner), then appends the sampled tokens, detokenizes them, checks stop conditions and frees the
+blocks of finished sequences at once, so requests join and leave the batch at every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from worker.engine.block_manager import KVCacheManager
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.errors import PromptTooLongError
+from worker.engine.model_runner import ModelRunner, ModelRunnerOutput
+from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.sequence import Request, Sequence
+from worker.engine.stop_checker import check_finish
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started (benchmarks read them; times in seconds).
+
+    ``num_prompt_tokens_computed`` counts tokens run through the model that were not the one decode
+    token of a sequence (prefill chunks, recomputation after preemption; prefix-cache hits excluded);
+    ``num_cached_tokens`` counts prompt tokens served by the prefix cache. ``kv_cache_utilisation_sum``
+    adds, once per step, the fraction of slots in referenced blocks that hold computed tokens.
+    """
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    model_forward_s: float = 0.0
+    step_s: float = 0.0
+    kv_cache_utilisation_sum: float = 0.0
+
+    @property
+    def mean_kv_cache_utilisation(self) -> float:
+        return self.kv_cache_utilisation_sum / self.num_steps if self.num_steps else 0.0
+
+
+class LLMEngine:
+    """Offline engine: add requests, call :meth:`step` until none is unfinished (or use :meth:`generate`).
+
+    Attributes:
+        tokenizer: the model folder's Hugging Face tokenizer.
+        model_config: the model folder's ``transformers`` config.
+        max_model_len: most tokens (prompt + output) one sequence may hold.
+        stats: :class:`EngineStats`.
+
+    Raises:
+        ValueError: on a ``max_model_len`` beyond the model's positions, or a KV cache too small to hold
+            one sequence of ``max_model_len`` tokens (lower ``max_model_len`` or give more memory).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config: PretrainedConfig = AutoConfig.from_pretrained(config.model)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
+        max_positions = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {max_positions} positions")
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = self.model_config.eos_token_id
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id: int | None = eos
+        self.model_runner = ModelRunner(config, self.eos_token_id)
+        num_blocks = self.model_runner.num_blocks
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._generate_ids = itertools.count()
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request (tokenizing a text prompt); it joins the batch at a coming step.
+
+        ``params.max_tokens=None``, or more than the room left, means: stop at ``max_model_len`` tokens
+        with finish_reason "length".
+
+        Raises:
+            PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
+            ValueError: a duplicate ``request_id``, an empty prompt, or a token id outside the vocabulary.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, prompt_token_ids = None, list(prompt)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        if not all(0 <= token_id < vocab_size for token_id in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                sample_index=index,
+                params=params,
+                prompt_token_ids=prompt_token_ids,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+            )
+            for index in range(params.n)
+        ]
+        request = Request(request_id, text, prompt_token_ids, params, seqs)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.scheduler.add_seq(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.finish_seqs(request.seqs)
+        self.model_runner.free_seqs(request.seqs)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, process samples; returns the requests that finished this step."""
+        start_s = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        block_ids = [self.kv_cache_manager.get_block_ids(seq.seq_id) for seq in scheduler_output.seqs]
+        self._count_scheduled(scheduler_output)
+        runner_output = self.model_runner.execute_model(scheduler_output, block_ids)
+        self.scheduler.update_from_output(scheduler_output)
+        finished_seqs = self._process_samples(runner_output)
+        self._record_prompt_logprobs(runner_output)
+        self.scheduler.finish_seqs(finished_seqs)
+        self.model_runner.free_seqs(finished_seqs)
+
+        outputs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in finished_seqs):
+            request = self.requests[request_id]
+            if request.is_finished:
+                del self.requests[request_id]
+                outputs.append(self._request_output(request))
+
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.model_forward_s += runner_output.model_forward_s
+        stats.kv_cache_utilisation_sum += self.kv_cache_manager.kv_cache_utilisation()
+        stats.step_s += time.perf_counter() - start_s
+        return outputs
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion with continuous batching; outputs in input order.
+
+        Raises:
+            PromptTooLongError, ValueError: as :meth:`add_request` (requests already added are aborted).
+            ValueError: ``params`` is a list of a different length than ``prompts``.
+        """
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        batch = next(self._generate_ids)
+        request_ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt, request_params in zip(request_ids, prompts, params_list):
+                self.add_request(request_id, prompt, request_params)
+        except ValueError:
+            for request_id in request_ids:
+                self.abort_request(request_id)
+            raise
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        while pending:
+            for output in self.step():
+                if output.request_id in pending:
+                    pending.discard(output.request_id)
+                    results[output.request_id] = output
+        return [results[request_id] for request_id in request_ids]
+
+    def _count_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        num_decode_tokens = sum(
+            1
+            for seq, num_tokens in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens)
+            if num_tokens == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1
+        )
+        self.stats.num_prompt_tokens_computed += scheduler_output.total_num_scheduled_tokens - num_decode_tokens
+
+    def _process_samples(self, runner_output: ModelRunnerOutput) -> list[Sequence]:
+        """Append each sampled token, detokenize, accumulate logprobs, check stops; returns finished sequences."""
+        sampler_output = runner_output.sampler_output
+        if sampler_output is None:
+            return []
+        finished = []
+        stats, tokenizer = self.stats, self.tokenizer
+        for seq, token_id, logprob, top in zip(
+            runner_output.sampled_seqs,
+            sampler_output.sampled_token_ids,
+            sampler_output.logprobs,
+            sampler_output.top_logprobs,
+        ):
+            if not seq.output_token_ids:
+                stats.num_cached_tokens += seq.num_cached_tokens or 0
+            seq.append_token(token_id)
+            seq.cumulative_logprob += logprob
+            stats.num_output_tokens += 1
+            if seq.logprobs is not None:
+                entry: PositionLogprobs = {token_id: Logprob(logprob, decode_token(tokenizer, token_id))}
+                for top_id, top_logprob in top or ():
+                    if top_id not in entry:
+                        entry[top_id] = Logprob(top_logprob, decode_token(tokenizer, top_id))
+                seq.logprobs.append(entry)
+            detokenizer = seq.detokenizer
+            assert detokenizer is not None
+            new_text = detokenizer.append(token_id)
+            finish = check_finish(
+                params=seq.params,
+                last_token_id=token_id,
+                num_output_tokens=len(seq.output_token_ids),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                max_model_len=self.max_model_len,
+                eos_token_id=self.eos_token_id,
+                output_text=detokenizer.output_text,
+                new_char_count=len(new_text),
+            )
+            if finish is None:
+                continue
+            seq.finish_reason, seq.stop_reason, seq.output_text = finish.finish_reason, finish.stop_reason, finish.output_text
+            if finish.finish_reason == "length":
+                # NOTE: text held back for an incomplete character is emitted (as U+FFFD) at the end.
+                seq.output_text += detokenizer.flush()
+            finished.append(seq)
+        return finished
+
+    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        """Append prompt logprobs computed this step (skipping positions recomputed after a preemption)."""
+        tokenizer = self.tokenizer
+        for chunk in runner_output.prompt_logprobs:
+            request = self.requests[chunk.seq.request_id]
+            recorded = request.prompt_logprobs
+            assert recorded is not None
+            prompt_token_ids = request.prompt_token_ids
+            for position, (logprob, top) in enumerate(chunk.entries, start=chunk.first_position):
+                if position != len(recorded):
+                    continue
+                target_id = prompt_token_ids[position]
+                entry: PositionLogprobs = {target_id: Logprob(logprob, decode_token(tokenizer, target_id))}
+                for top_id, top_logprob in top:
+                    if top_id not in entry:
+                        entry[top_id] = Logprob(top_logprob, decode_token(tokenizer, top_id))
+                recorded.append(entry)
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.sample_index,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            prompt_logprobs=request.prompt_logprobs,
+            num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
+        )

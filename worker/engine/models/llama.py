@@ -1,0 +1,250 @@
+"""Llama decoder (Touvron et al. 2023) over a flat ragged batch with a paged KV cache.
+
+Same mathematics as Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary position embeddings,
+grouped-query attention, SwiGLU MLP, optional tied embeddings), laid out as in vLLM: no batch
+dimension and no padding (``[num_tokens, hidden_size]``), q/k/v fused into one ``qkv_proj`` and
+gate/up into one ``gate_up_proj``, attention through :func:`paged_attention_forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from worker.engine.attention import AttentionMetadata, paged_attention_forward
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as Hugging Face does.
+
+    ``x: [num_tokens, hidden_size]`` -> same shape and dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embeddings (Su et al. 2021), "rotate half" layout as in Hugging Face's Llama.
+
+    ``cos``/``sin`` tables for positions ``0 .. max_position_embeddings - 1`` are precomputed once
+    (float32, then cast to the model dtype, exactly as Hugging Face computes them per call). Inverse
+    frequencies come from transformers' ``ROPE_INIT_FUNCTIONS``, so ``default``, ``linear``, ``llama3``
+    and ``yarn`` ``rope_parameters`` give the same numbers as transformers.
+
+    Raises:
+        ValueError: for ``dynamic`` scaling, whose frequencies depend on the running sequence length.
+    """
+
+    def __init__(self, config: LlamaConfig, head_size: int) -> None:
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError("dynamic NTK rope scaling is not supported")
+        # NOTE: tables are built on the CPU whatever the default device; the module is moved afterwards.
+        cpu = torch.device("cpu")
+        if rope_type == "default":
+            base = config.rope_parameters["rope_theta"]
+            exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=cpu).float() / head_size
+            inv_freq = 1.0 / (base**exponents)
+            attention_scaling = 1.0
+        else:
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)
+        self.sin = nn.Buffer(emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x: [num_tokens, num_heads, head_size]`` by its tokens' ``positions: [num_tokens]``."""
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.sin.index_select(0, positions)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_size**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_size, bias=bias
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_size, config.hidden_size, bias=bias)
+        self.rotary_emb = rotary_emb
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states).view(num_tokens, -1, self.head_size)
+        # One rotation for q and k together: they are adjacent heads of the fused projection.
+        qk = self.rotary_emb(positions, qkv[:, : self.num_heads + self.num_kv_heads])
+        query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        value = qkv[:, self.num_heads + self.num_kv_heads :]
+        out = paged_attention_forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(config, head_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM over a flat ragged batch.
+
+    Build from a ``transformers.LlamaConfig``, then :meth:`load_weights` with Hugging Face names
+    (``model.layers.N.self_attn.q_proj.weight`` ...). Parameters are created with ordinary random
+    initialisation; :func:`worker.engine.model_loader.load_model` does both steps.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over one step's tokens.
+
+        Args:
+            input_ids: ``LongTensor[num_tokens]``, sequence by sequence (as ``attn_metadata`` orders them).
+            positions: ``LongTensor[num_tokens]`` position of each token in its sequence.
+            kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor per layer;
+                this step's K/V are written into them.
+            attn_metadata: the step's :class:`AttentionMetadata`.
+
+        Returns:
+            Final-norm hidden states ``[num_tokens, hidden_size]`` in the model dtype.
+
+        Raises:
+            ValueError: if the number of KV caches is not the number of layers.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
+        hidden_states = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+        return self.model.norm(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[num_sampled, hidden_size]`` -> float32 logits ``[num_sampled, vocab_size]``."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this model, fusing q/k/v and gate/up on the way.
+
+        Tensors are cast to each parameter's dtype and device. ``lm_head.weight`` is skipped when the
+        embeddings are tied; ``rotary_emb.inv_freq`` entries are ignored (recomputed).
+
+        Raises:
+            KeyError: on a name this model has no parameter for.
+            ValueError: on a shape mismatch, or when some parameter received no tensor.
+        """
+        params = dict(self.named_parameters())
+        q_size = self.config.num_attention_heads * self.model.layers[0].self_attn.head_size
+        kv_size = self.config.num_key_value_heads * self.model.layers[0].self_attn.head_size
+        intermediate = self.config.intermediate_size
+        # HF projection -> (fused parameter, row offset, rows)
+        fused = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, intermediate),
+            "up_proj": ("gate_up_proj", intermediate, intermediate),
+        }
+        loaded_rows: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target, start, rows = name, 0, None
+            if len(parts) >= 3 and parts[-2] in fused:
+                fused_name, start, rows = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of LlamaForCausalLM")
+            param = params[target]
+            dest = param.data if rows is None else param.data.narrow(0, start, rows)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded_rows[target] = loaded_rows.get(target, 0) + dest.shape[0]
+        missing = [name for name, param in params.items() if loaded_rows.get(name, 0) != param.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing))}")

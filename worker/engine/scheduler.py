@@ -1,0 +1,133 @@
+"""Iteration-level scheduler with chunked prefill and recompute preemption (pure Python).
+
+vLLM V1's scheduler (docs.vllm.ai, "vLLM V1" design; Yu et al. 2022, "Orca", for iteration-level
+scheduling): there is no prefill/decode phase, each sequence simply has ``num_tokens -
+num_computed_tokens`` tokens left to compute. Each step spends a budget of ``max_num_batched_tokens``:
+
+1. running sequences in admission order (oldest first), so decodes come first; a sequence still in its
+   prefill gets what is left of the budget (chunked prefill) and continues next step. A running sequence
+   is always at most one chunked prefill behind the decodes: it takes all the budget left, so nothing
+   younger is admitted until it finishes its prompt.
+2. When a block table cannot grow, the youngest running sequence is preempted: its blocks are freed, it
+   goes back to the FRONT of the waiting queue, and later recomputes prompt + generated tokens.
+3. If nothing was preempted, waiting sequences are admitted first come, first served while budget,
+   ``max_num_seqs`` and blocks last, each starting after its longest prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from worker.engine.block_manager import KVCacheManager
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to compute this step: ``seqs[i]`` gets its next ``num_scheduled_tokens[i]`` tokens.
+
+    Sequences appear in batch order (the runner lays out tokens the same way). ``preempted_seqs`` were
+    moved back to waiting during this step's scheduling.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Moves sequences between ``waiting`` (a deque, FCFS) and ``running`` (admission order) each step."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add_seq(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of ``waiting``."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work under the token budget; allocates slots, may preempt (mutates queues)."""
+        kv = self.kv_cache_manager
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        seq_idx = 0
+        while seq_idx < len(self.running) and budget > 0:
+            seq = self.running[seq_idx]
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not kv.allocate_slots(seq, num_new_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_seqs.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(num_new_tokens)
+                budget -= num_new_tokens
+                seq_idx += 1
+
+        # NOTE: admitting new work in a step that had to preempt would only evict it again.
+        while not out.preempted_seqs and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_cached_tokens = kv.get_computed_blocks(seq)
+            num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget)
+            if not kv.allocate_slots(seq, num_new_tokens, computed_blocks):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached_tokens
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_new_tokens)
+            budget -= num_new_tokens
+
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """Mark the scheduled tokens computed (the forward pass ran) and offer full blocks to the prefix cache."""
+        kv = self.kv_cache_manager
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+            seq.num_computed_tokens += num_tokens
+            kv.cache_blocks(seq)
+
+    def finish_seqs(self, seqs: Iterable[Sequence]) -> None:
+        """Mark ``seqs`` finished (or aborted), wherever they are, and free their blocks at once."""
+        done = set()
+        for seq in seqs:
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+                self.waiting.remove(seq)
+            else:
+                done.add(id(seq))
+            seq.status = SequenceStatus.FINISHED
+            self.kv_cache_manager.free(seq)
+        if done:
+            self.running = [seq for seq in self.running if id(seq) not in done]
