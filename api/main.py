@@ -1,0 +1,23 @@
+"""The FastAPI app: OpenAI Files + Batches endpoints, ``POST /v1/jobs`` and ``GET /health``.
+
+Serve with ``uvicorn --factory api.main:create_app`` (or ``batchinfer serve``, which also runs the
+migrations first). The app never imports torch or worker code: it validates and enqueues; workers run.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from api.errors import install_error_handlers
+from api.routes import batches, files, health, jobs
+from jobs.config import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app for ``settings`` (default `get_settings()`); the database must be migrated."""
+    app = FastAPI(title="batchinfer", version="0.1.0", summary="OpenAI Batch API over our own inference engine")
+    app.state.settings = settings or get_settings()
+    install_error_handlers(app)
+    for module in (files, batches, jobs, health):
+        app.include_router(module.router)
+    return app

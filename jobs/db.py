@@ -1,0 +1,118 @@
+"""Engine and session factories, and programmatic Alembic migrations.
+
+PostgreSQL in production, SQLite for the embedded default. SQLite connections get WAL journaling,
+a 30 s busy timeout, foreign keys on, and ``BEGIN IMMEDIATE`` transactions (SQLAlchemy's documented
+pysqlite recipe), because the API and the worker write to the same file from different processes:
+SQLite transactions are serialized, so keep them short.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs.config import get_settings
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
+_SQLITE_BUSY_TIMEOUT_S = 30
+_lock = threading.Lock()
+
+
+def _resolve(url: str | None) -> str:
+    return url or get_settings().database_url
+
+
+_engines: dict[str, Engine] = {}
+_sessionmakers: dict[str, sessionmaker[Session]] = {}
+
+
+def _create_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": _SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        # NOTE: pysqlite's own implicit BEGIN is turned off so that "begin" below can say IMMEDIATE.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _sqlite_begin(connection) -> None:  # type: ignore[no-untyped-def]
+        # NOTE: a deferred transaction that reads and then writes fails at once (SQLITE_BUSY) when
+        # another process wrote in between; IMMEDIATE takes the write lock up front and waits for it.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def get_engine(url: str | None = None) -> Engine:
+    """The process-wide engine for ``url`` (default: ``settings.database_url``), created once per URL.
+
+    A SQLite file's parent directory is created if missing.
+    """
+    url = _resolve(url)
+    with _lock:
+        if url not in _engines:
+            _engines[url] = _create_engine(url)
+        return _engines[url]
+
+
+def make_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
+    """A session factory bound to ``get_engine(url)``; objects stay readable after commit."""
+    url = _resolve(url)
+    engine = get_engine(url)
+    with _lock:
+        if url not in _sessionmakers:
+            _sessionmakers[url] = sessionmaker(bind=engine, expire_on_commit=False)
+        return _sessionmakers[url]
+
+
+@contextmanager
+def session_scope(url: str | None = None) -> Iterator[Session]:
+    """One transaction: commit when the block exits normally, roll back (and re-raise) on error."""
+    session = make_sessionmaker(url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def dispose_engines() -> None:
+    """Close every pooled connection and forget the cached engines (tests; before dropping a database)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+        _sessionmakers.clear()
+
+
+def upgrade_database(url: str | None = None) -> None:
+    """Run ``alembic upgrade head`` on ``url`` (default: ``settings.database_url``), from any cwd.
+
+    Raises:
+        sqlalchemy.exc.OperationalError: the database is unreachable.
+    """
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["database_url"] = _resolve(url)
+    command.upgrade(config, "head")

@@ -1,0 +1,72 @@
+"""Validate a new batch's input file and start it: the step between ``POST /v1/batches`` and the worker.
+
+Runs in the API process right after the batch is created (FastAPI background task): read the
+input file, check every line (`jobs.validation`), then in one transaction either insert the lines
+and move to ``in_progress`` or move to ``failed`` with every error; enqueue ``RUN_BATCH`` only after
+that commit, so the worker always finds the lines. The file is read and checked outside any
+database transaction (a 200 MB file takes a while; SQLite would be locked meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jobs.config import Settings, get_settings
+from jobs.db import session_scope
+from jobs.files import file_path, get_file
+from jobs.queue import enqueue_batch
+from jobs.repository import apply_validation, get_batch
+from jobs.schemas import LineError
+from jobs.status import BatchStatus
+from jobs.validation import ValidationResult, validate_batch_file
+
+logger = logging.getLogger(__name__)
+
+
+def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> BatchStatus:
+    """Validate batch ``batch_id`` (status ``validating``) and start it; returns its new status.
+
+    ``in_progress`` (enqueued), ``failed`` (``errors`` set; an unreadable or deleted input file
+    gives one ``file_not_found`` error) or ``cancelled`` (cancelled while validating).
+
+    Raises:
+        jobs.errors.NotFound: no such batch.
+        jobs.status.IllegalTransition: the batch was already validated.
+        kombu.exceptions.OperationalError: the broker is unreachable (the batch stays ``in_progress``
+            and is picked up if the task is enqueued again).
+    """
+    settings = settings or get_settings()
+    with session_scope(settings.database_url) as session:
+        batch = get_batch(session, batch_id=batch_id)
+        endpoint, input_file_id = batch.endpoint, batch.input_file_id
+        file = get_file(session, file_id=input_file_id)
+        path = None if file is None else file_path(file, settings.files_dir)
+    try:
+        if path is None:
+            raise FileNotFoundError(input_file_id)
+        data = path.read_bytes()
+    except OSError:
+        message = f"the input file {input_file_id!r} no longer exists or cannot be read"
+        result = ValidationResult(errors=[LineError(code="file_not_found", message=message, param="input_file_id")])
+    else:
+        result = validate_batch_file(
+            data,
+            endpoint=endpoint,
+            model_names={settings.served_model_name},
+            max_lines=settings.max_file_lines,
+            max_bytes=settings.max_file_bytes,
+        )
+    with session_scope(settings.database_url) as session:
+        batch = apply_validation(
+            session,
+            batch_id=batch_id,
+            lines=result.lines,
+            errors=result.errors,
+            model=settings.served_model_name,
+            files_dir=settings.files_dir,
+        )
+        status = BatchStatus(batch.status)
+    logger.info("batch %s validated: %s (%d lines, %d errors)", batch_id, status, len(result.lines), len(result.errors))
+    if status == BatchStatus.IN_PROGRESS:
+        enqueue_batch(batch_id, broker_url=settings.broker_url)
+    return status

@@ -1,0 +1,123 @@
+"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line).
+
+Timestamps are Unix seconds (``BigInteger``), as the API returns them. JSON columns hold what the
+API returns verbatim (``errors``, ``metadata``, a line's ``body``, ``response`` and ``error``).
+The schema is created by the Alembic migrations in ``migrations/``, never by ``create_all``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from jobs.status import BatchStatus
+
+
+FILE_ID_PREFIX = "file-"
+BATCH_ID_PREFIX = "batch_"
+REQUEST_ID_PREFIX = "batch_req_"
+
+
+def new_id(prefix: str) -> str:
+    """A fresh random id such as ``batch_3f9c...`` (prefix + 24 hex characters)."""
+    return prefix + secrets.token_hex(12)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RequestState(StrEnum):
+    """Where one input line stands: not run yet, answered with status 200, or anything else."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class File(Base):
+    """An uploaded input file or a generated output/error file; bytes live at ``files_dir / storage_path``."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    num_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger)
+    storage_path: Mapped[str] = mapped_column(String(512))
+
+
+class Batch(Base):
+    """One batch job; field names follow the OpenAI batch object.
+
+    ``started_at`` is internal: set once a worker claims the batch (see `repository.claim_batch`);
+    a batch cancelled before any claim is finalized by the API directly.
+    """
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.VALIDATING.value)
+    model: Mapped[str | None] = mapped_column(String(256))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int] = mapped_column(BigInteger)
+    in_progress_at: Mapped[int | None] = mapped_column(BigInteger)
+    finalizing_at: Mapped[int | None] = mapped_column(BigInteger)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger)
+    expired_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    total_requests: Mapped[int] = mapped_column(Integer, default=0)
+    completed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    failed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (Index("ix_batches_created_at_id", "created_at", "id"),)
+
+
+class BatchRequest(Base):
+    """One input line and, once run, its result.
+
+    ``response`` is ``{status_code, request_id, body}`` (OpenAI's output-line ``response``) or None;
+    ``error`` is ``{code, message}`` or None. ``state`` is `RequestState`.
+    """
+
+    __tablename__ = "batch_requests"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    line_number: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default=RequestState.PENDING.value)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        UniqueConstraint("batch_id", "line_number", name="uq_batch_requests_batch_id_line_number"),
+        UniqueConstraint("batch_id", "custom_id", name="uq_batch_requests_batch_id_custom_id"),
+        Index("ix_batch_requests_batch_id_state", "batch_id", "state"),
+    )

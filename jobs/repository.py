@@ -1,0 +1,469 @@
+"""Keyword-only data functions over batches and their lines; the caller owns the transaction.
+
+Public functions (stable names; the worker and the API both call them):
+
+| function | who calls it | what it does |
+|---|---|---|
+| ``check_batch_params`` | API | endpoint, completion_window and metadata checks |
+| ``create_batch`` | API | checks file/endpoint/window/metadata, inserts a ``validating`` batch |
+| ``get_batch`` | both | the `Batch`, or raises `NotFound` |
+| ``list_batches`` | API | a page of batches, newest first, after a cursor id |
+| ``apply_validation`` | API (`jobs.intake`) | inserts the lines and moves to ``in_progress``, or to ``failed`` with errors |
+| ``mark_in_progress`` | (from common.md) | ``validating -> in_progress`` alone; `apply_validation` already does it |
+| ``claim_batch`` | worker, at task start | True when the worker should run the batch's pending lines |
+| ``pending_requests`` | worker | lines not run yet, in line order |
+| ``record_result`` | worker | stores one line's result, bumps request_counts and usage |
+| ``batch_status`` | worker, between steps | the committed status (to notice ``cancelling``) |
+| ``is_past_expiry`` | worker | whether the 24 h window is over |
+| ``cancel_batch`` | API | ``-> cancelling``; finalizes to ``cancelled`` at once when no worker claimed it |
+| ``finalize_batch`` | worker (and ``cancel_batch``) | writes the output/error files, stamps the terminal status |
+
+Additions beyond `notes/common.md`: ``check_batch_params``, ``create_batch``, ``list_batches``, ``apply_validation``,
+``claim_batch``, ``is_past_expiry``, ``cancel_batch``; `get_batch` raises `NotFound` instead of
+returning None; `finalize_batch` takes an optional ``files_dir``.
+
+Worker protocol: ``claim_batch`` -> loop over ``pending_requests`` calling ``record_result`` (commit
+per line or per step), checking ``batch_status`` for ``cancelling`` and ``is_past_expiry`` -> then
+``finalize_batch``. A redelivered task (``acks_late``) claims again and runs only what is pending.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from jobs.config import get_settings
+from jobs.errors import InvalidRequest, NotFound
+from jobs.files import get_file, write_file
+from jobs.models import BATCH_ID_PREFIX, REQUEST_ID_PREFIX, Batch, BatchRequest, RequestState, new_id
+from jobs.paging import keyset_page
+from jobs.schemas import (
+    COMPLETION_WINDOW,
+    COMPLETION_WINDOW_S,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
+    SUPPORTED_ENDPOINTS,
+    LineError,
+)
+from jobs.status import BatchStatus, IllegalTransition, now_s, transition
+from jobs.validation import ValidatedLine
+
+INPUT_PURPOSE = "batch"
+OUTPUT_PURPOSE = "batch_output"
+_NEVER_RUN_MESSAGES = {
+    BatchStatus.CANCELLED: ("batch_cancelled", "This request was not run because the batch was cancelled."),
+    BatchStatus.EXPIRED: ("batch_expired", "This request was not run before the batch expired (completion window 24h)."),
+}
+
+
+class BatchNotFinished(ValueError):
+    """`finalize_batch` on an in-progress batch that still has pending lines and has not expired."""
+
+
+class RequestAlreadyRecorded(ValueError):
+    """`record_result` for a line that already has a result (each line is recorded exactly once)."""
+
+
+def create_batch(
+    session: Session,
+    *,
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str = COMPLETION_WINDOW,
+    metadata: dict[str, str] | None = None,
+    now: int | None = None,
+) -> Batch:
+    """Insert a ``validating`` batch; ``expires_at = created_at + 24 h``.
+
+    Raises:
+        InvalidRequest: unknown input file or not of purpose "batch" (``param="input_file_id"``),
+            or what `check_batch_params` rejects.
+    """
+    check_batch_params(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
+    file = get_file(session, file_id=input_file_id)
+    if file is None:
+        raise InvalidRequest(f"no file with id {input_file_id!r}", param="input_file_id", code="file_not_found")
+    if file.purpose != INPUT_PURPOSE:
+        raise InvalidRequest(
+            f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs purpose 'batch'",
+            param="input_file_id",
+        )
+    created_at = now_s() if now is None else now
+    batch = Batch(
+        id=new_id(BATCH_ID_PREFIX),
+        endpoint=endpoint,
+        input_file_id=input_file_id,
+        completion_window=completion_window,
+        status=BatchStatus.VALIDATING.value,
+        metadata_=metadata,
+        created_at=created_at,
+        expires_at=created_at + COMPLETION_WINDOW_S,
+        total_requests=0,
+        completed_requests=0,
+        failed_requests=0,
+        input_tokens=0,
+        cached_tokens=0,
+        output_tokens=0,
+    )
+    session.add(batch)
+    session.flush()
+    return batch
+
+
+def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[str, str] | None) -> None:
+    """Check a new batch's parameters (everything but its input file).
+
+    Raises:
+        InvalidRequest: unsupported endpoint, completion_window other than "24h", metadata over
+            16 pairs, a key over 64 or a value over 512 characters, or a non-string key/value.
+    """
+    if endpoint not in SUPPORTED_ENDPOINTS:
+        raise InvalidRequest(
+            f"endpoint {endpoint!r} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", param="endpoint"
+        )
+    if completion_window != COMPLETION_WINDOW:
+        raise InvalidRequest(
+            f"completion_window must be {COMPLETION_WINDOW!r}, got {completion_window!r}", param="completion_window"
+        )
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS}", param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidRequest("metadata keys and values must be strings", param="metadata")
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidRequest(f"metadata key {key[:16]!r}... is over {MAX_METADATA_KEY_CHARS} characters", param="metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(f"metadata value of {key!r} is over {MAX_METADATA_VALUE_CHARS} characters", param="metadata")
+
+
+def get_batch(session: Session, *, batch_id: str, for_update: bool = False) -> Batch:
+    """The batch (re-read from the database); ``for_update`` locks its row on PostgreSQL.
+
+    Raises:
+        NotFound: no batch has this id.
+    """
+    query = select(Batch).where(Batch.id == batch_id).execution_options(populate_existing=True)
+    batch = session.scalar(query.with_for_update() if for_update else query)
+    if batch is None:
+        raise NotFound("batch", batch_id)
+    return batch
+
+
+def list_batches(session: Session, *, after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
+    """A page of batches, newest first, after the batch ``after``; returns ``(batches, has_more)``.
+
+    Raises:
+        jobs.paging.UnknownCursor: ``after`` is not a batch id.
+    """
+    return keyset_page(session, select(Batch), Batch, after=after, limit=limit)
+
+
+def apply_validation(
+    session: Session,
+    *,
+    batch_id: str,
+    lines: Iterable[ValidatedLine],
+    errors: list[LineError],
+    model: str,
+    now: int | None = None,
+    files_dir: Path | None = None,
+) -> Batch:
+    """Store the outcome of validating a batch's input file.
+
+    No ``errors``: one ``pending`` row per line, ``request_counts.total``, ``model``, and
+    ``validating -> in_progress``. Errors: ``validating -> failed`` with ``errors``, no rows.
+    A batch cancelled while it was validating goes to ``cancelled`` instead (its lines, if valid,
+    all reported as ``batch_cancelled``).
+
+    Raises:
+        IllegalTransition: the batch is neither validating nor cancelling (validated twice).
+    """
+    now = now_s() if now is None else now
+    batch = get_batch(session, batch_id=batch_id, for_update=True)
+    status = BatchStatus(batch.status)
+    if status not in (BatchStatus.VALIDATING, BatchStatus.CANCELLING) or batch.in_progress_at is not None:
+        raise IllegalTransition(status, BatchStatus.IN_PROGRESS)
+    if errors:
+        batch.errors = [error.model_dump() for error in errors]
+        if status == BatchStatus.VALIDATING:
+            transition(batch, BatchStatus.FAILED, now)
+            return batch
+    else:
+        rows = [
+            {
+                "id": new_id(REQUEST_ID_PREFIX),
+                "batch_id": batch_id,
+                "line_number": line.line_number,
+                "custom_id": line.custom_id,
+                "body": line.body,
+                "state": RequestState.PENDING.value,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "cached_tokens": 0,
+            }
+            for line in lines
+        ]
+        if rows:
+            session.execute(insert(BatchRequest), rows)
+        batch.total_requests = len(rows)
+        batch.model = model
+    if status == BatchStatus.CANCELLING:
+        session.flush()
+        return finalize_batch(session, batch_id=batch_id, now=now, files_dir=files_dir)
+    transition(batch, BatchStatus.IN_PROGRESS, now)
+    session.flush()
+    return batch
+
+
+def mark_in_progress(session: Session, *, batch_id: str, now: int | None = None) -> Batch:
+    """``validating -> in_progress`` (stamps ``in_progress_at``).
+
+    Raises:
+        NotFound, IllegalTransition.
+    """
+    batch = get_batch(session, batch_id=batch_id, for_update=True)
+    transition(batch, BatchStatus.IN_PROGRESS, now)
+    session.flush()
+    return batch
+
+
+def claim_batch(session: Session, *, batch_id: str, now: int | None = None) -> bool:
+    """Mark the batch as started by a worker; True when it is ``in_progress`` (run its pending lines).
+
+    False for any other status: the worker then runs nothing (a ``cancelling`` batch still needs
+    `finalize_batch`; a terminal one needs nothing). Claiming twice (a redelivered task) is fine.
+    Atomic against `cancel_batch`: a batch is either claimed first (cancel leaves it to the worker)
+    or cancelled first (the claim fails).
+    """
+    now = now_s() if now is None else now
+    result = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status == BatchStatus.IN_PROGRESS.value)
+        .values(started_at=func.coalesce(Batch.started_at, now))
+        .execution_options(synchronize_session="fetch")
+    )
+    return result.rowcount == 1
+
+
+def pending_requests(session: Session, *, batch_id: str) -> list[BatchRequest]:
+    """The batch's lines without a result, in line order."""
+    query = (
+        select(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING.value)
+        .order_by(BatchRequest.line_number)
+    )
+    return list(session.scalars(query))
+
+
+def record_result(
+    session: Session,
+    *,
+    request_id: str,
+    response: dict[str, Any] | None,
+    error: dict[str, Any] | None,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    cached_tokens: int = 0,
+    now: int | None = None,
+) -> RequestState:
+    """Store one line's result and add it to the batch's request_counts and usage.
+
+    Args:
+        request_id: the line's ``batch_req_...`` id.
+        response: ``{status_code, request_id, body}`` or None; status 200 counts as completed,
+            any other status (or no response) as failed.
+        error: ``{code, message}`` or None (a failure with no HTTP response).
+        prompt_tokens, completion_tokens, cached_tokens: the line's usage (added to the batch's).
+
+    Returns:
+        the line's new `RequestState`.
+
+    Raises:
+        ValueError: both ``response`` and ``error`` are None.
+        NotFound: no line has this id.
+        RequestAlreadyRecorded: the line already has a result.
+    """
+    if response is None and error is None:
+        raise ValueError("record_result needs a response or an error")
+    state = RequestState.COMPLETED if response is not None and response.get("status_code") == 200 else RequestState.FAILED
+    batch_id = session.scalar(select(BatchRequest.batch_id).where(BatchRequest.id == request_id))
+    if batch_id is None:
+        raise NotFound("batch request", request_id)
+    # NOTE: lock order is batch row, then line rows, as in `finalize_batch`, so the two never deadlock.
+    session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+    recorded = session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.id == request_id, BatchRequest.state == RequestState.PENDING.value)
+        .values(
+            state=state.value,
+            response=response,
+            error=error,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+            finished_at=now_s() if now is None else now,
+        )
+        .execution_options(synchronize_session="fetch")
+    ).rowcount
+    if not recorded:
+        raise RequestAlreadyRecorded(f"batch request {request_id!r} already has a result")
+    counter = Batch.completed_requests if state == RequestState.COMPLETED else Batch.failed_requests
+    session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id)
+        .values(
+            {
+                counter: counter + 1,
+                Batch.input_tokens: Batch.input_tokens + prompt_tokens,
+                Batch.output_tokens: Batch.output_tokens + completion_tokens,
+                Batch.cached_tokens: Batch.cached_tokens + cached_tokens,
+            }
+        )
+        .execution_options(synchronize_session="fetch")
+    )
+    return state
+
+
+def batch_status(session: Session, *, batch_id: str) -> BatchStatus:
+    """The batch's status as last committed (PostgreSQL: as of this statement).
+
+    Raises:
+        NotFound: no batch has this id.
+    """
+    status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
+    if status is None:
+        raise NotFound("batch", batch_id)
+    return BatchStatus(status)
+
+
+def is_past_expiry(batch: Batch, now: int | None = None) -> bool:
+    """True once ``now`` (Unix seconds, default the current time) reaches ``batch.expires_at``."""
+    return (now_s() if now is None else now) >= batch.expires_at
+
+
+def cancel_batch(session: Session, *, batch_id: str, now: int | None = None, files_dir: Path | None = None) -> Batch:
+    """Cancel a batch: ``validating | in_progress -> cancelling``.
+
+    An ``in_progress`` batch no worker has claimed (`claim_batch`) is finalized to ``cancelled``
+    at once, every line reported as ``batch_cancelled``; otherwise the worker notices
+    ``cancelling``, stops, and calls `finalize_batch`. A ``validating`` batch is finalized when its
+    validation ends (`apply_validation`). Cancelling a cancelling or cancelled batch is a no-op.
+
+    Raises:
+        NotFound: no batch has this id.
+        IllegalTransition: the batch is failed, completed, expired or finalizing.
+    """
+    now = now_s() if now is None else now
+    # NOTE: the conditional UPDATE comes first so that it, not a read, takes the row lock; a worker's
+    # claim either committed before (started_at set) or will find the batch no longer in progress.
+    moved = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_([BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value]))
+        .values(status=BatchStatus.CANCELLING.value, cancelling_at=now)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    batch = get_batch(session, batch_id=batch_id, for_update=True)
+    status = BatchStatus(batch.status)
+    if not moved:
+        if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+            return batch
+        raise IllegalTransition(status, BatchStatus.CANCELLING)
+    if batch.in_progress_at is not None and batch.started_at is None:
+        return finalize_batch(session, batch_id=batch_id, now=now, files_dir=files_dir)
+    return batch
+
+
+def finalize_batch(session: Session, *, batch_id: str, now: int | None = None, files_dir: Path | None = None) -> Batch:
+    """Write the output and error files from the lines and stamp the terminal status.
+
+    ``in_progress`` (no pending line) ``-> finalizing -> completed``; ``in_progress`` past
+    ``expires_at`` with pending lines ``-> expired``; ``cancelling -> cancelled``. Lines never run
+    get ``error = {code: "batch_cancelled" | "batch_expired", message}`` and count as failed.
+    Every line lands in exactly one file: status-200 responses in the output file, the rest in the
+    error file (envelope ``{id, custom_id, response, error}``, line order). A file with no line is
+    not created (its id stays null). Already terminal: returned unchanged (idempotent).
+
+    Args:
+        files_dir: where to write (default ``settings.files_dir``).
+
+    Raises:
+        NotFound: no batch has this id.
+        BatchNotFinished: in progress, lines pending, and not expired.
+        IllegalTransition: the batch is still validating (or finalizing, a state never committed).
+    """
+    now = now_s() if now is None else now
+    batch = get_batch(session, batch_id=batch_id, for_update=True)
+    status = BatchStatus(batch.status)
+    if status.is_terminal:
+        return batch
+    num_pending = _count_in_state(session, batch_id, RequestState.PENDING)
+    if status == BatchStatus.CANCELLING:
+        final = BatchStatus.CANCELLED
+    elif status == BatchStatus.IN_PROGRESS and num_pending and is_past_expiry(batch, now):
+        final = BatchStatus.EXPIRED
+    elif status == BatchStatus.IN_PROGRESS and num_pending:
+        raise BatchNotFinished(f"batch {batch_id!r} has {num_pending} pending requests and has not expired")
+    elif status == BatchStatus.IN_PROGRESS:
+        final = BatchStatus.COMPLETED
+    else:
+        raise IllegalTransition(status, BatchStatus.FINALIZING)
+
+    if num_pending:
+        code, message = _NEVER_RUN_MESSAGES[final]
+        session.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING.value)
+            .values(state=RequestState.FAILED.value, error={"code": code, "message": message}, finished_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        batch.failed_requests += num_pending
+
+    files_dir = files_dir or get_settings().files_dir
+    for state, attribute, suffix in (
+        (RequestState.COMPLETED, "output_file_id", "output"),
+        (RequestState.FAILED, "error_file_id", "error"),
+    ):
+        if _count_in_state(session, batch_id, state):
+            file = write_file(
+                session,
+                chunks=_envelope_lines(session, batch_id, state),
+                filename=f"{batch_id}_{suffix}.jsonl",
+                purpose=OUTPUT_PURPOSE,
+                files_dir=files_dir,
+                now=now,
+            )
+            setattr(batch, attribute, file.id)
+
+    if final == BatchStatus.COMPLETED:
+        # NOTE: finalizing is stamped, but never committed on its own: the files are written in this transaction.
+        transition(batch, BatchStatus.FINALIZING, now)
+    transition(batch, final, now)
+    session.flush()
+    return batch
+
+
+def _count_in_state(session: Session, batch_id: str, state: RequestState) -> int:
+    query = select(func.count()).select_from(BatchRequest).where(
+        BatchRequest.batch_id == batch_id, BatchRequest.state == state.value
+    )
+    return session.scalar(query) or 0
+
+
+def _envelope_lines(session: Session, batch_id: str, state: RequestState) -> Iterator[bytes]:
+    query = (
+        select(BatchRequest.id, BatchRequest.custom_id, BatchRequest.response, BatchRequest.error)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == state.value)
+        .order_by(BatchRequest.line_number)
+        .execution_options(yield_per=1000)
+    )
+    for request_id, custom_id, response, error in session.execute(query):
+        envelope = {"id": request_id, "custom_id": custom_id, "response": response, "error": error}
+        yield (json.dumps(envelope, ensure_ascii=False) + "\n").encode("utf-8")

@@ -1,0 +1,309 @@
+"""Pydantic models: input lines and their bodies, and the file and batch objects the API returns.
+
+Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
+vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``). They are strict: numbers must
+be JSON numbers (an integer field rejects ``1.5`` and ``true``), and an unknown field is rejected
+with its name, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from jobs.models import Batch, File
+from jobs.status import BatchStatus
+
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+COMPLETION_WINDOW = "24h"
+COMPLETION_WINDOW_S = 24 * 3600
+MAX_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_STOP_SEQUENCES = 4
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_CUSTOM_ID_CHARS = 512
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class BatchLine(BaseModel):
+    """One input line: ``{"custom_id", "method": "POST", "url", "body"}``."""
+
+    model_config = _STRICT
+
+    custom_id: Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+class _SamplingBody(BaseModel):
+    """Fields both endpoints share: OpenAI sampling fields, then vLLM's extensions."""
+
+    model_config = _STRICT
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: PositiveInt = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stream: Literal[False] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (digit strings), got {key!r}")
+        return value
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        """The generation cap this body asks for (None = up to the context limit)."""
+        return self.max_tokens
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> _SamplingBody:
+        cap = self.effective_max_tokens
+        if self.min_tokens is not None and cap is not None and self.min_tokens > cap:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= the max tokens ({cap})")
+        return self
+
+
+class TextContentPart(BaseModel):
+    """A ``{"type": "text", "text": ...}`` part of a chat message's content."""
+
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is a string or a list of text parts."""
+
+    model_config = _STRICT
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionBody(_SamplingBody):
+    """A ``/v1/chat/completions`` body; ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top_logprobs
+
+
+class CompletionBody(_SamplingBody):
+    """A ``/v1/completions`` body: one prompt per line, as text or token ids (``max_tokens`` default 16).
+
+    A list holding exactly one prompt (as some clients send it) is unwrapped; a list of several
+    prompts is rejected (one prompt per batch line).
+    """
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+            if len(prompt) != 1:
+                raise ValueError(
+                    f"holds {len(prompt)} prompts; a batch line takes one prompt "
+                    "(a string or a list of token ids): put each prompt on its own line"
+                )
+            return prompt[0]
+        return prompt
+
+
+BODY_SCHEMAS: dict[str, type[_SamplingBody]] = {
+    CHAT_COMPLETIONS: ChatCompletionBody,
+    COMPLETIONS: CompletionBody,
+}
+
+
+class LineError(BaseModel):
+    """One problem found in an input file; ``line`` is 1-based, None for whole-file problems."""
+
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class FileObject(BaseModel):
+    """OpenAI's File object (``status`` and ``status_details`` are the deprecated fields strict clients read)."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+
+    @classmethod
+    def from_row(cls, file: File) -> FileObject:
+        return cls(
+            id=file.id,
+            bytes=file.num_bytes,
+            created_at=file.created_at,
+            filename=file.filename,
+            purpose=file.purpose,
+            expires_at=file.expires_at,
+        )
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LineError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class BatchObject(BaseModel):
+    """OpenAI's Batch object, every field present (null when unset)."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+    model: str | None
+    usage: BatchUsage
+
+    @classmethod
+    def from_row(cls, batch: Batch) -> BatchObject:
+        return cls(
+            id=batch.id,
+            endpoint=batch.endpoint,
+            errors=None if batch.errors is None else BatchErrors(data=[LineError(**e) for e in batch.errors]),
+            input_file_id=batch.input_file_id,
+            completion_window=batch.completion_window,
+            status=BatchStatus(batch.status),
+            output_file_id=batch.output_file_id,
+            error_file_id=batch.error_file_id,
+            created_at=batch.created_at,
+            in_progress_at=batch.in_progress_at,
+            expires_at=batch.expires_at,
+            finalizing_at=batch.finalizing_at,
+            completed_at=batch.completed_at,
+            failed_at=batch.failed_at,
+            expired_at=batch.expired_at,
+            cancelling_at=batch.cancelling_at,
+            cancelled_at=batch.cancelled_at,
+            request_counts=RequestCounts(
+                total=batch.total_requests, completed=batch.completed_requests, failed=batch.failed_requests
+            ),
+            metadata=batch.metadata_,
+            model=batch.model,
+            usage=BatchUsage(
+                input_tokens=batch.input_tokens,
+                input_tokens_details=InputTokensDetails(cached_tokens=batch.cached_tokens),
+                output_tokens=batch.output_tokens,
+                total_tokens=batch.input_tokens + batch.output_tokens,
+            ),
+        )
+
+
+T = TypeVar("T")
+
+
+class ListPage(BaseModel, Generic[T]):
+    """OpenAI's cursor page: ``{object: "list", data, first_id, last_id, has_more}``."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

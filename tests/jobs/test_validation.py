@@ -1,0 +1,239 @@
+"""Input-file validation: all-or-nothing, one error per bad line, 1-based line numbers, clear codes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from jobs.validation import validate_batch_file
+from tests.helpers.service import CHAT, COMPLETIONS, chat_line, completion_line, jsonl
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _validate(data: bytes, endpoint: str = CHAT, *, max_lines: int = 100, max_bytes: int = 1 << 20):  # type: ignore[no-untyped-def]
+    return validate_batch_file(data, endpoint=endpoint, model_names={MODEL}, max_lines=max_lines, max_bytes=max_bytes)
+
+
+def _with_body(custom_id: str, **fields: Any) -> dict[str, Any]:
+    line = chat_line(custom_id)
+    line["body"].update(fields)
+    return line
+
+
+def test_good_file_yields_every_line_in_order() -> None:
+    result = _validate(jsonl([chat_line("a"), chat_line("b", max_tokens=5, temperature=0)]))
+    assert result.ok
+    assert [(line.line_number, line.custom_id) for line in result.lines] == [(1, "a"), (2, "b")]
+    assert result.lines[1].body["max_tokens"] == 5
+
+
+def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_per_bad_line() -> None:
+    bad_body = _with_body("bad-body", temperature=3)
+    no_body = chat_line("no-body")
+    del no_body["body"]
+    missing_id = chat_line("x")
+    del missing_id["custom_id"]
+    lines: list[dict[str, Any] | str] = [
+        chat_line("ok-1"),                                       # 1
+        '{"custom_id": "broken", "method": "POST"',              # 2 invalid_json
+        missing_id,                                              # 3 missing_custom_id
+        chat_line("ok-1"),                                       # 4 duplicate_custom_id
+        {**chat_line("get"), "method": "GET"},                   # 5 invalid_method
+        {**chat_line("wrong-url"), "url": COMPLETIONS},          # 6 invalid_url
+        _with_body("streaming", stream=True),                    # 7 stream_unsupported
+        _with_body("other-model", model="gpt-4o"),               # 8 model_not_found
+        bad_body,                                                # 9 invalid_body
+        "",                                                      # 10 blank: skipped, still counted
+        chat_line("ok-2"),                                       # 11
+        no_body,                                                 # 12 invalid_body
+        '[1, 2]',                                                # 13 invalid_json (not an object)
+        {**chat_line("extra"), "priority": 1},                   # 14 invalid_line
+        {**chat_line("x"), "custom_id": 7},                      # 15 missing_custom_id (not a string)
+    ]
+    data = jsonl(lines)
+    bad_utf8 = b'{"custom_id": "\xff\xfe", "method": "POST"}\n'     # 16 invalid_encoding
+    result = _validate(data + bad_utf8 + jsonl([chat_line("ok-3")]))
+
+    assert not result.ok
+    assert result.lines == []
+    got = [(error.line, error.code) for error in result.errors]
+    assert got == [
+        (2, "invalid_json"),
+        (3, "missing_custom_id"),
+        (4, "duplicate_custom_id"),
+        (5, "invalid_method"),
+        (6, "invalid_url"),
+        (7, "stream_unsupported"),
+        (8, "model_not_found"),
+        (9, "invalid_body"),
+        (12, "invalid_body"),
+        (13, "invalid_json"),
+        (14, "invalid_line"),
+        (15, "missing_custom_id"),
+        (16, "invalid_encoding"),
+    ]
+    by_line = {error.line: error for error in result.errors}
+    assert "line 1" in by_line[4].message and by_line[4].param == "custom_id"
+    assert by_line[6].param == "url" and COMPLETIONS in by_line[6].message
+    assert by_line[7].param == "body.stream"
+    assert by_line[8].param == "body.model" and "gpt-4o" in by_line[8].message
+    assert by_line[9].param == "body.temperature" and "2" in by_line[9].message
+    assert by_line[12].param == "body"
+    assert by_line[14].param == "priority"
+    for error in result.errors:
+        assert error.message
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [(b"", "empty_file"), (b"\n\n  \n", "empty_file"), (b"\xef\xbb\xbf", "empty_file")],
+)
+def test_empty_file_is_one_whole_file_error(data: bytes, code: str) -> None:
+    result = _validate(data)
+    assert [(e.code, e.line) for e in result.errors] == [(code, None)]
+    assert "no requests" in result.errors[0].message
+
+
+def test_non_utf8_file_reports_each_bad_line() -> None:
+    latin1 = json.dumps(chat_line("café"), ensure_ascii=False).encode("utf-8").replace("é".encode(), "é".encode("latin-1"))
+    result = _validate(jsonl([chat_line("a")]) + latin1 + b"\n" + latin1.replace(b"caf", b"tea") + b"\n")
+    assert [(e.code, e.line) for e in result.errors] == [("invalid_encoding", 2), ("invalid_encoding", 3)]
+    assert "UTF-8" in result.errors[0].message
+
+
+def test_bom_crlf_and_non_ascii_are_accepted() -> None:
+    data = b"\xef\xbb\xbf" + jsonl([chat_line("a", "Ça va? 日本語"), chat_line("b")]).replace(b"\n", b"\r\n")
+    result = _validate(data)
+    assert result.ok, result.errors
+    assert result.lines[0].body["messages"][0]["content"] == "Ça va? 日本語"
+
+
+def test_line_limit_counts_requests_not_blank_lines() -> None:
+    data = jsonl([chat_line("a"), "", chat_line("b"), "", chat_line("c")])
+    assert _validate(data, max_lines=3).ok
+    result = _validate(data, max_lines=2)
+    assert [(e.code, e.line) for e in result.errors] == [("too_many_lines", None)]
+    assert "3" in result.errors[0].message and "2" in result.errors[0].message
+
+
+def test_byte_limit() -> None:
+    data = jsonl([chat_line("a")])
+    assert _validate(data, max_bytes=len(data)).ok
+    result = _validate(data, max_bytes=len(data) - 1)
+    assert [(e.code, e.line) for e in result.errors] == [("file_too_large", None)]
+
+
+def test_nan_is_not_json() -> None:
+    result = _validate(b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
+                       + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}}\n')
+    assert [e.code for e in result.errors] == ["invalid_json"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "body.max_tokens"),
+        ({"max_tokens": 1.5}, "body.max_tokens"),
+        ({"max_completion_tokens": 0}, "body.max_completion_tokens"),
+        ({"temperature": -0.1}, "body.temperature"),
+        ({"temperature": 2.01}, "body.temperature"),
+        ({"top_p": 0}, "body.top_p"),
+        ({"top_p": 1.5}, "body.top_p"),
+        ({"n": 0}, "body.n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "body.stop"),
+        ({"stop": 3}, "body.stop"),
+        ({"logprobs": 3}, "body.logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "body.top_logprobs"),
+        ({"top_logprobs": 2}, "body.top_logprobs"),
+        ({"presence_penalty": 2.5}, "body.presence_penalty"),
+        ({"frequency_penalty": -3}, "body.frequency_penalty"),
+        ({"logit_bias": {"hello": 1}}, "body.logit_bias"),
+        ({"logit_bias": {"42": 101}}, "body.logit_bias.42"),
+        ({"seed": "7"}, "body.seed"),
+        ({"messages": []}, "body.messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "body.messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "body.messages[0].content"),
+        ({"top_k": -2}, "body.top_k"),
+        ({"min_p": 1.5}, "body.min_p"),
+        ({"repetition_penalty": 0}, "body.repetition_penalty"),
+        ({"min_tokens": -1}, "body.min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 8}, "body"),
+        ({"stop_token_ids": [1, "2"]}, "body.stop_token_ids[1]"),
+        ({"ignore_eos": "yes"}, "body.ignore_eos"),
+        ({"functions": []}, "body.functions"),
+        ({"temprature": 0.5}, "body.temprature"),
+    ],
+)
+def test_chat_body_out_of_range_or_unknown_field_is_invalid_body(fields: dict[str, Any], param: str) -> None:
+    result = _validate(jsonl([_with_body("a", **fields)]))
+    assert [(e.code, e.line, e.param) for e in result.errors] == [("invalid_body", 1, param)]
+
+
+def test_unknown_field_error_names_the_field() -> None:
+    result = _validate(jsonl([_with_body("a", temprature=0.5)]))
+    assert "body.temprature" in result.errors[0].message
+    assert "unknown field" in result.errors[0].message
+
+
+def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
+    body = {
+        "max_tokens": 8, "max_completion_tokens": 6, "temperature": 0.7, "top_p": 0.9, "n": 2,
+        "stop": ["\n", "END"], "seed": 3, "logprobs": True, "top_logprobs": 20, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "logit_bias": {"42": -100, "7": 100}, "user": "u1", "stream": False,
+        "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
+        "stop_token_ids": [2], "include_stop_str_in_output": True, "skip_special_tokens": False,
+        "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+    }
+    line = _with_body("a", **body)
+    line["body"]["messages"] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "ann"},
+        {"role": "assistant", "content": None},
+    ]
+    result = _validate(jsonl([line]))
+    assert result.ok, result.errors
+
+
+def test_completion_body_prompt_forms() -> None:
+    lines = [
+        completion_line("text", "Once upon a time", echo=True, logprobs=5, max_tokens=4, stop="\n"),
+        completion_line("ids", [1, 2, 3], logprobs=0),
+        completion_line("one-in-list", ["Once"]),
+    ]
+    assert _validate(jsonl(lines), COMPLETIONS).ok
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message_part"),
+    [
+        ({"prompt": ["a", "b"]}, "body.prompt", "put each prompt on its own line"),
+        ({"prompt": ""}, "body.prompt", "at least 1 character"),
+        ({"prompt": []}, "body.prompt", "at least 1 item"),
+        ({"prompt": [1, -1]}, "body.prompt", "greater than or equal to 0"),
+        ({"prompt": "x", "logprobs": 21}, "body.logprobs", "less than or equal to 20"),
+        ({"prompt": "x", "logprobs": True}, "body.logprobs", "valid integer"),
+        ({"prompt": "x", "suffix": "y"}, "body.suffix", "unknown field"),
+        ({"prompt": "x", "min_tokens": 17}, "body", "min_tokens (17)"),
+    ],
+)
+def test_completion_body_errors(fields: dict[str, Any], param: str, message_part: str) -> None:
+    line = completion_line("a")
+    line["body"].update(fields)
+    result = _validate(jsonl([line]), COMPLETIONS)
+    assert [(e.code, e.param) for e in result.errors] == [("invalid_body", param)]
+    assert message_part in result.errors[0].message
+
+
+def test_missing_model_is_invalid_body() -> None:
+    line = chat_line("a")
+    del line["body"]["model"]
+    result = _validate(jsonl([line]))
+    assert [(e.code, e.param) for e in result.errors] == [("invalid_body", "body.model")]
+
+
+def test_too_long_custom_id() -> None:
+    result = _validate(jsonl([chat_line("x" * 513)]))
+    assert [e.code for e in result.errors] == ["invalid_custom_id"]
