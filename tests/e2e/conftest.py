@@ -1,0 +1,12 @@
+"""End-to-end fixtures."""
+
+import pytest
+
+from worker.model_prepare import BUILTIN_MODEL, prepare_model
+
+
+@pytest.fixture(scope="session")
+def served_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(prepare_model(BUILTIN_MODEL))

@@ -1,0 +1,87 @@
+"""Run the real API and worker as child processes, the way users start them.
+
+Children get a clean ``BATCHINFER_*`` environment (whatever the test process has is dropped, but for
+the model cache, where the built-in model is converted once) and one torch thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**settings: str) -> dict[str, str]:
+    """This process's environment without ``BATCHINFER_*``, plus ``settings`` as ``BATCHINFER_<NAME>``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_") or k == "BATCHINFER_MODEL_CACHE_DIR"}
+    env.update({f"BATCHINFER_{k.upper()}": v for k, v in settings.items()})
+    env.setdefault("BATCHINFER_TORCH_NUM_THREADS", "1")
+    env["OMP_NUM_THREADS"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "worker.cli", *args]
+
+
+@contextmanager
+def running(command: list[str], env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """Run ``command`` for the block; on exit SIGINT (as Ctrl-C would), then kill after 30 s."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def wait_for_health(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the API exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the API did not answer /health within {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+def wait_for_batch(client, batch_id: str, timeout_s: float, logs: list[Path]):
+    """Poll with the openai SDK until the batch is terminal; fails with the service logs on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in TERMINAL:
+            return batch
+        time.sleep(1)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+    pytest.fail(f"batch {batch_id} still {batch.status} after {timeout_s} s\n{tails}")

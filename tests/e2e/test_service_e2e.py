@@ -1,0 +1,145 @@
+"""The whole service against PostgreSQL and Redis, driven through the `openai` SDK.
+
+API (`batchinfer api`) and worker (`batchinfer worker`: Celery, solo pool, the real engine on
+SmolLM2) run as child processes on a fresh database and a Redis database of their own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+
+import pytest
+from examples.humaneval import MAX_TOKENS, STOP, build_lines, load_problems
+from tests.e2e.processes import child_env, cli, free_port, running, wait_for_batch, wait_for_health
+from tests.helpers.service import postgres_url  # noqa: F401  (fixture: a fresh, migrated database)
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+
+MODEL = "SmolLM2-135M-Instruct"
+CONTEXT_LEN = 8192
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A Redis database of its own (1-14; 15 belongs to tests.helpers.service), flushed before and after."""
+    import redis
+
+    base = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = base.rsplit("/", 1)[0] + f"/{random.randint(1, 14)}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, postgres_url, redis_url):  # noqa: F811
+    """Base URL of a running API plus a running worker; yields ``(base_url, log_paths)``."""
+    from openai import OpenAI
+
+    data_dir = tmp_path_factory.mktemp("service")
+    port = free_port()
+    env = child_env(data_dir=str(data_dir), database_url=postgres_url, broker_url=redis_url)
+    api_log, worker_log = data_dir / "api.log", data_dir / "worker.log"
+    with running(cli("api", "--host", "127.0.0.1", "--port", str(port)), env, api_log) as api, \
+            running(cli("worker", "--loglevel", "INFO"), env, worker_log):
+        base_url = f"http://127.0.0.1:{port}"
+        wait_for_health(base_url, api, api_log)
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield client, [api_log, worker_log]
+
+
+def _jsonl(lines: list[dict]) -> io.BytesIO:
+    return io.BytesIO("".join(json.dumps(line) + "\n" for line in lines).encode())
+
+
+def _run(client, logs, lines: list[dict], endpoint: str, timeout_s: float):
+    input_file = client.files.create(file=("input.jsonl", _jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=input_file.id, endpoint=endpoint, completion_window="24h")
+    assert batch.status in ("validating", "in_progress")
+    return wait_for_batch(client, batch.id, timeout_s, logs)
+
+
+def _read(client, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    entries = [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    by_id = {entry["custom_id"]: entry for entry in entries}
+    assert len(by_id) == len(entries), "a custom_id appears twice"
+    return by_id
+
+
+def test_prompt_longer_than_context_fails_alone(service, served_tokenizer):
+    client, logs = service
+    long_prompt = "lorem ipsum dolor sit amet " * 1700
+    num_long_tokens = len(served_tokenizer.encode(long_prompt))
+    assert num_long_tokens > CONTEXT_LEN
+    lines = [
+        {"custom_id": "before", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}},
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": long_prompt, "max_tokens": 8}},
+        {"custom_id": "after", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}},
+    ]
+
+    batch = _run(client, logs, lines, "/v1/completions", timeout_s=300)
+
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
+    output, errors = _read(client, batch.output_file_id), _read(client, batch.error_file_id)
+    assert set(output) == {"before", "after"} and set(errors) == {"too-long"}
+    response = errors["too-long"]["response"]
+    assert response["status_code"] == 400
+    error = response["body"]["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded"
+    assert str(num_long_tokens) in error["message"] and str(CONTEXT_LEN) in error["message"]
+    for custom_id in ("before", "after"):
+        body = output[custom_id]["response"]["body"]
+        assert body["usage"]["completion_tokens"] == 8
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_humaneval_job_through_the_openai_sdk(service, served_tokenizer):
+    client, logs = service
+    problems = load_problems()
+    lines = build_lines(problems, MODEL)
+    assert len(lines) == 164
+
+    batch = _run(client, logs, lines, "/v1/completions", timeout_s=1800)
+
+    assert batch.status == "completed", batch.errors
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (164, 164, 0)
+    assert batch.error_file_id is None
+    output = _read(client, batch.output_file_id)
+    assert set(output) == {p["task_id"] for p in problems}
+
+    total_prompt_tokens = total_completion_tokens = 0
+    finish_reasons = set()
+    for problem in problems:
+        envelope = output[problem["task_id"]]
+        assert envelope["id"].startswith("batch_req_") and envelope["error"] is None
+        assert envelope["response"]["status_code"] == 200
+        body = envelope["response"]["body"]
+        assert body["object"] == "text_completion" and body["model"] == MODEL
+        (choice,) = body["choices"]
+        assert choice["index"] == 0 and choice["logprobs"] is None
+        assert choice["finish_reason"] in ("stop", "length")
+        assert not any(stop in choice["text"] for stop in STOP)
+        usage = body["usage"]
+        assert usage["prompt_tokens"] == len(served_tokenizer.encode(problem["prompt"]))
+        assert 1 <= usage["completion_tokens"] <= MAX_TOKENS
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        if choice["finish_reason"] == "length":
+            assert usage["completion_tokens"] == MAX_TOKENS
+        finish_reasons.add(choice["finish_reason"])
+        total_prompt_tokens += usage["prompt_tokens"]
+        total_completion_tokens += usage["completion_tokens"]
+    assert "stop" in finish_reasons
+    assert batch.usage.input_tokens == total_prompt_tokens
+    assert batch.usage.output_tokens == total_completion_tokens
+    assert batch.usage.total_tokens == total_prompt_tokens + total_completion_tokens

@@ -1,0 +1,66 @@
+"""The zero-setup default: ``batchinfer serve`` on SQLite + the embedded broker, a job via ``batchinfer submit``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+
+from tests.e2e.processes import ROOT, child_env, cli, free_port, running, wait_for_health
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
+    data_dir = tmp_path / "data"
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = child_env(data_dir=str(data_dir))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    lines = [
+        {"custom_id": "france", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}},
+        {"custom_id": "two-samples", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+                  "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}},
+    ]
+    input_path = tmp_path / "job.jsonl"
+    input_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output_path = tmp_path / "out.jsonl"
+    serve_log = tmp_path / "serve.log"
+
+    with running(cli("serve", "--host", "127.0.0.1", "--port", str(port)), env, serve_log) as serve:
+        wait_for_health(base_url, serve, serve_log, timeout_s=180)
+        submit = subprocess.run(
+            cli("submit", str(input_path), "--endpoint", "/v1/chat/completions", "--base-url", base_url,
+                "--output", str(output_path), "--poll-interval", "1", "--metadata", "suite=e2e"),
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )
+        assert submit.returncode == 0, f"{submit.stderr}\n--- serve log\n{serve_log.read_text()[-4000:]}"
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=60) == 0, serve_log.read_text()[-4000:]
+
+    batch = json.loads(submit.stdout)
+    assert batch["status"] == "completed" and batch["metadata"] == {"suite": "e2e"}
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert (data_dir / "batchinfer.db").is_file() and (data_dir / "broker.db").is_file()
+    output = {entry["custom_id"]: entry for entry in map(json.loads, output_path.read_text().splitlines())}
+    assert set(output) == {"france", "two-samples"}
+
+    france = output["france"]["response"]["body"]
+    assert france["object"] == "chat.completion"
+    assert "Paris" in france["choices"][0]["message"]["content"]
+    prompt_ids = served_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert france["usage"]["prompt_tokens"] == len(prompt_ids)
+
+    samples = output["two-samples"]["response"]["body"]
+    assert [choice["index"] for choice in samples["choices"]] == [0, 1]
+    for choice in samples["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) >= 1
+        assert all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert samples["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in samples["choices"])

@@ -1,0 +1,125 @@
+"""The ``batchinfer`` command line: argument parsing, ``db upgrade``, ``submit`` against a live API."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sqlalchemy import inspect
+
+from jobs.config import get_settings
+from jobs.db import dispose_engines, get_engine
+from worker import cli
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path / "data"))
+    for name in ("DATABASE_URL", "BROKER_URL", "FILES_DIR", "RESULT_BACKEND"):
+        monkeypatch.delenv(f"BATCHINFER_{name}", raising=False)
+    get_settings.cache_clear()
+    yield tmp_path / "data"
+    dispose_engines()
+    get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["model", "prepare"],
+        ["db", "upgrade"],
+        ["api", "--port", "9001"],
+        ["worker", "--beat"],
+        ["beat"],
+        ["serve", "--no-beat"],
+        ["submit", "jobs.jsonl", "--endpoint", "/v1/completions", "--wait", "--metadata", "a=b"],
+    ],
+)
+def test_every_command_parses(argv):
+    args = cli._parser().parse_args(argv)
+    assert callable(args.handler)
+
+
+def test_submit_rejects_an_unknown_endpoint(capsys):
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["submit", "f.jsonl", "--endpoint", "/v1/embeddings"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_db_upgrade_creates_the_schema(data_dir):
+    assert cli.main(["db", "upgrade"]) == 0
+    tables = set(inspect(get_engine()).get_table_names())
+    assert {"files", "batches", "batch_requests"} <= tables
+    assert (data_dir / "batchinfer.db").is_file()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def live_api(data_dir):
+    """The real API app under uvicorn in a thread, on the embedded defaults in ``data_dir``."""
+    import uvicorn
+
+    from api.main import create_app
+
+    cli.main(["db", "upgrade"])
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(get_settings()), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_submit_posts_the_file_and_prints_the_batch(live_api, tmp_path, capsys):
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2}}
+    path = tmp_path / "job.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+
+    code = cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", live_api, "--metadata", "team=evals"])
+
+    assert code == 0
+    batch = json.loads(capsys.readouterr().out)
+    assert batch["object"] == "batch" and batch["id"].startswith("batch_")
+    assert batch["endpoint"] == "/v1/completions" and batch["metadata"] == {"team": "evals"}
+    assert batch["status"] in ("validating", "in_progress")
+
+
+def test_submit_reports_http_errors(live_api, tmp_path):
+    path = tmp_path / "job.jsonl"
+    path.write_text("{}\n")
+    with pytest.raises(SystemExit, match="HTTP 4"):
+        cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", live_api, "--metadata", "x=" + "v" * 600])
+
+
+def test_stop_children_terminates_then_kills(monkeypatch):
+    ignores_term = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"]
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen(ignores_term, stdout=subprocess.PIPE)
+    stubborn.stdout.readline()
+    monkeypatch.setattr(cli, "_SHUTDOWN_GRACE_S", 1)
+    started = time.monotonic()
+    cli._stop_children([polite, stubborn])
+    assert polite.returncode is not None and stubborn.returncode == -9
+    assert time.monotonic() - started < 10
+
+
+def test_cli_imports_neither_torch_nor_api():
+    code = "import sys, worker.cli; print(sorted(m for m in ('torch', 'api', 'api.main') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,310 @@
+"""The runner against a small stand-in engine and a real (SQLite) database.
+
+The stand-in honours `LLMEngine`'s contract (add_request / step / abort_request, PromptTooLongError,
+one token per running sequence per step, at most ``max_num_seqs`` running) so these tests pin the
+runner's own behaviour: one stream, results persisted as they land, cancel, expiry, failures confined.
+The real engine runs in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from jobs import repository
+from jobs.config import get_settings
+from jobs.db import dispose_engines, session_scope, upgrade_database
+from jobs.files import file_path, get_file, write_file
+from jobs.status import BatchStatus
+from jobs.validation import ValidatedLine
+from worker import runner
+from worker.engine.errors import PromptTooLongError
+from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from worker.engine.sampling_params import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[list[int]] = field(default_factory=list)
+
+
+class StandInEngine:
+    """Emits token ``token_id + sample index`` once per step for each running request until its limit."""
+
+    def __init__(self, tokenizer, *, max_model_len: int = 64, max_num_seqs: int = 4, on_step: Callable[[int], None] | None = None):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.on_step = on_step
+        self.token_id = tokenizer.encode(" ok")[0]
+        self.waiting: deque[_Request] = deque()
+        self.running: dict[str, _Request] = {}
+        self.num_steps = 0
+        self.num_added = 0
+        self.num_added_at_first_step: int | None = None
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id, prompt, params):
+        assert isinstance(prompt, list), "the runner feeds token ids"
+        if len(prompt) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt), self.max_model_len)
+        self.waiting.append(_Request(request_id, prompt, params, [[] for _ in range(params.n)]))
+        self.num_added += 1
+
+    def abort_request(self, request_id):
+        self.running.pop(request_id, None)
+        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting or self.running)
+
+    def step(self):
+        if self.num_added_at_first_step is None:
+            self.num_added_at_first_step = self.num_added
+        if self.on_step is not None:
+            self.on_step(self.num_steps)
+        self.num_steps += 1
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            self.running[request.request_id] = request
+        finished = []
+        for request in list(self.running.values()):
+            room = self.max_model_len - len(request.prompt_token_ids)
+            limit = min(request.params.max_tokens or room, room)
+            for idx, sample in enumerate(request.samples):
+                sample.append(self.token_id + idx)
+            if len(request.samples[0]) >= limit:
+                del self.running[request.request_id]
+                finished.append(self._output(request))
+        return finished
+
+    def _output(self, request):
+        outputs = []
+        for idx, sample in enumerate(request.samples):
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs = [{t: Logprob(-0.5, self.tokenizer.decode([t]))} for t in sample]
+            outputs.append(
+                CompletionOutput(idx, self.tokenizer.decode(sample), list(sample), logprobs=logprobs, finish_reason="length")
+            )
+        return RequestOutput(request.request_id, None, request.prompt_token_ids, outputs, finished=True, num_cached_tokens=0)
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path))
+    for name in ("BATCHINFER_DATABASE_URL", "BATCHINFER_BROKER_URL", "BATCHINFER_FILES_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    get_settings.cache_clear()
+    upgrade_database()
+    yield get_settings()
+    dispose_engines()
+    get_settings.cache_clear()
+
+
+def make_batch(bodies: list[dict], endpoint: str = "/v1/completions") -> str:
+    """An in-progress batch whose lines are ``bodies`` (custom_id ``line-N``), as the API leaves it."""
+    settings = get_settings()
+    lines = [ValidatedLine(n, f"line-{n}", body) for n, body in enumerate(bodies, start=1)]
+    raw = "".join(json.dumps({"custom_id": l.custom_id, "method": "POST", "url": endpoint, "body": l.body}) + "\n" for l in lines)
+    with session_scope() as session:
+        file = write_file(session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir)
+        batch = repository.create_batch(session, input_file_id=file.id, endpoint=endpoint)
+        repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=MODEL)
+        return batch.id
+
+
+def read_results(batch_id: str) -> tuple[object, dict[str, dict], dict[str, dict]]:
+    settings = get_settings()
+    with session_scope() as session:
+        batch = repository.get_batch(session, batch_id=batch_id)
+        files = []
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            if file_id is None:
+                files.append({})
+                continue
+            text = file_path(get_file(session, file_id=file_id), settings.files_dir).read_text()
+            files.append({(e := json.loads(line))["custom_id"]: e for line in text.splitlines()})
+    return batch, files[0], files[1]
+
+
+def completion(prompt: str, **fields) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, **fields}
+
+
+def test_all_lines_run_as_one_stream_and_complete(service, served_tokenizer):
+    bodies = [completion(f"def f{i}(x):\n", max_tokens=2 + i % 3) for i in range(10)]
+    batch_id = make_batch(bodies)
+    engine = StandInEngine(served_tokenizer)
+
+    status = runner.run_batch(batch_id, engine=engine, commit_every=3, check_every_steps=2)
+
+    assert status == BatchStatus.COMPLETED
+    assert engine.num_added_at_first_step == 10  # every line queued before the first step
+    assert not engine.has_unfinished_requests()
+    batch, output, errors = read_results(batch_id)
+    assert (batch.total_requests, batch.completed_requests, batch.failed_requests) == (10, 10, 0)
+    assert errors == {} and batch.error_file_id is None
+    assert set(output) == {f"line-{n}" for n in range(1, 11)}
+    for n, body in enumerate(bodies, start=1):
+        response = output[f"line-{n}"]["response"]
+        assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+        result = response["body"]
+        assert result["object"] == "text_completion" and result["model"] == MODEL
+        assert result["usage"]["prompt_tokens"] == len(served_tokenizer.encode(body["prompt"]))
+        assert result["usage"]["completion_tokens"] == body["max_tokens"]
+        assert result["choices"][0]["text"] == " ok" * body["max_tokens"]
+    assert batch.input_tokens == sum(output[k]["response"]["body"]["usage"]["prompt_tokens"] for k in output)
+    assert batch.output_tokens == sum(b["max_tokens"] for b in bodies)
+
+
+def test_request_counts_move_while_the_batch_runs(service, served_tokenizer):
+    batch_id = make_batch([completion(f"p{i}") for i in range(12)])
+    seen: list[int] = []
+
+    def look(_step: int) -> None:
+        with session_scope() as session:
+            seen.append(repository.get_batch(session, batch_id=batch_id).completed_requests)
+
+    runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer, on_step=look), commit_every=2, check_every_steps=1)
+
+    assert any(0 < count < 12 for count in seen), seen
+    assert seen == sorted(seen)
+
+
+def test_too_long_and_invalid_lines_fail_alone(service, served_tokenizer):
+    long_prompt = "word " * 100
+    bodies = [
+        completion("fine one"),
+        completion(long_prompt),
+        completion("bad temperature", temperature=-1),
+        completion("fine two"),
+    ]
+    batch_id = make_batch(bodies)
+    engine = StandInEngine(served_tokenizer, max_model_len=64)
+
+    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+
+    batch, output, errors = read_results(batch_id)
+    assert set(output) == {"line-1", "line-4"}
+    assert set(errors) == {"line-2", "line-3"}
+    assert (batch.completed_requests, batch.failed_requests) == (2, 2)
+    too_long = errors["line-2"]["response"]
+    assert too_long["status_code"] == 400
+    error = too_long["body"]["error"]
+    num_prompt_tokens = len(served_tokenizer.encode(long_prompt))
+    assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded"
+    assert error["param"] == "prompt"
+    assert str(num_prompt_tokens) in error["message"] and "64" in error["message"]
+    bad = errors["line-3"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
+    assert errors["line-2"]["error"] is None
+
+
+def test_cancel_aborts_in_flight_lines_and_keeps_finished(service, served_tokenizer):
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
+
+    def cancel_at(step: int) -> None:
+        if step == 5:
+            with session_scope() as session:
+                repository.cancel_batch(session, batch_id=batch_id)
+
+    engine = StandInEngine(served_tokenizer, on_step=cancel_at)
+    assert runner.run_batch(batch_id, engine=engine, check_every_steps=2) == BatchStatus.CANCELLED
+
+    assert not engine.has_unfinished_requests() and engine.aborted
+    batch, output, errors = read_results(batch_id)
+    assert len(output) == 4  # the first four lines finished at step 4
+    assert set(output) | set(errors) == {f"line-{n}" for n in range(1, 13)}
+    assert not set(output) & set(errors)
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
+    assert (batch.completed_requests, batch.failed_requests) == (4, 8)
+    assert batch.cancelled_at is not None
+
+
+def test_expiry_stops_the_run_and_keeps_finished(service, served_tokenizer):
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
+    with session_scope() as session:
+        expires_at = repository.get_batch(session, batch_id=batch_id).expires_at
+    now = [float(expires_at - 100)]
+
+    def pass_expiry(step: int) -> None:
+        if step == 5:
+            now[0] = expires_at + 1
+
+    engine = StandInEngine(served_tokenizer, on_step=pass_expiry)
+    status = runner.run_batch(batch_id, engine=engine, check_every_steps=2, clock=lambda: now[0])
+
+    assert status == BatchStatus.EXPIRED
+    assert not engine.has_unfinished_requests()
+    batch, output, errors = read_results(batch_id)
+    assert len(output) == 4 and len(errors) == 8
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+
+
+def test_engine_fault_fails_lines_in_flight_but_not_the_batch(service, served_tokenizer):
+    batch_id = make_batch([completion(f"p{i}", max_tokens=2) for i in range(8)])
+
+    def explode(step: int) -> None:
+        if step == 2:
+            raise RuntimeError("device lost")
+
+    engine = StandInEngine(served_tokenizer, on_step=explode)
+    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+
+    assert not engine.has_unfinished_requests()
+    batch, output, errors = read_results(batch_id)
+    assert len(output) == 4 and len(errors) == 4
+    for envelope in errors.values():
+        assert envelope["response"]["status_code"] == 500
+        assert "device lost" in envelope["response"]["body"]["error"]["message"]
+
+
+def test_n_choices_and_chat_endpoint(service, served_tokenizer):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2, "logprobs": True}
+    batch_id = make_batch([chat, dict(chat, n=1)], endpoint="/v1/chat/completions")
+
+    assert runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
+
+    _, output, _ = read_results(batch_id)
+    body = output["line-1"]["response"]["body"]
+    assert body["object"] == "chat.completion"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in body["choices"]}) == 3
+    assert body["usage"]["completion_tokens"] == 6
+    assert len(body["choices"][0]["logprobs"]["content"]) == 2
+
+
+def test_rerun_of_a_finished_batch_is_a_no_op(service, served_tokenizer):
+    batch_id = make_batch([completion("p")])
+    engine = StandInEngine(served_tokenizer)
+    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    steps = engine.num_steps
+    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    assert engine.num_steps == steps
+    assert runner.run_batch("batch_missing", engine=engine) is None
+
+
+def test_lines_the_engine_drops_fail_instead_of_hanging(service, served_tokenizer):
+    batch_id = make_batch([completion(f"p{i}", max_tokens=2) for i in range(3)])
+    with session_scope() as session:
+        lost_id = repository.pending_requests(session, batch_id=batch_id)[1].id
+
+    class Forgetful(StandInEngine):
+        def step(self):
+            return [out for out in super().step() if out.request_id != lost_id]
+
+    assert runner.run_batch(batch_id, engine=Forgetful(served_tokenizer)) == BatchStatus.COMPLETED
+    _, output, errors = read_results(batch_id)
+    assert set(output) == {"line-1", "line-3"}
+    assert errors["line-2"]["response"]["status_code"] == 500

@@ -1,0 +1,246 @@
+"""The ``batchinfer`` command line.
+
+    batchinfer model prepare          convert/locate the served model (prints its folder)
+    batchinfer db upgrade             apply the database migrations
+    batchinfer api                    the HTTP API (uvicorn, ``api.main:create_app``)
+    batchinfer worker [--beat]        a Celery worker (solo pool: one engine per process)
+    batchinfer beat                   Celery beat (scheduled evaluation runs)
+    batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes
+    batchinfer submit FILE --endpoint /v1/completions [--wait] [--output PATH]
+
+Everything is configured by ``BATCHINFER_*`` environment variables (`jobs.config.Settings`). Heavy
+imports (torch, the API app) happen inside the command that needs them, so this module imports
+nothing of ``api`` and starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jobs.config import get_settings
+
+if TYPE_CHECKING:
+    import httpx
+
+TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+_SHUTDOWN_GRACE_S = 30
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``batchinfer`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    return args.handler(args) or 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    settings = get_settings()
+    parser = argparse.ArgumentParser(prog="batchinfer", description="Batch LLM inference (OpenAI Batch API).")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    model = commands.add_parser("model", help="model management").add_subparsers(required=True, metavar="ACTION")
+    prepare = model.add_parser("prepare", help="convert (once) and print the served model's folder")
+    prepare.add_argument("--model", default=settings.model, help="built-in name or local HF folder")
+    prepare.set_defaults(handler=_model_prepare)
+
+    db = commands.add_parser("db", help="database management").add_subparsers(required=True, metavar="ACTION")
+    db.add_parser("upgrade", help="apply migrations (alembic upgrade head)").set_defaults(handler=_db_upgrade)
+
+    api = commands.add_parser("api", help="run the HTTP API")
+    _add_bind_args(api, settings.api_host, settings.api_port)
+    api.set_defaults(handler=_api)
+
+    worker = commands.add_parser("worker", help="run a Celery worker (solo pool)")
+    worker.add_argument("--beat", action="store_true", help="also run the beat scheduler in this process")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.set_defaults(handler=_worker)
+
+    beat = commands.add_parser("beat", help="run Celery beat (scheduled evaluation runs)")
+    beat.add_argument("--loglevel", default="INFO")
+    beat.set_defaults(handler=_beat)
+
+    serve = commands.add_parser("serve", help="db upgrade, then API + worker in child processes")
+    _add_bind_args(serve, settings.api_host, settings.api_port)
+    serve.add_argument("--no-beat", action="store_true", help="do not run the beat scheduler")
+    serve.set_defaults(handler=_serve)
+
+    submit = commands.add_parser("submit", help="submit a JSONL file as a batch through the HTTP API")
+    submit.add_argument("file", type=Path)
+    submit.add_argument("--endpoint", required=True, choices=["/v1/completions", "/v1/chat/completions"])
+    submit.add_argument("--base-url", default=f"http://{settings.api_host}:{settings.api_port}")
+    submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--wait", action="store_true", help="poll until the batch ends, then download")
+    submit.add_argument("--output", type=Path, help="where to write the output file (implies --wait)")
+    submit.add_argument("--errors", type=Path, help="where to write the error file (default: OUTPUT.errors.jsonl)")
+    submit.add_argument("--poll-interval", type=float, default=2.0, help="seconds between status polls")
+    submit.set_defaults(handler=_submit)
+    return parser
+
+
+def _add_bind_args(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    parser.add_argument("--host", default=host)
+    parser.add_argument("--port", type=int, default=port)
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from worker.model_prepare import prepare_model
+
+    print(prepare_model(args.model, get_settings().model_cache_dir))
+    return 0
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from jobs.db import upgrade_database
+
+    upgrade_database()
+    return 0
+
+
+def _api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    # NOTE: an import string keeps `api` out of this module's imports (worker code never imports api).
+    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker.bootstrap import get_engine
+    from worker.tasks import celery_app
+
+    get_engine()  # start-up cost (and any model error) up front, not inside the first task
+    argv = ["worker", "--pool=solo", f"--loglevel={args.loglevel}"]
+    if args.beat:
+        argv += ["--beat", f"--schedule={get_settings().data_dir / 'celerybeat-schedule'}"]
+    celery_app.worker_main(argv)
+    return 0
+
+
+def _beat(args: argparse.Namespace) -> int:
+    from jobs.queue import celery_app
+
+    celery_app.start(["beat", f"--loglevel={args.loglevel}", f"--schedule={get_settings().data_dir / 'celerybeat-schedule'}"])
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jobs.db import upgrade_database
+
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_database()
+    own = [sys.executable, "-m", "worker.cli"]
+    children = {
+        "api": subprocess.Popen(own + ["api", "--host", args.host, "--port", str(args.port)]),
+        "worker": subprocess.Popen(own + ["worker"] + ([] if args.no_beat else ["--beat"])),
+    }
+    print(f"batchinfer: API on http://{args.host}:{args.port}/v1, data in {settings.data_dir}", file=sys.stderr, flush=True)
+    stopping = False
+
+    def _stop(_signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    exit_code = 0
+    try:
+        while not stopping:
+            exited = {name: child.returncode for name, child in children.items() if child.poll() is not None}
+            if exited:
+                name, returncode = next(iter(exited.items()))
+                print(f"batchinfer: {name} exited with status {returncode}; stopping", file=sys.stderr, flush=True)
+                exit_code = returncode or 1
+                break
+            time.sleep(0.5)
+    finally:
+        _stop_children(list(children.values()))
+    return exit_code
+
+
+def _stop_children(children: list[subprocess.Popen]) -> None:
+    """SIGTERM every child still running (warm shutdown), then SIGKILL whatever outlives the grace period."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _submit(args: argparse.Namespace) -> int:
+    import httpx
+
+    metadata = dict(_key_value(item) for item in args.metadata)
+    with httpx.Client(base_url=args.base_url.rstrip("/"), timeout=120) as client:
+        with args.file.open("rb") as f:
+            data = {"endpoint": args.endpoint}
+            if metadata:
+                data["metadata"] = json.dumps(metadata)
+            response = client.post("/v1/jobs", files={"file": (args.file.name, f, "application/jsonl")}, data=data)
+        batch = _json_or_exit(response)
+        print(f"batch {batch['id']}: {batch['status']}", file=sys.stderr, flush=True)
+        if not (args.wait or args.output):
+            print(json.dumps(batch, indent=2))
+            return 0
+        batch = _wait(client, batch, args.poll_interval)
+        output = args.output or Path(f"{batch['id']}_output.jsonl")
+        errors = args.errors or output.with_name(output.stem + ".errors.jsonl")
+        _download(client, batch.get("output_file_id"), output)
+        _download(client, batch.get("error_file_id"), errors)
+    print(json.dumps(batch, indent=2))
+    return 0 if batch["status"] == "completed" else 1
+
+
+def _wait(client: httpx.Client, batch: dict, poll_interval_s: float) -> dict:
+    last = None
+    while batch["status"] not in TERMINAL_STATUSES:
+        time.sleep(poll_interval_s)
+        batch = _json_or_exit(client.get(f"/v1/batches/{batch['id']}"))
+        counts = batch.get("request_counts") or {}
+        progress = (batch["status"], counts.get("completed"), counts.get("failed"), counts.get("total"))
+        if progress != last:
+            print(
+                f"batch {batch['id']}: {progress[0]} (completed {progress[1]}, failed {progress[2]}, total {progress[3]})",
+                file=sys.stderr,
+                flush=True,
+            )
+            last = progress
+    return batch
+
+
+def _download(client: httpx.Client, file_id: str | None, path: Path) -> None:
+    if not file_id:
+        return
+    response = client.get(f"/v1/files/{file_id}/content")
+    response.raise_for_status()
+    path.write_bytes(response.content)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _json_or_exit(response: httpx.Response) -> dict:
+    if response.is_error:
+        raise SystemExit(f"batchinfer: HTTP {response.status_code}: {response.text}")
+    return response.json()
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"batchinfer: --metadata expects KEY=VALUE, got {item!r}")
+    return key, value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
