@@ -14,6 +14,11 @@ a padded ``[num_group_seqs, num_blocks * block_size, num_kv_heads, head_size]`` 
 Grouped-query attention folds the ``num_heads // num_kv_heads`` query heads that share a KV head
 into the query-length axis, so K/V are never repeated. The index tensors and masks depend only on
 the batch, so they are built once per step (on the first layer) and reused by every layer.
+
+On CPU in float32, decode rows go instead to the C++ kernel in ``kernels/cpu_attention.py``, which
+reads K/V from the blocks in place (no gather); prefill rows stay on ``scaled_dot_product_attention``,
+whose blocked matmuls beat the kernel's per-row loops there. ``BATCHINFER_CPU_KERNELS=0``, another
+dtype or device, or a failed build (warned once) leave every row on the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_attention import cpu_attention_available, paged_attention_cpu
 
 
 @dataclass(slots=True)
@@ -49,11 +56,27 @@ class _GroupPlan:
 
 
 @dataclass(slots=True)
+class _KernelPlan:
+    """Decode rows for the C++ CPU kernel.
+
+    ``token_idx``: ``[num_decode_seqs]`` flat batch index of each decode row (``None`` when the decode
+    rows are the whole batch, in order); ``query_start_loc`` (``[num_decode_seqs + 1]``), ``seq_lens``
+    and ``block_tables``: int32 metadata of those sequences only.
+    """
+
+    token_idx: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(slots=True)
 class _AttentionPlan:
     block_size: int
     num_queries_per_kv: int
-    groups: list[_GroupPlan]
-    covers_batch_in_order: bool  # one group whose rows are exactly the batch, in order
+    decode_kernel: _KernelPlan | None  # decode rows for the C++ kernel, or None: all rows in `groups`
+    groups: list[_GroupPlan]  # rows attended with the PyTorch path
+    covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
 
 
 @dataclass(slots=True)
@@ -194,23 +217,52 @@ def _build_group(
     )
 
 
+def _build_kernel_plan(metadata: AttentionMetadata, decode_ids: list[int], cu_query_lens: list[int]) -> _KernelPlan:
+    if len(decode_ids) == metadata.num_seqs:
+        return _KernelPlan(
+            token_idx=None,
+            query_start_loc=metadata.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=metadata.seq_lens.to(torch.int32).contiguous(),
+            block_tables=metadata.block_tables.to(torch.int32).contiguous(),
+        )
+    device = metadata.block_tables.device
+    seq_ids = torch.tensor(decode_ids, dtype=torch.long, device=device)
+    return _KernelPlan(
+        token_idx=torch.tensor([cu_query_lens[i] for i in decode_ids], dtype=torch.long, device=device),
+        query_start_loc=torch.arange(len(decode_ids) + 1, dtype=torch.int32, device=device),
+        seq_lens=metadata.seq_lens.index_select(0, seq_ids).to(torch.int32),
+        block_tables=metadata.block_tables.index_select(0, seq_ids).to(torch.int32).contiguous(),
+    )
+
+
 def _build_plan(
-    metadata: AttentionMetadata, block_size: int, num_queries_per_kv: int, dtype: torch.dtype
+    metadata: AttentionMetadata, block_size: int, num_queries_per_kv: int, dtype: torch.dtype, use_kernel: bool
 ) -> _AttentionPlan:
     cu_query_lens = list(accumulate(metadata.query_lens_list, initial=0))
     decode_ids = [i for i, query_len in enumerate(metadata.query_lens_list) if query_len == 1]
     other_ids = [i for i, query_len in enumerate(metadata.query_lens_list) if query_len > 1]
+    decode_kernel = _build_kernel_plan(metadata, decode_ids, cu_query_lens) if use_kernel and decode_ids else None
     groups = [
         _build_group(metadata, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype)
-        for seq_ids in (decode_ids, other_ids)
+        for seq_ids in ([] if decode_kernel else decode_ids, other_ids)
         if seq_ids
     ]
     # Decode rows are already in batch order; a lone "other" group is too (sequence by sequence).
     return _AttentionPlan(
         block_size=block_size,
         num_queries_per_kv=num_queries_per_kv,
+        decode_kernel=decode_kernel,
         groups=groups,
-        covers_batch_in_order=len(groups) == 1,
+        covers_batch_in_order=decode_kernel is None and len(groups) == 1,
+    )
+
+
+def _use_cpu_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and cpu_attention_available()
     )
 
 
@@ -288,11 +340,27 @@ def paged_attention_forward(
     num_queries_per_kv = query.shape[1] // kv_cache.shape[3]
     plan = attn_metadata.plan
     if plan is None or plan.block_size != block_size or plan.num_queries_per_kv != num_queries_per_kv:
-        plan = _build_plan(attn_metadata, block_size, num_queries_per_kv, query.dtype)
+        use_kernel = _use_cpu_kernel(query, kv_cache)
+        plan = _build_plan(attn_metadata, block_size, num_queries_per_kv, query.dtype, use_kernel)
         attn_metadata.plan = plan
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale)
+    kernel = plan.decode_kernel
+    if kernel is not None and kernel.token_idx is None:
+        return paged_attention_cpu(
+            query, kv_cache, kernel.query_start_loc, kernel.seq_lens, kernel.block_tables, scale
+        )
     output = torch.empty_like(query)
+    if kernel is not None:
+        decode_out = paged_attention_cpu(
+            query.index_select(0, kernel.token_idx),
+            kv_cache,
+            kernel.query_start_loc,
+            kernel.seq_lens,
+            kernel.block_tables,
+            scale,
+        )
+        output.index_copy_(0, kernel.token_idx, decode_out)
     for group in plan.groups:
         output.index_copy_(0, group.token_idx, _attend_group(query, kv_cache, group, block_size, scale))
     return output

@@ -1,0 +1,252 @@
+// Paged attention for x86/ARM CPUs that reads K/V from the cache blocks in place (no gather).
+//
+// Registered as the Torch op `batchinfer::paged_attention_` (built and loaded by cpu_attention.py).
+// One work item is (query token, KV head): the `num_heads / num_kv_heads` query heads that share the
+// KV head are scored together, so every K/V row is read once per item. Softmax is exact and two-pass
+// over a per-thread score buffer (max, then exp and sum) in fp32, as in vLLM's CPU paged-attention
+// kernel (csrc/cpu/attention.cpp); work items are split across threads by cost (context length) with
+// at::parallel_for, so torch.set_num_threads governs it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0, vectorisable (no libm call): Cephes' expf range reduction and polynomial,
+// relative error about 2e-7. Inputs below -87 return about 1e-38 (softmax weights that small vanish).
+#pragma omp declare simd notinbranch
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// q . k with kLanes independent partial sums (one vector register each) rather than one serial chain.
+template <int64_t kHeadSize>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  if constexpr (kHeadSize > 0 && kHeadSize % kLanes == 0) {
+    float partial[kLanes] = {};
+    for (int64_t d = 0; d < kHeadSize; d += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[d + l] * b[d + l];
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
+    return sum;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+constexpr int64_t kMaxHeads = 256;
+
+struct Shapes {
+  int64_t num_heads, num_kv_heads, head_size, block_size, num_queries_per_kv;
+  int64_t query_stride_token, query_stride_head, max_num_blocks_per_seq;
+  int64_t cache_stride_kv;  // elements between the K and the V half of the cache
+};
+
+// Attention of all heads of one query token over the first `context_len` positions of its sequence.
+// Blocks are walked in order and each position's K (then V) row, all KV heads together, is read once
+// and contiguously, while the same row of the next block is prefetched (block ids are random, so the
+// hardware prefetcher cannot guess them). `scores` holds num_heads * context_len floats, `q_scaled`
+// num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads it from `s`.
+template <int64_t kHeadSize>
+void attend_token(const Shapes& s, const float* query, const float* cache, const int32_t* block_table,
+                  int64_t context_len, float scale, float* out, float* scores, float* q_scaled) {
+  const int64_t r = s.num_queries_per_kv, block_size = s.block_size, num_heads = s.num_heads;
+  const int64_t num_kv_heads = s.num_kv_heads;
+  const int64_t head_size = kHeadSize > 0 ? kHeadSize : s.head_size;
+  const int64_t token_stride = num_kv_heads * head_size;  // floats between positions inside a block
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* q = query + h * s.query_stride_head;
+#pragma omp simd
+    for (int64_t d = 0; d < head_size; ++d) q_scaled[h * head_size + d] = q[d] * scale;
+  }
+  float max_score[kMaxHeads];
+  std::fill(max_score, max_score + num_heads, -std::numeric_limits<float>::infinity());
+
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* block = cache + block_table[b] * block_stride;
+    const float* next_block = cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t pos = b * block_size, n = std::min(block_size, context_len - pos);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = block + j * token_stride;
+      for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const float* k = row + g * head_size;
+        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+          const float score = dot<kHeadSize>(q_scaled + h * head_size, k, head_size);
+          scores[h * context_len + pos + j] = score;
+          max_score[h] = std::max(max_score[h], score);
+        }
+      }
+    }
+  }
+
+  float inv_sum[kMaxHeads];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* row = scores + h * context_len;
+    const float m = max_score[h];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < context_len; ++i) {
+      const float e = exp_nonpositive(row[i] - m);
+      row[i] = e;
+      sum += e;
+    }
+    inv_sum[h] = 1.0f / sum;
+  }
+
+  std::fill(out, out + num_heads * head_size, 0.0f);
+  const float* value_cache = cache + s.cache_stride_kv;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* block = value_cache + block_table[b] * block_stride;
+    const float* next_block = value_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t pos = b * block_size, n = std::min(block_size, context_len - pos);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = block + j * token_stride;
+      for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const float* __restrict v = row + g * head_size;
+        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+          const float p = scores[h * context_len + pos + j];
+          float* __restrict o = out + h * head_size;
+#pragma omp simd
+          for (int64_t d = 0; d < head_size; ++d) o[d] += p * v[d];
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* __restrict o = out + h * head_size;
+    const float inv = inv_sum[h];
+#pragma omp simd
+    for (int64_t d = 0; d < head_size; ++d) o[d] *= inv;
+  }
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
+              "paged_attention_: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat,
+              "paged_attention_: float32 query, kv_cache and out only");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_tokens, num_heads, head_size] with unit last stride");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be contiguous and shaped like query");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt,
+              "query_start_loc, seq_lens and block_tables must be int32");
+  TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2,
+              "query_start_loc, seq_lens and block_tables must be contiguous; block_tables 2-D");
+
+  Shapes s;
+  const int64_t num_tokens = query.size(0);
+  s.num_heads = query.size(1);
+  s.head_size = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1);
+  s.block_size = kv_cache.size(2);
+  s.num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == s.head_size, "kv_cache head_size differs from query's");
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  s.num_queries_per_kv = s.num_heads / s.num_kv_heads;
+  TORCH_CHECK(s.num_heads <= kMaxHeads, "at most ", kMaxHeads, " query heads");
+  s.query_stride_token = query.stride(0);
+  s.query_stride_head = query.stride(1);
+  s.max_num_blocks_per_seq = block_tables.size(1);
+  s.cache_stride_kv = kv_cache.stride(0);
+
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "query_start_loc must have num_seqs + 1 entries and block_tables num_seqs rows");
+  const int32_t* cu_query = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(cu_query[0] == 0 && cu_query[num_seqs] == num_tokens, "query_start_loc must run from 0 to num_tokens");
+
+  // Per token: its sequence and how many positions it sees (causal); validate before any thread reads.
+  std::vector<int32_t> token_seq(num_tokens);
+  std::vector<int64_t> token_context(num_tokens);
+  int64_t max_context = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t start = cu_query[seq], end = cu_query[seq + 1], seq_len = lens[seq];
+    TORCH_CHECK(start < end && end <= num_tokens && end - start <= seq_len,
+                "sequence ", seq, ": need 1 <= query_len <= seq_len");
+    const int64_t seq_blocks = (seq_len + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(seq_blocks <= s.max_num_blocks_per_seq, "sequence ", seq, ": block table too short");
+    for (int64_t b = 0; b < seq_blocks; ++b) {
+      const int32_t block_id = tables[seq * s.max_num_blocks_per_seq + b];
+      TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "sequence ", seq, ": block id ", block_id, " out of range");
+    }
+    for (int64_t t = start; t < end; ++t) {
+      token_seq[t] = static_cast<int32_t>(seq);
+      token_context[t] = seq_len - (end - t) + 1;
+    }
+    max_context = std::max(max_context, seq_len);
+  }
+
+  // One work item per token; one contiguous run of tokens per thread, of about equal cost.
+  constexpr int64_t kTokenOverhead = 16;  // fixed cost of a token, in context positions
+  std::vector<int64_t> cu_cost(num_tokens + 1, 0);
+  for (int64_t t = 0; t < num_tokens; ++t) cu_cost[t + 1] = cu_cost[t] + token_context[t] + kTokenOverhead;
+  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tokens));
+  std::vector<int64_t> part_start(num_parts + 1, num_tokens);
+  for (int64_t p = 0; p < num_parts; ++p) {
+    const int64_t target = cu_cost[num_tokens] * p / num_parts;
+    part_start[p] = std::lower_bound(cu_cost.begin(), cu_cost.end(), target) - cu_cost.begin();
+  }
+
+  const float* q_ptr = query.data_ptr<float>();
+  const float* cache_ptr = kv_cache.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+  const auto attend = s.head_size == 64 ? attend_token<64> : s.head_size == 128 ? attend_token<128> : attend_token<0>;
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    std::vector<float> scores(s.num_heads * max_context);
+    std::vector<float> q_scaled(s.num_heads * s.head_size);
+    for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
+      attend(s, q_ptr + t * s.query_stride_token, cache_ptr, tables + token_seq[t] * s.max_num_blocks_per_seq,
+             token_context[t], scale_f, out_ptr + t * s.num_heads * s.head_size, scores.data(), q_scaled.data());
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(batchinfer_cpu, m) {
+  m.def(
+      "paged_attention_(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor block_tables, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("paged_attention_", paged_attention); }

@@ -1,0 +1,149 @@
+"""The C++ CPU paged-attention kernel against its plain PyTorch twin (kernels/reference.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from kernels.cpu_attention import cpu_attention_available, paged_attention_cpu
+from kernels.reference import paged_attention_reference, reshape_and_cache
+
+NUM_BLOCKS = 400
+HEAD_SIZE = 64
+
+# (query_len, seq_len) per sequence, in batch order.
+DECODE = [(1, 5), (1, 17), (1, 1), (1, 33), (1, 16), (1, 250)]
+PREFILL = [(7, 7), (13, 13), (3, 3), (1, 1), (16, 16)]
+MIXED = [(1, 9), (5, 12), (1, 20), (16, 16), (4, 30), (1, 2), (2, 2)]  # prefix-cached chunks among decodes
+BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_kernel(monkeypatch):
+    torch.set_num_threads(1)
+    monkeypatch.delenv(cpu_attention.DISABLE_ENV, raising=False)
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on PATH: the kernel cannot be built here")
+    assert cpu_attention_available(), "a C++ compiler is present but the kernel failed to build (see the log)"
+
+
+def _setup(batch, num_heads, num_kv_heads, block_size, seed=0):
+    """Paged cache with each context in shuffled blocks, every unused slot full of large values."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, HEAD_SIZE, generator=gen) * 1e4
+    block_ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    block_tables = []
+    for _, seq_len in batch:
+        num_blocks = -(-seq_len // block_size)
+        block_tables.append(block_ids[:num_blocks])
+        del block_ids[:num_blocks]
+    width = max(len(table) for table in block_tables) + 2  # padding columns point at a garbage block
+    tables = torch.tensor([table + [block_ids[0]] * (width - len(table)) for table in block_tables], dtype=torch.int32)
+    slots = [
+        table[pos // block_size] * block_size + pos % block_size
+        for (_, seq_len), table in zip(batch, block_tables)
+        for pos in range(seq_len)
+    ]
+    reshape_and_cache(
+        torch.randn(len(slots), num_kv_heads, HEAD_SIZE, generator=gen),
+        torch.randn(len(slots), num_kv_heads, HEAD_SIZE, generator=gen),
+        kv_cache,
+        torch.tensor(slots),
+    )
+    query_lens = [q for q, _ in batch]
+    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([s for _, s in batch], dtype=torch.int32)
+    query = torch.randn(sum(query_lens), num_heads, HEAD_SIZE, generator=gen) * 3
+    return query, kv_cache, query_start_loc, seq_lens, tables
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (6, 1)])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_kernel_matches_reference(kind, num_heads, num_kv_heads, block_size):
+    args = _setup(BATCHES[kind], num_heads, num_kv_heads, block_size)
+    scale = HEAD_SIZE**-0.5
+
+    out = paged_attention_cpu(*args, scale)
+
+    torch.testing.assert_close(out, paged_attention_reference(*args, scale), atol=2e-5, rtol=1e-5)
+
+
+def test_strided_query_view_and_two_threads():
+    """A query sliced out of a fused QKV tensor (the model's layout) works, and threads split the work."""
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(MIXED, 9, 3, 16, seed=3)
+    fused = torch.cat([query, torch.randn(query.shape[0], 6, HEAD_SIZE)], dim=1)
+    strided = fused[:, :9]
+    assert not strided.is_contiguous()
+    torch.set_num_threads(2)
+
+    out = paged_attention_cpu(strided, kv_cache, query_start_loc, seq_lens, tables, 0.125)
+
+    expected = paged_attention_reference(query, kv_cache, query_start_loc, seq_lens, tables, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_extreme_scores_stay_finite():
+    """One dominant key (scores ~1e4 apart) gives its value exactly; no overflow, no NaN."""
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup([(1, 40)], 3, 3, 4, seed=5)
+    query *= 1e3
+
+    out = paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, 1.0)
+
+    assert torch.isfinite(out).all()
+    expected = paged_attention_reference(query, kv_cache, query_start_loc, seq_lens, tables, 1.0)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_bad_block_id_raises():
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(DECODE, 4, 4, 4)
+    tables[1, 0] = NUM_BLOCKS
+
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, 0.125)
+
+
+def test_query_longer_than_context_raises():
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(PREFILL, 4, 4, 4)
+    seq_lens[0] = 6  # the first sequence has 7 query tokens
+
+    with pytest.raises(RuntimeError, match="query_len <= seq_len"):
+        paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, 0.125)
+
+
+def test_env_var_disables_kernel(monkeypatch):
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "0")
+
+    assert not cpu_attention_available()
+
+
+@pytest.mark.parametrize("kernels_env", ["1", "0"])
+def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
+    """paged_attention_forward sends decode rows of a mixed batch to the kernel (unless disabled); same output."""
+    from worker.engine.attention import build_attention_metadata, paged_attention_forward
+
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, kernels_env)
+    query, kv_cache, _, _, _ = _setup(MIXED, 9, 3, 4, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    block_ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    block_tables = []
+    for _, seq_len in MIXED:
+        block_tables.append(block_ids[: -(-seq_len // 4)])
+        del block_ids[: -(-seq_len // 4)]
+    metadata = build_attention_metadata([q for q, _ in MIXED], [s for _, s in MIXED], block_tables, 4)
+    key = torch.randn(query.shape[0], 3, HEAD_SIZE, generator=gen)
+    value = torch.randn(query.shape[0], 3, HEAD_SIZE, generator=gen)
+    expected_cache = kv_cache.clone()
+    reshape_and_cache(key, value, expected_cache, metadata.slot_mapping)
+    expected = paged_attention_reference(
+        query, expected_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, 0.125
+    )
+
+    out = paged_attention_forward(query, key, value, kv_cache, metadata, 0.125)
+
+    assert (metadata.plan.decode_kernel is not None) == (kernels_env == "1")
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    assert torch.equal(kv_cache, expected_cache)
