@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 COMMIT_EVERY = 16
 CHECK_EVERY_STEPS = 8
+# NOTE: a CPU step over a large batch can take seconds; cancel must not wait for 8 of them.
+CHECK_INTERVAL_S = 1.0
 
 
 class Engine(Protocol):
@@ -125,7 +127,8 @@ def run_batch(
         model_name: the model name written in response bodies; default ``settings.served_model_name``.
         database_url: default ``settings.database_url``.
         commit_every: results per commit while the batch runs.
-        check_every_steps: engine steps between looks at the batch row (cancel, expiry).
+        check_every_steps: engine steps between looks at the batch row (cancel, expiry); it is also
+            looked at whenever ``CHECK_INTERVAL_S`` seconds have passed since the last look.
         clock: unix seconds (tests move time to expire a batch).
 
     Returns:
@@ -202,7 +205,7 @@ def _stream(
                 continue
             in_flight[request_id] = request
 
-        num_steps = 0
+        num_steps, last_check_s = 0, time.monotonic()
         while in_flight:
             try:
                 outputs = engine.step()
@@ -223,7 +226,8 @@ def _stream(
                     sink.add(_server_error(request_id, "the engine finished without returning this request's output"))
                 in_flight.clear()
             num_steps += 1
-            if num_steps % check_every_steps == 0:
+            if num_steps % check_every_steps == 0 or time.monotonic() - last_check_s >= CHECK_INTERVAL_S:
+                last_check_s = time.monotonic()
                 sink.flush()
                 stop = _should_stop(batch_id, database_url, expires_at, clock)
                 if stop is not None:
