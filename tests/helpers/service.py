@@ -120,7 +120,7 @@ def service_settings(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch
     if request.param == "postgres":
         database_url = request.getfixturevalue("postgres_url")
         with get_engine(database_url).begin() as connection:
-            connection.execute(text("TRUNCATE batch_requests, batches, files"))
+            connection.execute(text("TRUNCATE batch_requests, batches, files, schedules"))
     yield configure_service(monkeypatch, tmp_path / "data", database_url=database_url)
     _teardown()
 

@@ -34,7 +34,6 @@ def data_dir(tmp_path, monkeypatch):
         ["model", "prepare"],
         ["db", "upgrade"],
         ["api", "--port", "9001"],
-        ["worker", "--beat"],
         ["beat"],
         ["serve", "--no-beat"],
         ["submit", "jobs.jsonl", "--endpoint", "/v1/completions", "--wait", "--metadata", "a=b"],

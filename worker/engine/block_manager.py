@@ -34,6 +34,9 @@ class KVCacheManager:
         self._num_slots: dict[int, int] = {}
         # Prefix ids of each sequence's leading blocks that have been offered to the prefix cache.
         self._prefix_ids: dict[int, list[PrefixId]] = {}
+        # vLLM's PrefixCacheStats, in tokens: looked up at admission / supplied by the cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +67,35 @@ class KVCacheManager:
             blocks.append(block)
             parent = block.prefix_id
         return blocks, len(blocks) * block_size
+
+    def next_block_hash(self, seq: Sequence, computed_blocks: SequenceT[KVCacheBlock] = ()) -> BlockHash | None:
+        """Key of the first full block of ``seq`` that is not (yet) in the prefix cache for it, or None.
+
+        For a waiting ``seq``, ``computed_blocks`` is its :meth:`get_computed_blocks` hit chain and only a
+        block that lookup could hit counts (it must end before the last token). For a sequence holding
+        blocks (``computed_blocks`` empty), it is the next block :meth:`cache_blocks` will enter once
+        computed; None when that block is not full of known tokens, or when caching is off.
+        """
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
+            return None
+        block_size = self.block_size
+        if seq.seq_id in self.seq_to_blocks:
+            prefix_ids = self._prefix_ids[seq.seq_id]
+            parent = prefix_ids[-1] if prefix_ids else ROOT_PREFIX_ID
+            start, limit = len(prefix_ids) * block_size, seq.num_tokens
+        else:
+            last = computed_blocks[-1].prefix_id if computed_blocks else ROOT_PREFIX_ID
+            assert last is not None
+            parent, start, limit = last, len(computed_blocks) * block_size, seq.num_tokens - 1
+        if start + block_size > limit:
+            return None
+        return BlockHash((parent, tuple(seq.token_ids[start : start + block_size])))
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted lookup: ``num_query_tokens`` looked up, ``num_hit_tokens`` of them cached."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_query_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, new_computed_blocks: SequenceT[KVCacheBlock] = ()

@@ -33,6 +33,10 @@ class EngineStats:
     token of a sequence (prefill chunks, recomputation after preemption; prefix-cache hits excluded);
     ``num_cached_tokens`` counts prompt tokens served by the prefix cache. ``kv_cache_utilisation_sum``
     adds, once per step, the fraction of slots in referenced blocks that hold computed tokens.
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` are vLLM's prefix-cache counters in tokens: tokens
+    looked up in the cache at each admission (re-admissions after preemption included) and tokens the
+    cache supplied (both 0 with caching off); ``num_prefix_holds`` counts admissions deferred because a
+    running request was computing the same prefix block (scheduler.py).
     """
 
     num_steps: int = 0
@@ -40,6 +44,9 @@ class EngineStats:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prefix_holds: int = 0
     model_forward_s: float = 0.0
     step_s: float = 0.0
     kv_cache_utilisation_sum: float = 0.0
@@ -47,6 +54,11 @@ class EngineStats:
     @property
     def mean_kv_cache_utilisation(self) -> float:
         return self.kv_cache_utilisation_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """``prefix_cache_hits / prefix_cache_queries`` in [0, 1] (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
@@ -87,6 +99,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self._last_counters = (0, 0, 0, 0)
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
 
@@ -167,7 +180,7 @@ class LLMEngine:
 
         stats = self.stats
         stats.num_steps += 1
-        stats.num_preemptions = self.scheduler.num_preemptions
+        self._count_scheduler_counters()
         stats.model_forward_s += runner_output.model_forward_s
         stats.kv_cache_utilisation_sum += self.kv_cache_manager.kv_cache_utilisation()
         stats.step_s += time.perf_counter() - start_s
@@ -202,6 +215,18 @@ class LLMEngine:
                     pending.discard(output.request_id)
                     results[output.request_id] = output
         return [results[request_id] for request_id in request_ids]
+
+    def _count_scheduler_counters(self) -> None:
+        """Add the scheduler's and KV cache manager's counters since the last step to ``stats`` (deltas, so a
+        caller may reset ``stats`` between runs)."""
+        kv, scheduler = self.kv_cache_manager, self.scheduler
+        now = (scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits, scheduler.num_prefix_holds)
+        last, self._last_counters = self._last_counters, now
+        stats = self.stats
+        stats.num_preemptions += now[0] - last[0]
+        stats.prefix_cache_queries += now[1] - last[1]
+        stats.prefix_cache_hits += now[2] - last[2]
+        stats.num_prefix_holds += now[3] - last[3]
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         num_decode_tokens = sum(

@@ -10,17 +10,26 @@ num_computed_tokens`` tokens left to compute. Each step spends a budget of ``max
    younger is admitted until it finishes its prompt.
 2. When a block table cannot grow, the youngest running sequence is preempted: its blocks are freed, it
    goes back to the FRONT of the waiting queue, and later recomputes prompt + generated tokens.
-3. If nothing was preempted, waiting sequences are admitted first come, first served while budget,
-   ``max_num_seqs`` and blocks last, each starting after its longest prefix-cache hit.
+3. If nothing was preempted, waiting sequences are admitted while budget, ``max_num_seqs`` and blocks
+   last, each starting after its longest prefix-cache hit. Among the first ``admission_lookahead``
+   waiting sequences, preempted ones go first, then the longest cached prefix, then first come, first
+   served; a sequence passed over while at the head of the queue goes first in the next step, so none
+   starves.
+4. Shared-prefix hold (beyond vLLM): a waiting sequence whose next uncached full block is the very block
+   a running sequence (or one admitted earlier in this step) is about to compute is held back: once
+   that block is computed it is a cache hit, instead of every sibling prefilling the shared prefix in
+   the same batch. The hold lasts at most until the owner's prefill has passed the shared blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from worker.engine.block_manager import KVCacheManager
+from worker.engine.block_pool import BlockHash
 from worker.engine.sequence import Sequence, SequenceStatus
 
 
@@ -45,13 +54,24 @@ class SchedulerOutput:
 class Scheduler:
     """Moves sequences between ``waiting`` (a deque, FCFS) and ``running`` (admission order) each step."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        admission_lookahead: int = 32,
+    ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.admission_lookahead = admission_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Admission attempts skipped because a running sibling was computing the same prefix block.
+        self.num_prefix_holds = 0
+        # The head of ``waiting`` at the end of the last step if it was passed over (it goes first next).
+        self._passed_over_head: Sequence | None = None
 
     def add_seq(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of ``waiting``."""
@@ -84,13 +104,46 @@ class Scheduler:
                 seq_idx += 1
 
         # NOTE: admitting new work in a step that had to preempt would only evict it again.
-        while not out.preempted_seqs and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        if not out.preempted_seqs and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            budget = self._admit(out, budget)
+
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in preference order (module docstring, 3 and 4); returns the budget left."""
+        kv = self.kv_cache_manager
+        window = list(itertools.islice(self.waiting, self.admission_lookahead))
+        head = window[0]
+        ranked = sorted(
+            range(len(window)),
+            key=lambda i: (
+                not (window[i].status is SequenceStatus.PREEMPTED or (i == 0 and head is self._passed_over_head)),
+                -kv.get_computed_blocks(window[i])[1],
+                i,
+            ),
+        )
+        pending: set[BlockHash] = set()
+        if kv.enable_caching:
+            pending = {h for seq in self.running if (h := kv.next_block_hash(seq)) is not None}
+        admitted: set[int] = set()
+        for index in ranked:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            seq = window[index]
+            # Lookups again: admitting the sequences ranked before may have evicted blocks.
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(seq)
+            next_hash = kv.next_block_hash(seq, computed_blocks)
+            if next_hash is not None and next_hash in pending:
+                self.num_prefix_holds += 1
+                continue
             num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget)
             if not kv.allocate_slots(seq, num_new_tokens, computed_blocks):
                 break
-            self.waiting.popleft()
+            kv.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
+            if next_hash is not None:
+                pending.add(next_hash)
+            admitted.add(id(seq))
             seq.num_computed_tokens = num_cached_tokens
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached_tokens
@@ -99,9 +152,13 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new_tokens)
             budget -= num_new_tokens
-
-        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        return out
+        if admitted:
+            kept = [seq for seq in window if id(seq) not in admitted]
+            for _ in window:
+                self.waiting.popleft()
+            self.waiting.extendleft(reversed(kept))
+        self._passed_over_head = head if self.waiting and self.waiting[0] is head else None
+        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)

@@ -1,0 +1,151 @@
+"""``GET /metrics``: Prometheus text exposition of the service's state and of the API's traffic.
+
+Each app has its own `CollectorRegistry` (`install_metrics`), holding:
+
+| metric | type | labels | source |
+|---|---|---|---|
+| ``batchinfer_database_up`` | gauge | | 1 when the scrape's database queries answered |
+| ``batchinfer_batches`` | gauge | ``status`` (every `BatchStatus`) | batches table, on scrape |
+| ``batchinfer_batch_requests_total`` | counter | ``state`` (completed, failed) | batches' request_counts, on scrape |
+| ``batchinfer_tokens_total`` | counter | ``kind`` (input, output, cached) | batches' usage, on scrape |
+| ``batchinfer_files`` / ``batchinfer_file_bytes`` | gauge | ``purpose`` | files table, on scrape |
+| ``batchinfer_schedules`` | gauge | | schedules table, on scrape |
+| ``batchinfer_http_requests_total`` | counter | ``method``, ``route`` (the path template, or "unmatched"), ``status_code`` | this process |
+
+Database figures are read on every scrape by a custom collector (the prometheus_client pattern for
+state owned elsewhere), so they are right whichever process changed them. HTTP counts are this
+API process's own (not multiprocess-aggregated).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from jobs.db import get_engine
+from jobs.models import Batch, File, Schedule
+from jobs.status import BatchStatus
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["metrics"])
+UNMATCHED_ROUTE = "unmatched"
+
+
+class DatabaseCollector:
+    """Collects the database-backed metrics of the module table on each scrape (read-only queries)."""
+
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("batchinfer_database_up", "1 when the metrics queries reached the database")
+        try:
+            families = self._families()
+        except SQLAlchemyError:
+            logger.exception("metrics: database queries failed")
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    def _families(self) -> list[Metric]:
+        with get_engine(self.database_url).connect() as connection:
+            by_status = dict(connection.execute(select(Batch.status, func.count()).group_by(Batch.status)).all())
+            completed, failed, input_tokens, output_tokens, cached_tokens = connection.execute(
+                select(
+                    *(
+                        func.coalesce(func.sum(column), 0)
+                        for column in (
+                            Batch.completed_requests,
+                            Batch.failed_requests,
+                            Batch.input_tokens,
+                            Batch.output_tokens,
+                            Batch.cached_tokens,
+                        )
+                    )
+                )
+            ).one()
+            files = connection.execute(
+                select(File.purpose, func.count(), func.coalesce(func.sum(File.num_bytes), 0)).group_by(File.purpose)
+            ).all()
+            num_schedules = connection.scalar(select(func.count()).select_from(Schedule))
+
+        batches = GaugeMetricFamily("batchinfer_batches", "Batches by status", labels=["status"])
+        for status in BatchStatus:
+            batches.add_metric([status.value], by_status.get(status.value, 0))
+        requests = CounterMetricFamily(
+            "batchinfer_batch_requests", "Batch input lines finished, by outcome", labels=["state"]
+        )
+        requests.add_metric(["completed"], completed)
+        requests.add_metric(["failed"], failed)
+        tokens = CounterMetricFamily("batchinfer_tokens", "Tokens used by finished lines", labels=["kind"])
+        for kind, value in (("input", input_tokens), ("output", output_tokens), ("cached", cached_tokens)):
+            tokens.add_metric([kind], value)
+        num_files = GaugeMetricFamily("batchinfer_files", "Stored files by purpose", labels=["purpose"])
+        file_bytes = GaugeMetricFamily("batchinfer_file_bytes", "Bytes of stored files by purpose", labels=["purpose"])
+        for purpose, count, num_bytes in files:
+            num_files.add_metric([purpose], count)
+            file_bytes.add_metric([purpose], num_bytes)
+        schedules = GaugeMetricFamily("batchinfer_schedules", "Scheduled evaluation runs")
+        schedules.add_metric([], num_schedules or 0)
+        return [batches, requests, tokens, num_files, file_bytes, schedules]
+
+
+class RequestCountMiddleware:
+    """ASGI middleware: counts every HTTP request by method, route template and response status.
+
+    The route is read from ``scope["route"]`` after the app ran (Starlette's router sets it), so ids
+    in paths never become label values. A request that raises counts as status 500.
+    """
+
+    def __init__(self, app: ASGIApp, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status_code = 500
+
+        async def send_and_note_status(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+            self.counter.labels(scope["method"], route, str(status_code)).inc()
+
+
+def install_metrics(app: FastAPI, database_url: str) -> CollectorRegistry:
+    """Give ``app`` its registry (``app.state.metrics_registry``), the request counter and ``GET /metrics``."""
+    registry = CollectorRegistry()
+    registry.register(DatabaseCollector(database_url))
+    counter = Counter(
+        "batchinfer_http_requests",
+        "HTTP requests served by this API process",
+        ["method", "route", "status_code"],
+        registry=registry,
+    )
+    app.state.metrics_registry = registry
+    app.add_middleware(RequestCountMiddleware, counter=counter)
+    app.include_router(router)
+    return registry
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    return Response(content=generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)

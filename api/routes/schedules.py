@@ -1,0 +1,77 @@
+"""``/v1/schedules``: scheduled evaluation runs (batchinfer's own): create, retrieve, list, delete.
+
+A schedule creates a batch of ``input_file_id`` at every tick of ``cron`` (5 fields, UTC), exactly
+as ``POST /v1/batches`` would, with ``schedule_id`` added to the batch metadata; Celery beat drives
+the ticks (see `jobs.schedules`). Deleting a schedule keeps the batches it created.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict
+
+from api.deps import SessionDep
+from jobs.schedules import (
+    ScheduleDeleted,
+    ScheduleObject,
+    create_schedule,
+    delete_schedule,
+    get_schedule,
+    list_schedules,
+)
+from jobs.schemas import COMPLETION_WINDOW, ListPage
+
+router = APIRouter(prefix="/v1/schedules", tags=["schedules"])
+
+
+class ScheduleCreateRequest(BaseModel):
+    """``POST /v1/schedules`` body; an unknown field is rejected with its name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cron: str
+    input_file_id: str
+    endpoint: str
+    metadata: dict[str, str] | None = None
+    completion_window: str = COMPLETION_WINDOW
+
+
+@router.post("", response_model=ScheduleObject)
+def create(request: ScheduleCreateRequest, session: SessionDep) -> ScheduleObject:
+    schedule = create_schedule(
+        session,
+        cron=request.cron,
+        input_file_id=request.input_file_id,
+        endpoint=request.endpoint,
+        metadata=request.metadata,
+        completion_window=request.completion_window,
+    )
+    return ScheduleObject.from_row(schedule)
+
+
+@router.get("", response_model=ListPage[ScheduleObject])
+def list_all(
+    session: SessionDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+) -> ListPage[ScheduleObject]:
+    """Schedules, newest first; ``after`` is the last id of the previous page."""
+    schedules, has_more = list_schedules(session, after=after, limit=limit)
+    data = [ScheduleObject.from_row(schedule) for schedule in schedules]
+    return ListPage[ScheduleObject](
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
+
+
+@router.get("/{schedule_id}", response_model=ScheduleObject)
+def retrieve(session: SessionDep, schedule_id: str) -> ScheduleObject:
+    return ScheduleObject.from_row(get_schedule(session, schedule_id=schedule_id))
+
+
+@router.delete("/{schedule_id}", response_model=ScheduleDeleted)
+def remove(session: SessionDep, schedule_id: str) -> ScheduleDeleted:
+    delete_schedule(session, schedule_id=schedule_id)
+    return ScheduleDeleted(id=schedule_id)

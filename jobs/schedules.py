@@ -1,0 +1,280 @@
+"""Scheduled evaluation runs: a schedule creates a batch of its input file at every tick of its cron.
+
+Data functions (keyword-only; the caller owns the transaction) plus `run_due_schedules`, the tick
+that Celery beat drives (`jobs.tasks.tick_schedules`, every `jobs.queue.SCHEDULE_TICK_S` seconds):
+
+1. list the schedules whose ``next_run_at <= now``;
+2. for each, in its own transaction: lock the row (``SELECT ... FOR UPDATE SKIP LOCKED`` on
+   PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` serializes writers), re-check that it is still due,
+   create the batch with `jobs.repository.create_batch` (the ``POST /v1/batches`` path; metadata gets
+   ``schedule_id``), and advance ``next_run_at`` to the first cron time after ``now``;
+3. after that commit, validate and enqueue the batch with `jobs.intake.validate_and_start`, as the
+   API does after ``POST /v1/batches``.
+
+Concurrent ticks therefore never fire one schedule twice for one due time: the second either skips
+the locked row or, once the first committed, finds it no longer due. Missed ticks (beat or the
+worker down, or busy with a long batch) are coalesced: one batch, then the next time after ``now``.
+Cron expressions have 5 fields (minute hour day-of-month month day-of-week), parsed by ``croniter``
+and evaluated in UTC.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from croniter import CroniterError, croniter
+from pydantic import BaseModel
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from jobs.config import Settings, get_settings
+from jobs.db import session_scope
+from jobs.errors import InvalidRequest, NotFound
+from jobs.files import get_file
+from jobs.intake import validate_and_start
+from jobs.models import SCHEDULE_ID_PREFIX, Schedule, new_id
+from jobs.paging import keyset_page
+from jobs.repository import INPUT_PURPOSE, check_batch_params, create_batch
+from jobs.schemas import COMPLETION_WINDOW
+from jobs.status import now_s
+
+logger = logging.getLogger(__name__)
+
+CRON_NUM_FIELDS = 5
+SCHEDULE_ID_METADATA_KEY = "schedule_id"
+
+
+class ScheduleObject(BaseModel):
+    """A schedule as the API returns it; ``*_at`` fields are Unix seconds."""
+
+    id: str
+    object: Literal["schedule"] = "schedule"
+    cron: str
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None
+    created_at: int
+    next_run_at: int
+    last_run_at: int | None
+    last_batch_id: str | None
+
+    @classmethod
+    def from_row(cls, schedule: Schedule) -> ScheduleObject:
+        return cls(
+            id=schedule.id,
+            cron=schedule.cron,
+            input_file_id=schedule.input_file_id,
+            endpoint=schedule.endpoint,
+            completion_window=schedule.completion_window,
+            metadata=schedule.metadata_,
+            created_at=schedule.created_at,
+            next_run_at=schedule.next_run_at,
+            last_run_at=schedule.last_run_at,
+            last_batch_id=schedule.last_batch_id,
+        )
+
+
+class ScheduleDeleted(BaseModel):
+    id: str
+    object: Literal["schedule.deleted"] = "schedule.deleted"
+    deleted: bool = True
+
+
+@dataclass(slots=True)
+class ScheduledRun:
+    """One schedule fired by a tick: the batch it created, or why none was (``error``)."""
+
+    schedule_id: str
+    batch_id: str | None
+    error: str | None = None
+
+
+def next_run_after(cron: str, after_s: int) -> int:
+    """The first time (Unix seconds) matching ``cron`` strictly after ``after_s``, in UTC.
+
+    Raises:
+        InvalidRequest: ``cron`` is not a valid 5-field expression, or never matches (``param="cron"``).
+    """
+    fields = cron.split()
+    if len(fields) != CRON_NUM_FIELDS or not croniter.is_valid(cron):
+        raise InvalidRequest(
+            f"cron {cron!r} is not a valid 5-field cron expression (minute hour day-of-month month day-of-week)",
+            param="cron",
+        )
+    try:
+        return int(croniter(cron, datetime.fromtimestamp(after_s, UTC)).get_next(float))
+    except CroniterError:
+        raise InvalidRequest(f"cron {cron!r} never matches a date", param="cron") from None
+
+
+def batch_metadata(schedule: Schedule) -> dict[str, str]:
+    """The metadata of a batch the schedule creates: the schedule's, plus ``schedule_id``."""
+    return {**(schedule.metadata_ or {}), SCHEDULE_ID_METADATA_KEY: schedule.id}
+
+
+def create_schedule(
+    session: Session,
+    *,
+    cron: str,
+    input_file_id: str,
+    endpoint: str,
+    metadata: dict[str, str] | None = None,
+    completion_window: str = COMPLETION_WINDOW,
+    now: int | None = None,
+) -> Schedule:
+    """Insert a schedule whose first run is the first ``cron`` time after ``now`` (flushed, not committed).
+
+    Checks now what each run's ``POST /v1/batches`` would check (so a run fails only when the file
+    is deleted later): endpoint, completion window, metadata with room for ``schedule_id``, and an
+    input file of purpose "batch".
+
+    Raises:
+        InvalidRequest: a bad ``cron`` (``param="cron"``), an unknown input file or one not of
+            purpose "batch" (``param="input_file_id"``), or what `check_batch_params` rejects.
+    """
+    now = now_s() if now is None else now
+    cron = " ".join(cron.split())
+    next_run_at = next_run_after(cron, now)
+    schedule_id = new_id(SCHEDULE_ID_PREFIX)
+    check_batch_params(
+        endpoint=endpoint,
+        completion_window=completion_window,
+        metadata={**(metadata or {}), SCHEDULE_ID_METADATA_KEY: schedule_id},
+    )
+    file = get_file(session, file_id=input_file_id)
+    if file is None:
+        raise InvalidRequest(f"no file with id {input_file_id!r}", param="input_file_id", code="file_not_found")
+    if file.purpose != INPUT_PURPOSE:
+        raise InvalidRequest(
+            f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs purpose 'batch'",
+            param="input_file_id",
+        )
+    schedule = Schedule(
+        id=schedule_id,
+        cron=cron,
+        input_file_id=input_file_id,
+        endpoint=endpoint,
+        completion_window=completion_window,
+        metadata_=metadata,
+        created_at=now,
+        next_run_at=next_run_at,
+    )
+    session.add(schedule)
+    session.flush()
+    return schedule
+
+
+def get_schedule(session: Session, *, schedule_id: str) -> Schedule:
+    """The schedule, re-read from the database.
+
+    Raises:
+        NotFound: no schedule has this id.
+    """
+    query = select(Schedule).where(Schedule.id == schedule_id).execution_options(populate_existing=True)
+    schedule = session.scalar(query)
+    if schedule is None:
+        raise NotFound("schedule", schedule_id)
+    return schedule
+
+
+def list_schedules(session: Session, *, after: str | None = None, limit: int = 20) -> tuple[list[Schedule], bool]:
+    """A page of schedules, newest first, after the schedule ``after``; returns ``(schedules, has_more)``.
+
+    Raises:
+        jobs.paging.UnknownCursor: ``after`` is not a schedule id.
+    """
+    return keyset_page(session, select(Schedule), Schedule, after=after, limit=limit)
+
+
+def delete_schedule(session: Session, *, schedule_id: str) -> None:
+    """Delete the schedule (batches it already created are kept).
+
+    Raises:
+        NotFound: no schedule has this id.
+    """
+    session.delete(get_schedule(session, schedule_id=schedule_id))
+    session.flush()
+
+
+def due_schedule_ids(session: Session, *, now: int) -> list[str]:
+    """Ids of the schedules with ``next_run_at <= now``, most overdue first (no lock taken)."""
+    query = select(Schedule.id).where(Schedule.next_run_at <= now).order_by(Schedule.next_run_at, Schedule.id)
+    return list(session.scalars(query))
+
+
+def fire_schedule(session: Session, *, schedule_id: str, now: int) -> ScheduledRun | None:
+    """Create the schedule's batch for this tick and advance ``next_run_at`` past ``now``.
+
+    Locks the schedule row (PostgreSQL: ``FOR UPDATE SKIP LOCKED``), so call it in a short
+    transaction of its own and commit before validating the batch. A batch the file checks refuse
+    (input file deleted since) is not created; the schedule still advances and ``error`` says why.
+
+    Returns:
+        the run, or None when the schedule is gone, no longer due, or being fired by another tick.
+    """
+    query = (
+        select(Schedule)
+        .where(Schedule.id == schedule_id, Schedule.next_run_at <= now)
+        .with_for_update(skip_locked=True)
+        .execution_options(populate_existing=True)
+    )
+    schedule = session.scalar(query)
+    if schedule is None:
+        return None
+    try:
+        batch = create_batch(
+            session,
+            input_file_id=schedule.input_file_id,
+            endpoint=schedule.endpoint,
+            completion_window=schedule.completion_window,
+            metadata=batch_metadata(schedule),
+            now=now,
+        )
+    except InvalidRequest as exc:
+        run = ScheduledRun(schedule_id=schedule.id, batch_id=None, error=exc.message)
+    else:
+        run = ScheduledRun(schedule_id=schedule.id, batch_id=batch.id)
+        schedule.last_run_at = now
+        schedule.last_batch_id = batch.id
+    schedule.next_run_at = next_run_after(schedule.cron, now)
+    session.flush()
+    return run
+
+
+def run_due_schedules(*, settings: Settings | None = None, now: int | None = None) -> list[ScheduledRun]:
+    """The beat tick: fire every due schedule once, then validate and enqueue the batches created.
+
+    Safe to run concurrently (see the module docstring). A batch whose validation raises (e.g. the
+    broker is unreachable) is logged and stays as `validate_and_start` left it, as after
+    ``POST /v1/batches``.
+
+    Args:
+        now: the tick time in Unix seconds (default: the current time); batches get ``created_at = now``.
+
+    Returns:
+        the runs this tick fired, most overdue first.
+    """
+    settings = settings or get_settings()
+    now = now_s() if now is None else now
+    with session_scope(settings.database_url) as session:
+        schedule_ids = due_schedule_ids(session, now=now)
+    runs = []
+    for schedule_id in schedule_ids:
+        with session_scope(settings.database_url) as session:
+            run = fire_schedule(session, schedule_id=schedule_id, now=now)
+        if run is None:
+            continue
+        runs.append(run)
+        if run.batch_id is None:
+            logger.warning("schedule %s did not create a batch: %s", schedule_id, run.error)
+            continue
+        logger.info("schedule %s created batch %s", schedule_id, run.batch_id)
+        try:
+            validate_and_start(run.batch_id, settings=settings)
+        except Exception:
+            logger.exception("validating batch %s of schedule %s failed", run.batch_id, schedule_id)
+    return runs

@@ -1,0 +1,115 @@
+"""``/v1/schedules`` over HTTP: create, retrieve, list, delete, errors, and the batches a tick creates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import delete
+
+from jobs.config import Settings
+from jobs.db import session_scope
+from jobs.models import Schedule
+from jobs.schedules import run_due_schedules
+from tests.helpers.service import CHAT, chat_line, jsonl
+
+
+@pytest.fixture(autouse=True)
+def _no_schedules(service_settings: Settings) -> Iterator[None]:
+    # NOTE: the shared PostgreSQL test database is emptied per test by the service fixture, except this table.
+    with session_scope(service_settings.database_url) as session:
+        session.execute(delete(Schedule))
+    yield
+    with session_scope(service_settings.database_url) as session:
+        session.execute(delete(Schedule))
+
+
+def _upload(client: Any, num_lines: int = 2) -> str:
+    data = jsonl([chat_line(f"q-{idx}") for idx in range(num_lines)])
+    response = client.post("/v1/files", files={"file": ("eval.jsonl", data)}, data={"purpose": "batch"})
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def _create(client: Any, **overrides: Any) -> Any:
+    return client.post("/v1/schedules", json={"cron": "0 3 * * *", "endpoint": CHAT, **overrides})
+
+
+def test_round_trip(client: Any) -> None:
+    file_id = _upload(client)
+    response = _create(client, input_file_id=file_id, metadata={"suite": "nightly"})
+    assert response.status_code == 200, response.text
+    schedule = response.json()
+    assert schedule["id"].startswith("sched_")
+    assert schedule["object"] == "schedule"
+    assert (schedule["cron"], schedule["input_file_id"], schedule["endpoint"]) == ("0 3 * * *", file_id, CHAT)
+    assert schedule["metadata"] == {"suite": "nightly"}
+    assert schedule["completion_window"] == "24h"
+    assert schedule["next_run_at"] > schedule["created_at"]
+    assert schedule["next_run_at"] % 86400 == 3 * 3600  # 03:00 UTC
+    assert (schedule["last_run_at"], schedule["last_batch_id"]) == (None, None)
+
+    assert client.get(f"/v1/schedules/{schedule['id']}").json() == schedule
+
+    deleted = client.delete(f"/v1/schedules/{schedule['id']}")
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": schedule["id"], "object": "schedule.deleted", "deleted": True}
+    missing = client.get(f"/v1/schedules/{schedule['id']}")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "schedule_not_found"
+    assert client.delete(f"/v1/schedules/{schedule['id']}").status_code == 404
+
+
+def test_list_pages_newest_first(client: Any) -> None:
+    file_id = _upload(client)
+    ids = [_create(client, input_file_id=file_id).json()["id"] for _ in range(3)]
+    everything = client.get("/v1/schedules").json()
+    assert everything["object"] == "list"
+    newest_first = [schedule["id"] for schedule in everything["data"]]
+    assert sorted(newest_first) == sorted(ids) and everything["has_more"] is False
+    first = client.get("/v1/schedules", params={"limit": 2}).json()
+    assert [s["id"] for s in first["data"]] == newest_first[:2]
+    assert (first["first_id"], first["last_id"], first["has_more"]) == (newest_first[0], newest_first[1], True)
+    rest = client.get("/v1/schedules", params={"limit": 2, "after": first["last_id"]}).json()
+    assert [s["id"] for s in rest["data"]] == newest_first[2:] and rest["has_more"] is False
+    assert client.get("/v1/schedules", params={"after": "sched_nope"}).status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"cron": "0 3 * *"}, "cron"),
+        ({"cron": "0 25 * * *"}, "cron"),
+        ({"input_file_id": "file-nope"}, "input_file_id"),
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "48h"}, "completion_window"),
+        ({"cron_expression": "0 3 * * *"}, "cron_expression"),
+    ],
+)
+def test_bad_request_is_a_400_naming_the_field(client: Any, body: dict[str, Any], param: str) -> None:
+    response = _create(client, **{"input_file_id": _upload(client), **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert client.get("/v1/schedules").json()["data"] == []
+
+
+def test_tick_creates_the_batch_post_v1_batches_would(client: Any) -> None:
+    file_id = _upload(client, num_lines=3)
+    schedule = _create(client, input_file_id=file_id, metadata={"suite": "nightly"}).json()
+    direct = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"})
+    expected = client.get(f"/v1/batches/{direct.json()['id']}").json()
+
+    [run] = run_due_schedules(now=schedule["next_run_at"])
+
+    after = client.get(f"/v1/schedules/{schedule['id']}").json()
+    assert after["last_batch_id"] == run.batch_id
+    assert after["last_run_at"] == schedule["next_run_at"]
+    assert after["next_run_at"] == schedule["next_run_at"] + 86400
+    batch = client.get(f"/v1/batches/{run.batch_id}").json()
+    assert batch["metadata"] == {"suite": "nightly", "schedule_id": schedule["id"]}
+    assert batch["created_at"] == schedule["next_run_at"]
+    for field in ("endpoint", "input_file_id", "completion_window", "status", "request_counts", "model", "errors"):
+        assert batch[field] == expected[field], field
+    listed = [b["id"] for b in client.get("/v1/batches").json()["data"]]
+    assert run.batch_id in listed
