@@ -48,7 +48,7 @@ def run_batchinfer(model_dir: Path, workload: Workload, **engine_kwargs) -> dict
         "batchinfer_tok_per_s": num_output_tokens / elapsed_s,
         "batchinfer_elapsed_s": elapsed_s,
         "batchinfer_output_tokens": num_output_tokens,
-        "kv_utilization": stats.mean_kv_cache_utilisation,
+        "kv_utilization": stats.kv_cache_utilisation,
         "overhead_fraction": 1.0 - stats.model_forward_s / stats.step_s if stats.step_s else None,
         "num_steps": stats.num_steps,
         "prefill_tokens": stats.num_prompt_tokens_computed,

@@ -157,19 +157,17 @@ class KVCacheManager:
         """Physical block ids of ``seq_id``'s block table, in logical order."""
         return [block.block_id for block in self.seq_to_blocks[seq_id]]
 
-    def kv_cache_utilisation(self) -> float:
-        """Fraction of the slots of referenced blocks that hold computed tokens, in [0, 1] (0 when none is used).
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """``(tokens stored, slots)`` over the blocks sequences reference now (0 slots when none is used).
 
         Only a table's last block can be partly empty and shared blocks are always full, so the empty
         slots are the sum over tables of ``len(blocks) * block_size - num_computed_tokens``.
         """
-        num_used_blocks = self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()
-        if not num_used_blocks:
-            return 0.0
+        num_slots = (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * self.block_size
         num_empty = sum(
             len(self.seq_to_blocks[seq_id]) * self.block_size - seq.num_computed_tokens for seq_id, seq in self._seqs.items()
         )
-        return 1.0 - num_empty / (num_used_blocks * self.block_size)
+        return num_slots - num_empty, num_slots
 
     def check_invariants(self) -> None:
         """Assert engine.md's invariants: pool consistency, ref counts = table references, table sizes, cached contents."""

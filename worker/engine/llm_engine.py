@@ -31,8 +31,9 @@ class EngineStats:
 
     ``num_prompt_tokens_computed`` counts tokens run through the model that were not the one decode
     token of a sequence (prefill chunks, recomputation after preemption; prefix-cache hits excluded);
-    ``num_cached_tokens`` counts prompt tokens served by the prefix cache. ``kv_cache_utilisation_sum``
-    adds, once per step, the fraction of slots in referenced blocks that hold computed tokens.
+    ``num_cached_tokens`` counts prompt tokens served by the prefix cache. ``kv_cache_tokens_stored_sum``
+    and ``kv_cache_slots_sum`` add, once per step, the computed tokens held in referenced blocks and
+    those blocks' slots (their ratio is :attr:`kv_cache_utilisation`).
     ``prefix_cache_queries`` / ``prefix_cache_hits`` are vLLM's prefix-cache counters in tokens: tokens
     looked up in the cache at each admission (re-admissions after preemption included) and tokens the
     cache supplied (both 0 with caching off); ``num_prefix_holds`` counts admissions deferred because a
@@ -49,11 +50,13 @@ class EngineStats:
     num_prefix_holds: int = 0
     model_forward_s: float = 0.0
     step_s: float = 0.0
-    kv_cache_utilisation_sum: float = 0.0
+    kv_cache_tokens_stored_sum: int = 0
+    kv_cache_slots_sum: int = 0
 
     @property
-    def mean_kv_cache_utilisation(self) -> float:
-        return self.kv_cache_utilisation_sum / self.num_steps if self.num_steps else 0.0
+    def kv_cache_utilisation(self) -> float:
+        """Tokens stored / slots of referenced blocks, both summed over steps (so each step weighs by its KV use)."""
+        return self.kv_cache_tokens_stored_sum / self.kv_cache_slots_sum if self.kv_cache_slots_sum else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -182,7 +185,9 @@ class LLMEngine:
         stats.num_steps += 1
         self._count_scheduler_counters()
         stats.model_forward_s += runner_output.model_forward_s
-        stats.kv_cache_utilisation_sum += self.kv_cache_manager.kv_cache_utilisation()
+        num_stored, num_slots = self.kv_cache_manager.kv_cache_usage()
+        stats.kv_cache_tokens_stored_sum += num_stored
+        stats.kv_cache_slots_sum += num_slots
         stats.step_s += time.perf_counter() - start_s
         return outputs
 
