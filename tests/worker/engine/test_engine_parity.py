@@ -84,8 +84,8 @@ def test_chunked_prefill_matches_hugging_face(served_model_dir, prompts, referen
 
 
 def test_preemption_matches_hugging_face(served_model_dir, prompts, references):
-    # 8 sequences of up to 72 tokens need ~24 blocks of 16; 12 blocks force recompute preemption.
-    engine = make_engine(served_model_dir, num_gpu_blocks_override=12, max_model_len=192)
+    # 8 sequences of up to 72 tokens need ~72 blocks of 8; 24 blocks force recompute preemption.
+    engine = make_engine(served_model_dir, block_size=8, num_gpu_blocks_override=24, max_model_len=192)
     outputs = engine.generate(prompts, GREEDY)
     assert engine.stats.num_preemptions > 0
     assert_all_close(references, outputs, "preempted")
