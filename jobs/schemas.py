@@ -55,7 +55,7 @@ class _SamplingBody(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: PositiveInt = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -74,6 +74,13 @@ class _SamplingBody(BaseModel):
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(value)}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
