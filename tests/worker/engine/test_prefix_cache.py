@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
+from tests.helpers.scheduling import run_step, scheduled
 from tests.helpers.tiny_llama import save_tiny_llama
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.block_manager import KVCacheManager
@@ -31,25 +32,6 @@ def make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, ena
 
 def make_seq(seq_id, tokens, max_tokens=2):
     return Sequence(seq_id, f"req-{seq_id}", 0, SamplingParams(max_tokens=max_tokens), list(tokens))
-
-
-def run_step(scheduler):
-    """One step with a fake model (sampled token = position % 5), checking the invariants after it."""
-    out = scheduler.schedule()
-    scheduler.update_from_output(out)
-    finished = []
-    for seq in out.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(seq.num_tokens % 5)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                finished.append(seq)
-    scheduler.finish_seqs(finished)
-    scheduler.kv_cache_manager.check_invariants()
-    return out
-
-
-def scheduled(out):
-    return [(seq.seq_id, num) for seq, num in zip(out.seqs, out.num_scheduled_tokens)]
 
 
 PREFIX = [7, 8, 9, 10] * 3  # three full blocks

@@ -3,6 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.scheduling import run_step, scheduled
 from worker.engine.block_manager import KVCacheManager
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -19,25 +20,6 @@ def make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_num_seqs=8, ena
 def make_seq(seq_id, num_prompt_tokens, max_tokens=4, first_token=0):
     prompt = [first_token + i % 7 for i in range(num_prompt_tokens)]
     return Sequence(seq_id, f"req-{seq_id}", 0, SamplingParams(max_tokens=max_tokens), prompt)
-
-
-def run_step(scheduler):
-    """One engine step with a fake model: sampled token = position % 5; finish at max_tokens."""
-    out = scheduler.schedule()
-    scheduler.update_from_output(out)
-    finished = []
-    for seq in out.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(seq.num_tokens % 5)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                finished.append(seq)
-    scheduler.finish_seqs(finished)
-    scheduler.kv_cache_manager.check_invariants()
-    return out
-
-
-def scheduled(out):
-    return [(seq.seq_id, num) for seq, num in zip(out.seqs, out.num_scheduled_tokens)]
 
 
 def test_long_prompt_is_chunked_under_the_budget_and_continues_next_step():
