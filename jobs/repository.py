@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 from jobs.config import get_settings
 from jobs.errors import InvalidRequest, NotFound
 from jobs.files import get_file, write_file
-from jobs.models import BATCH_ID_PREFIX, REQUEST_ID_PREFIX, Batch, BatchRequest, RequestState, new_id
+from jobs.models import BATCH_ID_PREFIX, REQUEST_ID_PREFIX, Batch, BatchRequest, File, RequestState, new_id
 from jobs.paging import keyset_page
 from jobs.schemas import (
     COMPLETION_WINDOW,
@@ -70,6 +70,24 @@ class RequestAlreadyRecorded(ValueError):
     """`record_result` for a line that already has a result (each line is recorded exactly once)."""
 
 
+def get_batch_input_file(session: Session, *, file_id: str) -> File:
+    """The stored file ``file_id``, checked usable as a batch input.
+
+    Raises:
+        InvalidRequest: no such file (``code="file_not_found"``), or its purpose is not "batch";
+            ``param="input_file_id"`` either way.
+    """
+    file = get_file(session, file_id=file_id)
+    if file is None:
+        raise InvalidRequest(f"no file with id {file_id!r}", param="input_file_id", code="file_not_found")
+    if file.purpose != INPUT_PURPOSE:
+        raise InvalidRequest(
+            f"file {file_id!r} has purpose {file.purpose!r}; a batch input needs purpose 'batch'",
+            param="input_file_id",
+        )
+    return file
+
+
 def create_batch(
     session: Session,
     *,
@@ -86,14 +104,7 @@ def create_batch(
             or what `check_batch_params` rejects.
     """
     check_batch_params(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
-    file = get_file(session, file_id=input_file_id)
-    if file is None:
-        raise InvalidRequest(f"no file with id {input_file_id!r}", param="input_file_id", code="file_not_found")
-    if file.purpose != INPUT_PURPOSE:
-        raise InvalidRequest(
-            f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs purpose 'batch'",
-            param="input_file_id",
-        )
+    get_batch_input_file(session, file_id=input_file_id)
     created_at = now_s() if now is None else now
     batch = Batch(
         id=new_id(BATCH_ID_PREFIX),

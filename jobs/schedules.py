@@ -33,11 +33,10 @@ from sqlalchemy.orm import Session
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.errors import InvalidRequest, NotFound
-from jobs.files import get_file
 from jobs.intake import validate_and_start
 from jobs.models import SCHEDULE_ID_PREFIX, Schedule, new_id
 from jobs.paging import keyset_page
-from jobs.repository import INPUT_PURPOSE, check_batch_params, create_batch
+from jobs.repository import check_batch_params, create_batch, get_batch_input_file
 from jobs.schemas import COMPLETION_WINDOW
 from jobs.status import now_s
 
@@ -145,14 +144,7 @@ def create_schedule(
         completion_window=completion_window,
         metadata={**(metadata or {}), SCHEDULE_ID_METADATA_KEY: schedule_id},
     )
-    file = get_file(session, file_id=input_file_id)
-    if file is None:
-        raise InvalidRequest(f"no file with id {input_file_id!r}", param="input_file_id", code="file_not_found")
-    if file.purpose != INPUT_PURPOSE:
-        raise InvalidRequest(
-            f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs purpose 'batch'",
-            param="input_file_id",
-        )
+    get_batch_input_file(session, file_id=input_file_id)
     schedule = Schedule(
         id=schedule_id,
         cron=cron,

@@ -314,3 +314,13 @@ class ListPage(BaseModel, Generic[T]):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+    @classmethod
+    def of(cls, data: list[T], has_more: bool) -> ListPage[T]:
+        """The page holding ``data`` (objects with an ``id``); first/last ids are derived from it."""
+        return cls(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=has_more,
+        )

@@ -67,12 +67,7 @@ def list_all(
     """Batches, newest first; ``after`` is the last id of the previous page."""
     batches, has_more = list_batches(session, after=after, limit=limit)
     data = [BatchObject.from_row(batch) for batch in batches]
-    return ListPage[BatchObject](
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return ListPage[BatchObject].of(data, has_more)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)

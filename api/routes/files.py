@@ -64,12 +64,7 @@ def list_all_files(
     """Files by creation time (newest first unless ``order=asc``), cursor-paged with ``after``."""
     files, has_more = list_files(session, purpose=purpose, after=after, limit=limit, order=order)
     data = [FileObject.from_row(file) for file in files]
-    return ListPage[FileObject](
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return ListPage[FileObject].of(data, has_more)
 
 
 @router.get("/{file_id}", response_model=FileObject)

@@ -58,12 +58,7 @@ def list_all(
     """Schedules, newest first; ``after`` is the last id of the previous page."""
     schedules, has_more = list_schedules(session, after=after, limit=limit)
     data = [ScheduleObject.from_row(schedule) for schedule in schedules]
-    return ListPage[ScheduleObject](
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return ListPage[ScheduleObject].of(data, has_more)
 
 
 @router.get("/{schedule_id}", response_model=ScheduleObject)
