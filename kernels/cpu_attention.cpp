@@ -1,6 +1,6 @@
 // Paged attention for x86/ARM CPUs that reads K/V from the cache blocks in place (no gather).
 //
-// Registered as the Torch op `batchinfer::paged_attention_` (built and loaded by cpu_attention.py).
+// Registered as the Torch op `batchinfer_cpu::paged_attention_` (built and loaded by cpu_extension.py).
 // One work item is (query token, KV head): the `num_heads / num_kv_heads` query heads that share the
 // KV head are scored together, so every K/V row is read once per item. Softmax is exact and two-pass
 // over a per-thread score buffer (max, then exp and sum) in fp32, as in vLLM's CPU paged-attention
@@ -243,7 +243,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(batchinfer_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, float scale) -> ()");

@@ -1,80 +1,16 @@
-"""C++ paged attention for CPUs: reads K/V from the cache blocks in place, compiled on first use.
+"""C++ paged attention for CPUs: reads K/V from the cache blocks in place.
 
-The source is ``cpu_attention.cpp`` next to this file. The first call builds it with
-:func:`torch.utils.cpp_extension.load` (``-O3 -march=native -fopenmp``) into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes reuse the built
-library, and concurrent builders wait on torch's file baton. The library registers the Torch op
-``torch.ops.batchinfer_cpu.paged_attention_``. Because ``-march=native`` ties the binary to the CPU, the
-extension name carries a digest of the CPU's feature flags, so a shared cache never hands one machine
-another's build.
+The source is ``cpu_attention.cpp`` next to this file, built with the other CPU kernels by
+:mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first).
 
-Set ``BATCHINFER_CPU_KERNELS=0`` to disable the kernel (:func:`cpu_attention_available` then returns
-``False``). When the build fails (no compiler, no ninja), a warning is logged once and the kernel stays
-unavailable for the life of the process.
-
-This module imports nothing of batchinfer's.
+This module imports nothing of batchinfer's outside ``kernels``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
-
-DISABLE_ENV = "BATCHINFER_CPU_KERNELS"
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-_loaded: bool | None = None  # None: not tried yet; False: the build failed
-
-
-def _cpu_tag() -> str:
-    """Short digest of the machine type and CPU feature flags (``/proc/cpuinfo`` where there is one)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-
-
-def _load() -> bool:
-    global _loaded
-    if _loaded is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            load(
-                name=f"batchinfer_cpu_attention_{_cpu_tag()}",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-            _loaded = True
-        except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the fallback"
-            logger.warning("C++ CPU attention kernel unavailable (%s); using the PyTorch path", exc)
-            _loaded = False
-    return _loaded
-
-
-def cpu_attention_available() -> bool:
-    """Whether the C++ kernel can run here: not disabled by ``BATCHINFER_CPU_KERNELS=0`` and built.
-
-    The first call that gets past the environment check builds or loads the library (seconds to a
-    minute on a cold cache).
-    """
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return _load()
+from kernels.cpu_extension import load_cpu_kernels
 
 
 def paged_attention_cpu(
@@ -107,11 +43,11 @@ def paged_attention_cpu(
         float32 contiguous ``[num_tokens, num_heads, head_size]``.
 
     Raises:
-        RuntimeError: when the kernel is unavailable (check :func:`cpu_attention_available` first), or
+        RuntimeError: when the kernels are unavailable (see :func:`kernels.cpu_extension.cpu_kernels_available`), or
             on bad shapes, dtypes, lengths or out-of-range block ids.
     """
-    if not _load():
-        raise RuntimeError("the C++ CPU attention kernel is unavailable")
+    if not load_cpu_kernels():
+        raise RuntimeError("the C++ CPU kernels are unavailable")
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.batchinfer_cpu.paged_attention_(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale)
     return out

@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_attention
-from kernels.cpu_attention import cpu_attention_available, paged_attention_cpu
+from kernels import cpu_extension
+from kernels.cpu_attention import paged_attention_cpu
+from kernels.cpu_extension import cpu_kernels_available
 from kernels.reference import paged_attention_reference, reshape_and_cache
 
 NUM_BLOCKS = 400
@@ -24,10 +25,10 @@ BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
 @pytest.fixture(autouse=True)
 def _one_thread_and_kernel(monkeypatch):
     torch.set_num_threads(1)
-    monkeypatch.delenv(cpu_attention.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(cpu_extension.DISABLE_ENV, raising=False)
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on PATH: the kernel cannot be built here")
-    assert cpu_attention_available(), "a C++ compiler is present but the kernel failed to build (see the log)"
+    assert cpu_kernels_available(), "a C++ compiler is present but the kernel failed to build (see the log)"
 
 
 def _setup(batch, num_heads, num_kv_heads, block_size, seed=0):
@@ -115,9 +116,9 @@ def test_query_longer_than_context_raises():
 
 
 def test_env_var_disables_kernel(monkeypatch):
-    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "0")
+    monkeypatch.setenv(cpu_extension.DISABLE_ENV, "0")
 
-    assert not cpu_attention_available()
+    assert not cpu_kernels_available()
 
 
 @pytest.mark.parametrize("kernels_env", ["1", "0"])
@@ -125,7 +126,7 @@ def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
     """paged_attention_forward sends decode rows of a mixed batch to the kernel (unless disabled); same output."""
     from worker.engine.attention import build_attention_metadata, paged_attention_forward
 
-    monkeypatch.setenv(cpu_attention.DISABLE_ENV, kernels_env)
+    monkeypatch.setenv(cpu_extension.DISABLE_ENV, kernels_env)
     query, kv_cache, _, _, _ = _setup(MIXED, 9, 3, 4, seed=7)
     gen = torch.Generator().manual_seed(8)
     block_ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()

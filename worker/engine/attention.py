@@ -30,7 +30,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import cpu_attention_available, paged_attention_cpu
+from kernels.cpu_attention import paged_attention_cpu
+from kernels.cpu_extension import cpu_kernels_available
 
 
 @dataclass(slots=True)
@@ -262,7 +263,7 @@ def _use_cpu_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         query.device.type == "cpu"
         and query.dtype == torch.float32
         and kv_cache.dtype == torch.float32
-        and cpu_attention_available()
+        and cpu_kernels_available()
     )
 
 

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, LlamaConfig
 
+from worker.engine.linear import pack_linear_layers
 from worker.engine.models.llama import LlamaForCausalLM
 
 
@@ -23,7 +24,8 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
     """Build the model from ``model_dir/config.json`` and load its safetensors weights.
 
-    Returns the model on ``device`` in ``dtype``, in ``eval()`` mode with ``requires_grad`` off.
+    Returns the model on ``device`` in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a
+    float32 model on CPU gets packed-weight linear layers (:func:`worker.engine.linear.pack_linear_layers`).
 
     Raises:
         FileNotFoundError: if the folder has no ``*.safetensors`` file.
@@ -42,4 +44,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     model.requires_grad_(False)
+    pack_linear_layers(model)
     return model

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import transformers
+from torch import nn
 from safetensors.torch import load_file
 
 from tests.helpers.parity import TopTwo, assert_greedy_close, hf_greedy_reference, top_two_from_logits
@@ -222,3 +223,25 @@ def test_smollm2_logits_and_greedy_match_hf(served_model_dir, served_tokenizer):
         reference = hf_greedy_reference(hf_model, prompt, num_new_tokens)
         assert_greedy_close(reference.token_ids, reference.top2, ids, label=f"prompt {i}")
     assert "Paris" in served_tokenizer.decode(generated[0])
+
+
+@pytest.mark.parametrize("kernels_env", ["1", "0"])
+def test_load_model_packs_float32_linears_unless_kernels_disabled(tmp_path, monkeypatch, kernels_env):
+    """fp32 on CPU: every projection and the lm_head become PackedLinear layers with the same outputs."""
+    from kernels.cpu_extension import DISABLE_ENV
+    from worker.engine.linear import PackedLinear
+
+    monkeypatch.setenv(DISABLE_ENV, kernels_env)
+    path = save_tiny_llama(tmp_path)
+    weights = load_file(path / "model.safetensors")
+
+    model = load_model(path, torch.float32, "cpu")
+
+    projections = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert len(projections) == 4 * model.config.num_hidden_layers + 1
+    assert all(isinstance(m, PackedLinear if kernels_env == "1" else nn.Linear) for m in projections)
+    x = torch.randn(5, model.config.hidden_size)
+    up = model.model.layers[0].mlp.gate_up_proj(x)[:, model.config.intermediate_size :]
+    torch.testing.assert_close(up, x @ weights["model.layers.0.mlp.up_proj.weight"].T, atol=1e-5, rtol=1e-5)
+    logits = model.compute_logits(x)
+    torch.testing.assert_close(logits, x @ weights["lm_head.weight"].T, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,63 @@
+"""C++ float32 linear layer for CPUs over a weight packed once into 16-column panels.
+
+The source is ``cpu_gemm.cpp`` next to this file, built with the other CPU kernels by
+:mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Method:
+the register-blocked micro-kernel of Goto & van de Geijn (2008), 6 rows x 16 columns per call; see the
+source's header. The reference is :func:`torch.nn.functional.linear`.
+
+This module imports nothing of batchinfer's outside ``kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_extension import load_cpu_kernels
+
+PANEL_WIDTH = 16  # output columns per packed panel
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack an ``nn.Linear`` weight for :func:`linear_packed`.
+
+    Args:
+        weight: float32 CPU ``[out_features, in_features]`` (any strides).
+
+    Returns:
+        float32 contiguous ``[ceil(out_features / 16), in_features, 16]``: panel ``p`` holds output
+        columns ``16p .. 16p + 15`` transposed (``packed[p, k, c] = weight[16p + c, k]``), zero padded.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on a weight that is not 2-D float32 on CPU.
+    """
+    if not load_cpu_kernels():
+        raise RuntimeError("the C++ CPU kernels are unavailable")
+    return torch.ops.batchinfer_cpu.pack_linear_weight(weight)
+
+
+def linear_packed(
+    x: torch.Tensor, packed_weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the weight as packed by :func:`pack_linear_weight`.
+
+    Each output element is one fused multiply-add chain over the input features in order, so a row's
+    result does not depend on how many rows share the call (batch invariant); it differs from
+    :func:`torch.nn.functional.linear` (MKL) only by float32 rounding.
+
+    Args:
+        x: float32 CPU ``[..., in_features]`` with unit stride in the last dimension.
+        packed_weight: from :func:`pack_linear_weight`.
+        out_features: rows of the original weight.
+        bias: optional float32 ``[out_features]``.
+
+    Returns:
+        float32 contiguous ``[..., out_features]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on mismatched shapes or dtypes.
+    """
+    if not load_cpu_kernels():
+        raise RuntimeError("the C++ CPU kernels are unavailable")
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.batchinfer_cpu.linear_packed(rows, packed_weight, out_features, bias)
+    return out.view(*x.shape[:-1], out_features)
