@@ -5,16 +5,20 @@
 // KV head are scored together, so every K/V row is read once per item. Softmax is exact and two-pass
 // over a per-thread score buffer (max, then exp and sum) in fp32, as in vLLM's CPU paged-attention
 // kernel (csrc/cpu/attention.cpp); work items are split across threads by cost (context length) with
-// at::parallel_for, so torch.set_num_threads governs it.
+// at::parallel_for, so torch.set_num_threads governs it. Optionally it also writes each (token, head)'s
+// log-sum-exp of its scaled scores, so a caller can merge this partial attention with another over
+// other keys (cascade attention, worker/engine/cascade_attention.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -76,7 +80,7 @@ struct Shapes {
 // num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads it from `s`.
 template <int64_t kHeadSize>
 void attend_token(const Shapes& s, const float* query, const float* cache, const int32_t* block_table,
-                  int64_t context_len, float scale, float* out, float* scores, float* q_scaled) {
+                  int64_t context_len, float scale, float* out, float* lse, float* scores, float* q_scaled) {
   const int64_t r = s.num_queries_per_kv, block_size = s.block_size, num_heads = s.num_heads;
   const int64_t num_kv_heads = s.num_kv_heads;
   const int64_t head_size = kHeadSize > 0 ? kHeadSize : s.head_size;
@@ -121,6 +125,7 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
       sum += e;
     }
     inv_sum[h] = 1.0f / sum;
+    if (lse != nullptr) lse[h] = m + std::log(sum);
   }
 
   std::fill(out, out + num_heads * head_size, 0.0f);
@@ -153,7 +158,7 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables, double scale) {
+                     const at::Tensor& block_tables, double scale, const std::optional<at::Tensor>& lse) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_attention_: CPU tensors only");
   TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
@@ -169,6 +174,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() && block_tables.is_contiguous() &&
                   block_tables.dim() == 2,
               "query_start_loc, seq_lens and block_tables must be contiguous; block_tables 2-D");
+
+  const bool with_lse = lse.has_value() && lse->defined();
+  TORCH_CHECK(!with_lse || (lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->dim() == 2 &&
+                            lse->size(0) == query.size(0) && lse->size(1) == query.size(1)),
+              "lse must be a contiguous float32 [num_tokens, num_heads]");
 
   Shapes s;
   const int64_t num_tokens = query.size(0);
@@ -229,6 +239,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const float* q_ptr = query.data_ptr<float>();
   const float* cache_ptr = kv_cache.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
+  float* lse_ptr = with_lse ? lse->data_ptr<float>() : nullptr;
   const float scale_f = static_cast<float>(scale);
   const auto attend = s.head_size == 64 ? attend_token<64> : s.head_size == 128 ? attend_token<128> : attend_token<0>;
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
@@ -236,7 +247,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     std::vector<float> q_scaled(s.num_heads * s.head_size);
     for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
       attend(s, q_ptr + t * s.query_stride_token, cache_ptr, tables + token_seq[t] * s.max_num_blocks_per_seq,
-             token_context[t], scale_f, out_ptr + t * s.num_heads * s.head_size, scores.data(), q_scaled.data());
+             token_context[t], scale_f, out_ptr + t * s.num_heads * s.head_size,
+             lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores.data(), q_scaled.data());
     }
   });
 }
@@ -246,7 +258,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, float scale) -> ()");
+      "Tensor block_tables, float scale, Tensor(b!)? lse=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("paged_attention_", paged_attention); }

@@ -20,6 +20,7 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query token over its sequence's cached context (no K/V gather).
 
@@ -38,6 +39,8 @@ def paged_attention_cpu(
         seq_lens: int32 ``[num_seqs]`` context lengths including this step's tokens.
         block_tables: int32 contiguous ``[num_seqs, max_num_blocks_per_seq]``.
         scale: multiplier of ``q . k``.
+        lse_out: optional float32 contiguous ``[num_tokens, num_heads]``, filled with each row's
+            log-sum-exp (natural log) of its scaled scores, for merging partial attention states.
 
     Returns:
         float32 contiguous ``[num_tokens, num_heads, head_size]``.
@@ -49,5 +52,7 @@ def paged_attention_cpu(
     if not load_cpu_kernels():
         raise RuntimeError("the C++ CPU kernels are unavailable")
     out = torch.empty(query.shape, dtype=query.dtype)
-    torch.ops.batchinfer_cpu.paged_attention_(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+    torch.ops.batchinfer_cpu.paged_attention_(
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, lse_out
+    )
     return out

@@ -37,6 +37,7 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context, one sequence at a time.
 
@@ -54,6 +55,8 @@ def paged_attention_reference(
         seq_lens: ``[num_seqs]`` context lengths including this step's tokens.
         block_tables: ``[num_seqs, max_num_blocks_per_seq]`` physical block ids (padding ignored).
         scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
+        lse_out: optional float32 ``[num_tokens, num_heads]``, filled with each row's log-sum-exp of
+            its scaled (masked) scores.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -78,6 +81,8 @@ def paged_attention_reference(
         query_positions = torch.arange(seq_len - query_len, seq_len, device=kv_cache.device)
         visible = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
         scores = scores.masked_fill(~visible, float("-inf"))
+        if lse_out is not None:
+            lse_out[start:end] = torch.logsumexp(scores, dim=-1).T
         probs = torch.softmax(scores, dim=-1)
         output[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return output

@@ -87,6 +87,20 @@ def test_strided_query_view_and_two_threads():
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_kernel_log_sum_exp_matches_reference(kind):
+    """The optional LSE output (for merging partial attentions) is each row's log-sum-exp of scaled scores."""
+    args = _setup(BATCHES[kind], 9, 3, 4, seed=4)
+    num_tokens = args[0].shape[0]
+    lse, expected_lse = torch.full((num_tokens, 9), float("nan")), torch.empty(num_tokens, 9)
+
+    out = paged_attention_cpu(*args, 0.125, lse_out=lse)
+
+    expected = paged_attention_reference(*args, 0.125, lse_out=expected_lse)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_extreme_scores_stay_finite():
     """One dominant key (scores ~1e4 apart) gives its value exactly; no overflow, no NaN."""
     query, kv_cache, query_start_loc, seq_lens, tables = _setup([(1, 40)], 3, 3, 4, seed=5)

@@ -17,7 +17,10 @@ the batch, so they are built once per step (on the first layer) and reused by ev
 
 On CPU in float32, decode rows go instead to the C++ kernel in ``kernels/cpu_attention.py``, which
 reads K/V from the blocks in place (no gather); prefill rows stay on ``scaled_dot_product_attention``,
-whose blocked matmuls beat the kernel's per-row loops there. ``BATCHINFER_CPU_KERNELS=0``, another
+whose blocked matmuls beat the kernel's per-row loops there. When at least ``MIN_SEQS`` sequences all
+share their first ``MIN_SHARED_TOKENS``-plus tokens' blocks (a prefix-cached preamble), every row goes
+through cascade attention instead (:mod:`worker.engine.cascade_attention`): the shared prefix once for
+the whole batch, each sequence's own tail through the kernel. ``BATCHINFER_CPU_KERNELS=0``, another
 dtype or device, or a failed build (warned once) leave every row on the PyTorch path.
 """
 
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_attention import paged_attention_cpu
 from kernels.cpu_extension import cpu_kernels_available
+from worker.engine import cascade_attention
 
 
 @dataclass(slots=True)
@@ -72,9 +76,19 @@ class _KernelPlan:
 
 
 @dataclass(slots=True)
+class _CascadePlan:
+    """Shared-prefix split: ``prefix_block_ids`` (``LongTensor[num_shared_blocks]``) attended by every row at
+    once; ``suffix``: all rows for the C++ kernel, block tables and ``seq_lens`` shifted past the prefix."""
+
+    prefix_block_ids: torch.Tensor
+    suffix: _KernelPlan
+
+
+@dataclass(slots=True)
 class _AttentionPlan:
     block_size: int
     num_queries_per_kv: int
+    cascade: _CascadePlan | None  # when set, it covers every row and the other fields are unused
     decode_kernel: _KernelPlan | None  # decode rows for the C++ kernel, or None: all rows in `groups`
     groups: list[_GroupPlan]  # rows attended with the PyTorch path
     covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
@@ -236,9 +250,31 @@ def _build_kernel_plan(metadata: AttentionMetadata, decode_ids: list[int], cu_qu
     )
 
 
+def _build_cascade_plan(metadata: AttentionMetadata, block_size: int) -> _CascadePlan | None:
+    if metadata.num_seqs < cascade_attention.MIN_SEQS:
+        return None
+    num_computed = [s - q for s, q in zip(metadata.seq_lens_list, metadata.query_lens_list)]
+    num_blocks = cascade_attention.num_shared_prefix_blocks(metadata.block_tables, num_computed, block_size)
+    if num_blocks * block_size < cascade_attention.MIN_SHARED_TOKENS:
+        return None
+    tables = metadata.block_tables.to(torch.int32)
+    return _CascadePlan(
+        prefix_block_ids=tables[0, :num_blocks].long(),
+        suffix=_KernelPlan(
+            token_idx=None,
+            query_start_loc=metadata.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=(metadata.seq_lens - num_blocks * block_size).to(torch.int32),
+            block_tables=tables[:, num_blocks:].contiguous(),
+        ),
+    )
+
+
 def _build_plan(
     metadata: AttentionMetadata, block_size: int, num_queries_per_kv: int, dtype: torch.dtype, use_kernel: bool
 ) -> _AttentionPlan:
+    cascade = _build_cascade_plan(metadata, block_size) if use_kernel else None
+    if cascade is not None:
+        return _AttentionPlan(block_size, num_queries_per_kv, cascade, None, [], False)
     cu_query_lens = list(accumulate(metadata.query_lens_list, initial=0))
     decode_ids = [i for i, query_len in enumerate(metadata.query_lens_list) if query_len == 1]
     other_ids = [i for i, query_len in enumerate(metadata.query_lens_list) if query_len > 1]
@@ -252,6 +288,7 @@ def _build_plan(
     return _AttentionPlan(
         block_size=block_size,
         num_queries_per_kv=num_queries_per_kv,
+        cascade=None,
         decode_kernel=decode_kernel,
         groups=groups,
         covers_batch_in_order=decode_kernel is None and len(groups) == 1,
@@ -292,6 +329,16 @@ def _attend_group(
     if group.valid_rows is not None:
         out = out.index_select(0, group.valid_rows)
     return out
+
+
+def _attend_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: _CascadePlan, scale: float) -> torch.Tensor:
+    prefix_out, prefix_lse = cascade_attention.prefix_attention(query, kv_cache, cascade.prefix_block_ids, scale)
+    suffix = cascade.suffix
+    suffix_lse = torch.empty(query.shape[:2], dtype=torch.float32)
+    suffix_out = paged_attention_cpu(
+        query, kv_cache, suffix.query_start_loc, suffix.seq_lens, suffix.block_tables, scale, lse_out=suffix_lse
+    )
+    return cascade_attention.merge_attention_states(suffix_out, suffix_lse, prefix_out, prefix_lse)
 
 
 def write_to_kv_cache(
@@ -344,6 +391,8 @@ def paged_attention_forward(
         use_kernel = _use_cpu_kernel(query, kv_cache)
         plan = _build_plan(attn_metadata, block_size, num_queries_per_kv, query.dtype, use_kernel)
         attn_metadata.plan = plan
+    if plan.cascade is not None:
+        return _attend_cascade(query, kv_cache, plan.cascade, scale)
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale)
     kernel = plan.decode_kernel

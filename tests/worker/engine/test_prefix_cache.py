@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
 from tests.helpers.scheduling import run_step, scheduled
 from tests.helpers.tiny_llama import save_tiny_llama
-from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine import EngineConfig, LLMEngine, SamplingParams, cascade_attention
 from worker.engine.block_manager import KVCacheManager
 from worker.engine.prefix_grouping import order_by_shared_prefix
 from worker.engine.scheduler import Scheduler
@@ -252,6 +252,24 @@ def test_cache_under_eviction_pressure_changes_nothing(model_dir, job, uncached)
     assert token_ids(run(engine, job, GREEDY)) == uncached[0]
     assert token_ids(run(engine, job, SEEDED)) == uncached[1]
     assert engine.kv_cache_manager.block_pool.num_evictions > 0
+
+
+def test_cascade_attention_over_a_shared_preamble_changes_nothing(model_dir, job, monkeypatch):
+    """All running lines share one preamble: with the cascade thresholds lowered, attention splits into the
+    shared prefix (once per step) and each line's tail, and greedy and seeded outputs stay those of no cache."""
+    lines = [line for line in job if line[0] == job[0][0]]
+    plain = make_engine(model_dir, enable_prefix_caching=False)
+    expected = token_ids(run(plain, lines, GREEDY)), token_ids(run(plain, lines, SEEDED))
+    monkeypatch.setattr(cascade_attention, "MIN_SEQS", 2)
+    monkeypatch.setattr(cascade_attention, "MIN_SHARED_TOKENS", BLOCK_SIZE)
+    calls = []
+    original = cascade_attention.prefix_attention
+    monkeypatch.setattr(cascade_attention, "prefix_attention", lambda *args: calls.append(1) or original(*args))
+    engine = make_engine(model_dir)
+
+    assert token_ids(run(engine, lines, GREEDY)) == expected[0]
+    assert token_ids(run(engine, lines, SEEDED)) == expected[1]
+    assert len(lines) >= 4 and calls
 
 
 def test_after_a_stop_string_inside_a_shared_block_later_prompts_are_unchanged(model_dir, job):

@@ -1,0 +1,107 @@
+"""Cascade (shared-prefix) attention against the plain paged-attention reference."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels.cpu_extension import DISABLE_ENV
+from kernels.reference import paged_attention_reference
+from worker.engine import cascade_attention
+from worker.engine.attention import build_attention_metadata, paged_attention_forward
+from worker.engine.cascade_attention import merge_attention_states, num_shared_prefix_blocks
+
+BLOCK_SIZE = 8
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    torch.set_num_threads(1)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+
+
+def test_shared_blocks_stop_at_the_first_difference_and_at_the_least_computed_sequence():
+    tables = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 7, 8, 3]])
+
+    assert num_shared_prefix_blocks(tables, [40, 40, 40], BLOCK_SIZE) == 3
+    assert num_shared_prefix_blocks(tables, [40, 17, 40], BLOCK_SIZE) == 2  # 17 tokens: 2 full blocks computed
+    assert num_shared_prefix_blocks(tables, [40, 7, 40], BLOCK_SIZE) == 0
+    assert num_shared_prefix_blocks(tables[:1], [40], BLOCK_SIZE) == 0  # one sequence shares with nobody
+    assert num_shared_prefix_blocks(torch.tensor([[1, 2], [3, 2]]), [16, 16], BLOCK_SIZE) == 0
+    assert num_shared_prefix_blocks(tables[[0, 2]], [40, 40], BLOCK_SIZE) == 4
+
+
+def test_merging_two_partial_attentions_equals_attention_over_all_keys():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen) for _ in range(3))
+    full = torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+
+    parts = []
+    for keys in (slice(0, 2), slice(2, 5)):
+        scores = q @ k[..., keys, :].transpose(-1, -2) * 0.25
+        parts += [torch.softmax(scores, -1) @ v[..., keys, :], torch.logsumexp(scores, -1)]
+    out_a, lse_a, out_b, lse_b = (t[0].transpose(0, 1) for t in parts)
+
+    merged = merge_attention_states(out_a, lse_a, out_b, lse_b)
+
+    torch.testing.assert_close(merged, full[0].transpose(0, 1), atol=1e-6, rtol=1e-5)
+
+
+def _shared_prefix_batch(query_lens, own_lens, shared_blocks, seed=0):
+    """Sequences sharing ``shared_blocks`` physical blocks, then own blocks; cache full of random K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(2, 400, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    free = torch.randperm(400, generator=gen).tolist()
+    shared = free[:shared_blocks]
+    del free[:shared_blocks]
+    seq_lens = [shared_blocks * BLOCK_SIZE + own for own in own_lens]
+    tables = []
+    for seq_len in seq_lens:
+        own_blocks = -(-seq_len // BLOCK_SIZE) - shared_blocks
+        tables.append(shared + free[:own_blocks])
+        del free[:own_blocks]
+    metadata = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen)
+    key, value = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen) for _ in range(2))
+    return query, key, value, kv_cache, metadata
+
+
+@pytest.mark.parametrize(
+    "query_lens,own_lens",
+    [
+        ([1] * 10, [3, 9, 1, 17, 8, 30, 2, 5, 11, 4]),  # decode rows only
+        ([1, 7, 1, 1, 12, 1, 3, 1, 1, 20], [3, 9, 1, 17, 12, 30, 3, 5, 11, 20]),  # prefills over the prefix too
+    ],
+)
+def test_cascade_path_matches_reference_when_many_sequences_share_a_long_prefix(query_lens, own_lens):
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on PATH: the cascade path needs the CPU kernels")
+    shared_blocks = cascade_attention.MIN_SHARED_TOKENS // BLOCK_SIZE + 2
+    query, key, value, kv_cache, metadata = _shared_prefix_batch(query_lens, own_lens, shared_blocks)
+    expected_cache = kv_cache.clone()
+
+    out = paged_attention_forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5)
+
+    assert metadata.plan.cascade is not None
+    assert metadata.plan.cascade.prefix_block_ids.numel() == shared_blocks
+    flat = expected_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
+    flat[0][metadata.slot_mapping], flat[1][metadata.slot_mapping] = key, value
+    expected = paged_attention_reference(
+        query, expected_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, HEAD_SIZE**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_seqs,shared_tokens", [(cascade_attention.MIN_SEQS - 1, 400), (10, 200)])
+def test_cascade_is_not_used_below_its_thresholds(num_seqs, shared_tokens):
+    query, key, value, kv_cache, metadata = _shared_prefix_batch(
+        [1] * num_seqs, [5] * num_seqs, shared_tokens // BLOCK_SIZE
+    )
+
+    paged_attention_forward(query, key, value, kv_cache, metadata, 0.125)
+
+    assert metadata.plan.cascade is None

@@ -1,0 +1,88 @@
+"""Cascade (shared-prefix) attention: a prefix every sequence of the batch shares is attended once.
+
+When all sequences of a step share their first KV blocks (prefix caching hands every line of a
+few-shot job the same physical blocks for the preamble), attention splits in two, as in FlashInfer's
+cascade inference (Ye et al. 2024, "Cascade Inference: Memory Bandwidth Efficient Shared Prefix Batch
+Decoding") and vLLM's cascade attention:
+
+1. every query token of the batch attends the shared prefix in one dense, unmasked attention call
+   (all queries come after the prefix, so no mask): the prefix K/V are read once per step instead of
+   once per sequence, and the work runs as blocked matrix products;
+2. each token attends its own sequence's remaining context (causal) through the paged kernel;
+3. the two partial results are merged exactly by their log-sum-exps (as FlashAttention's split-KV
+   reduction, Dao 2023).
+
+Output equals one attention over the whole context up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# vLLM's thresholds (use_cascade_attention): below them the extra calls cost more than they save.
+MIN_SHARED_TOKENS = 256
+MIN_SEQS = 8
+
+
+def num_shared_prefix_blocks(block_tables: torch.Tensor, num_computed: list[int], block_size: int) -> int:
+    """Leading blocks that every sequence shares (same physical ids) and has fully computed before this step.
+
+    Args:
+        block_tables: int ``[num_seqs, max_num_blocks]`` (padding past each table is ignored).
+        num_computed: tokens each sequence had in the cache before this step's queries.
+        block_size: tokens per block.
+
+    Returns:
+        The number of shared leading blocks, 0 when there is a single sequence or none are shared.
+    """
+    if block_tables.shape[0] < 2:
+        return 0
+    limit = min(num_computed) // block_size
+    if limit == 0:
+        return 0
+    same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)
+    mismatch = torch.nonzero(~same)
+    return int(mismatch[0, 0]) if mismatch.numel() else limit
+
+
+def prefix_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, prefix_block_ids: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row attends all positions of the given blocks (no mask).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        prefix_block_ids: ``LongTensor[num_prefix_blocks]``, the prefix's blocks in order.
+        scale: multiplier of ``q . k``.
+
+    Returns:
+        ``(out, lse)``: ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` and float32
+        ``[num_tokens, num_heads]`` log-sum-exps of the scaled scores.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    r = num_heads // num_kv_heads
+    kv = kv_cache.index_select(1, prefix_block_ids).view(2, -1, num_kv_heads, head_size).transpose(1, 2)
+    # The r query heads of a KV head become query rows: [1, num_kv_heads, num_tokens * r, head_size].
+    q = query.view(num_tokens, num_kv_heads, r, head_size).transpose(0, 1).reshape(1, num_kv_heads, -1, head_size)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), 0.0, False, scale=scale
+    )
+    out = out.view(num_kv_heads, num_tokens, r, head_size).transpose(0, 1).reshape(num_tokens, num_heads, head_size)
+    lse = lse.view(num_kv_heads, num_tokens, r).transpose(0, 1).reshape(num_tokens, num_heads)
+    return out, lse.float()
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Combine two attentions of the same queries over disjoint key sets into the attention over both.
+
+    ``out_*``: ``[num_tokens, num_heads, head_size]``; ``lse_*``: float32 ``[num_tokens, num_heads]``.
+    Returns ``[num_tokens, num_heads, head_size]`` in ``out_a.dtype``.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
