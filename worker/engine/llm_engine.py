@@ -248,10 +248,11 @@ class LLMEngine:
             return []
         finished = []
         stats, tokenizer = self.stats, self.tokenizer
+        logprobs = sampler_output.logprobs or [0.0] * len(runner_output.sampled_seqs)
         for seq, token_id, logprob, top in zip(
             runner_output.sampled_seqs,
             sampler_output.sampled_token_ids,
-            sampler_output.logprobs,
+            logprobs,
             sampler_output.top_logprobs,
         ):
             if not seq.output_token_ids:
@@ -311,7 +312,7 @@ class LLMEngine:
                 index=seq.sample_index,
                 text=seq.output_text,
                 token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=None if seq.params.logprobs is None else seq.cumulative_logprob,
                 logprobs=seq.logprobs,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,

@@ -26,6 +26,8 @@ class CompletionOutput:
 
     ``text`` is the detokenized output with any matched stop string removed (unless
     ``include_stop_str_in_output``); ``stop_reason`` is the matched stop string or stop token id.
+    ``cumulative_logprob`` (sum of the sampled tokens' raw logprobs) and ``logprobs`` are ``None`` unless
+    the request asked for logprobs, as in vLLM.
     """
 
     index: int

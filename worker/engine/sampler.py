@@ -49,12 +49,13 @@ class SamplingMetadata:
 class SamplerOutput:
     """One sampled token per row, its raw logprob, and the requested top alternatives.
 
-    ``top_logprobs[i]`` holds ``params.logprobs`` pairs ``(token_id, raw logprob)`` in descending order
-    (an empty list for ``logprobs=0``), or ``None`` when the row asked for no logprobs.
+    ``logprobs`` is ``None`` when no row of the step asked for logprobs (the vocabulary-wide log-sum-exp
+    is then skipped). ``top_logprobs[i]`` holds ``params.logprobs`` pairs ``(token_id, raw logprob)`` in
+    descending order (an empty list for ``logprobs=0``), or ``None`` when the row asked for no logprobs.
     """
 
     sampled_token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -173,6 +174,8 @@ class Sampler:
                 row_idx = torch.tensor(plan.random_rows, dtype=torch.long, device=logits.device)
                 sampled = processed.argmax(dim=-1).index_copy_(0, row_idx, drawn)
 
+        if all(p.logprobs is None for p in metadata.params):
+            return SamplerOutput(sampled.tolist(), None, [None] * len(metadata.params))
         raw_lse = torch.logsumexp(logits, dim=-1)
         sampled_logprobs = logits.gather(1, sampled[:, None]).squeeze(1) - raw_lse
         return SamplerOutput(

@@ -158,6 +158,20 @@ def test_eos_stops_unless_ignored(model_dir, prompts):
     assert ignored.outputs[0].token_ids == [eos] * 8 and ignored.outputs[0].finish_reason == "length"
 
 
+def test_no_logprobs_asked_means_none_reported(model_dir, prompts):
+    """As in vLLM: without ``logprobs`` a completion reports neither logprobs nor a cumulative logprob,
+    also when a neighbour in the same batch asked for them."""
+    engine = make_engine(model_dir)
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    asked = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+
+    outs = engine.generate(prompts[:3], [plain, asked, plain])
+
+    assert [o.outputs[0].cumulative_logprob is None for o in outs] == [True, False, True]
+    assert [o.outputs[0].logprobs is None for o in outs] == [True, False, True]
+    assert outs[1].outputs[0].cumulative_logprob < 0
+
+
 def test_logprobs_and_prompt_logprobs_match_hugging_face(model_dir, hf_model, prompts):
     engine = make_engine(model_dir, max_num_batched_tokens=8)  # prompt logprobs over several chunks
     prompt = prompts[2]
