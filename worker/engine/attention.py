@@ -6,9 +6,13 @@ positions of its context; K/V of the whole context live in a paged cache read th
 sequence's block table (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
 Serving with PagedAttention").
 
-How the PyTorch path avoids per-sequence loops: sequences are split into two groups, decode rows
-(``query_len == 1``) and the rest (prefills, prefill chunks over a cached prefix, speculative
-verification). For each group, one ``index_select`` gathers the whole blocks of every sequence into
+A sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached)
+attends straight from this step's K/V with one causal ``scaled_dot_product_attention`` call (no
+gather, no padding, no mask: the causal flash kernel skips the upper triangle).
+
+How the PyTorch path avoids per-sequence loops for the others: sequences are split into two groups,
+decode rows (``query_len == 1``) and the rest (prefill chunks over a cached prefix or an earlier chunk,
+speculative verification). For each group, one ``index_select`` gathers the whole blocks of every sequence into
 a padded ``[num_group_seqs, num_blocks * block_size, num_kv_heads, head_size]`` tensor, and one
 ``scaled_dot_product_attention`` call runs over it with an additive mask (causal and length).
 Grouped-query attention folds the ``num_heads // num_kv_heads`` query heads that share a KV head
@@ -89,6 +93,7 @@ class _AttentionPlan:
     block_size: int
     num_queries_per_kv: int
     cascade: _CascadePlan | None  # when set, it covers every row and the other fields are unused
+    fresh_prefills: list[tuple[int, int]]  # token ranges of sequences whose whole context is this step's
     decode_kernel: _KernelPlan | None  # decode rows for the C++ kernel, or None: all rows in `groups`
     groups: list[_GroupPlan]  # rows attended with the PyTorch path
     covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
@@ -274,10 +279,12 @@ def _build_plan(
 ) -> _AttentionPlan:
     cascade = _build_cascade_plan(metadata, block_size) if use_kernel else None
     if cascade is not None:
-        return _AttentionPlan(block_size, num_queries_per_kv, cascade, None, [], False)
+        return _AttentionPlan(block_size, num_queries_per_kv, cascade, [], None, [], False)
     cu_query_lens = list(accumulate(metadata.query_lens_list, initial=0))
-    decode_ids = [i for i, query_len in enumerate(metadata.query_lens_list) if query_len == 1]
-    other_ids = [i for i, query_len in enumerate(metadata.query_lens_list) if query_len > 1]
+    query_lens, seq_lens = metadata.query_lens_list, metadata.seq_lens_list
+    decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+    fresh_ids = [i for i, query_len in enumerate(query_lens) if 1 < query_len == seq_lens[i]]
+    other_ids = [i for i, query_len in enumerate(query_lens) if 1 < query_len < seq_lens[i]]
     decode_kernel = _build_kernel_plan(metadata, decode_ids, cu_query_lens) if use_kernel and decode_ids else None
     groups = [
         _build_group(metadata, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype)
@@ -289,9 +296,10 @@ def _build_plan(
         block_size=block_size,
         num_queries_per_kv=num_queries_per_kv,
         cascade=None,
+        fresh_prefills=[(cu_query_lens[i], cu_query_lens[i + 1]) for i in fresh_ids],
         decode_kernel=decode_kernel,
         groups=groups,
-        covers_batch_in_order=decode_kernel is None and len(groups) == 1,
+        covers_batch_in_order=decode_kernel is None and not fresh_ids and len(groups) == 1,
     )
 
 
@@ -329,6 +337,17 @@ def _attend_group(
     if group.valid_rows is not None:
         out = out.index_select(0, group.valid_rows)
     return out
+
+
+def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence whose context is exactly its new tokens: straight from this step's
+    K/V, no cache read, no mask tensor (the causal flash kernel skips the masked half)."""
+    num_queries_per_kv = query.shape[1] // key.shape[1]
+    q = query.transpose(0, 1)
+    k = key.transpose(0, 1).repeat_interleave(num_queries_per_kv, dim=0)
+    v = value.transpose(0, 1).repeat_interleave(num_queries_per_kv, dim=0)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _attend_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: _CascadePlan, scale: float) -> torch.Tensor:
@@ -401,6 +420,8 @@ def paged_attention_forward(
             query, kv_cache, kernel.query_start_loc, kernel.seq_lens, kernel.block_tables, scale
         )
     output = torch.empty_like(query)
+    for start, end in plan.fresh_prefills:
+        output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale)
     if kernel is not None:
         decode_out = paged_attention_cpu(
             query.index_select(0, kernel.token_idx),
