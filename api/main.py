@@ -7,17 +7,43 @@ migrations first). The app never imports torch or worker code: it validates and 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
 from api.routes import batches, files, health, jobs, schedules
 from api.routes.metrics import install_metrics
 from jobs.config import Settings, get_settings
+from jobs.intake import resume_validating_batches
+from jobs.status import now_s
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """On start-up, validate in a background thread the batches an earlier process left ``validating``."""
+    threading.Thread(
+        target=resume_validating_batches,
+        kwargs={"settings": app.state.settings, "started_at": now_s()},
+        name="resume-validating",
+        daemon=True,
+    ).start()
+    yield
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app for ``settings`` (default `get_settings()`); the database must be migrated."""
-    app = FastAPI(title="batchinfer", version="0.1.0", summary="OpenAI Batch API over our own inference engine")
+    """Build the app for ``settings`` (default `get_settings()`); the database must be migrated.
+
+    Start-up resumes batches an earlier process left ``validating`` (`jobs.intake.resume_validating_batches`).
+    """
+    app = FastAPI(
+        title="batchinfer",
+        version="0.1.0",
+        summary="OpenAI Batch API over our own inference engine",
+        lifespan=_lifespan,
+    )
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
     for module in (files, batches, jobs, schedules, health):

@@ -15,9 +15,9 @@ from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.files import file_path, get_file
 from jobs.queue import enqueue_batch
-from jobs.repository import apply_validation, get_batch
+from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
-from jobs.status import BatchStatus
+from jobs.status import BatchStatus, now_s
 from jobs.validation import ValidationResult, validate_batch_file
 
 logger = logging.getLogger(__name__)
@@ -70,3 +70,25 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
     if status == BatchStatus.IN_PROGRESS:
         enqueue_batch(batch_id, broker_url=settings.broker_url)
     return status
+
+
+def resume_validating_batches(*, settings: Settings | None = None, started_at: int | None = None) -> list[str]:
+    """Validate and start every batch an earlier API process left in ``validating`` (it stopped between
+    creating a batch and validating it), so no accepted batch is lost.
+
+    Only batches created before ``started_at`` (default: now) are taken, so batches created by this
+    process meanwhile are left to their own background task. A batch that fails (another process got
+    there first, the broker is down) is logged and skipped.
+
+    Returns:
+        The ids of the batches taken, oldest first.
+    """
+    settings = settings or get_settings()
+    with session_scope(settings.database_url) as session:
+        batch_ids = batches_left_validating(session, created_before=now_s() if started_at is None else started_at)
+    for batch_id in batch_ids:
+        try:
+            validate_and_start(batch_id, settings=settings)
+        except Exception:  # noqa: BLE001 - one batch's failure must not stop the others
+            logger.exception("could not resume the validation of batch %s", batch_id)
+    return batch_ids

@@ -177,6 +177,16 @@ def list_batches(session: Session, *, after: str | None = None, limit: int = 20)
     return keyset_page(session, select(Batch), Batch, after=after, limit=limit)
 
 
+def batches_left_validating(session: Session, *, created_before: int) -> list[str]:
+    """Ids of batches still ``validating`` that were created before ``created_before`` (epoch s), oldest first."""
+    query = (
+        select(Batch.id)
+        .where(Batch.status == BatchStatus.VALIDATING.value, Batch.created_at < created_before)
+        .order_by(Batch.created_at, Batch.id)
+    )
+    return list(session.scalars(query))
+
+
 def apply_validation(
     session: Session,
     *,

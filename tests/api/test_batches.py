@@ -153,3 +153,28 @@ def test_cancel_failed_batch_conflicts_and_unknown_batch_is_404(client: Any) -> 
     assert conflict.json()["error"]["code"] == "invalid_status"
     for response in (client.post("/v1/batches/batch_nope/cancel"), client.get("/v1/batches/batch_nope")):
         assert response.status_code == 404 and response.json()["error"]["code"] == "batch_not_found"
+
+
+def test_batches_left_validating_by_an_earlier_process_are_resumed_at_start_up(
+    client: Any, service_settings: Settings
+) -> None:
+    """The API stopped between creating a batch and validating it: the next start-up validates and starts it."""
+    import time
+
+    from jobs.intake import resume_validating_batches
+    from jobs.repository import create_batch
+    from tests.helpers.service import api_client
+
+    file_id = _upload(client, [chat_line("a"), chat_line("b")])
+    with session_scope(service_settings.database_url) as session:
+        batch_id = create_batch(session, input_file_id=file_id, endpoint=CHAT, now=int(time.time()) - 5).id
+    assert resume_validating_batches(settings=service_settings, started_at=0) == []  # created after that start
+
+    with api_client(service_settings) as restarted:
+        deadline = time.monotonic() + 30
+        while (batch := restarted.get(f"/v1/batches/{batch_id}").json())["status"] == "validating":
+            assert time.monotonic() < deadline, "the left-over batch was never validated"
+            time.sleep(0.05)
+
+    assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 2
+    assert queued_tasks(service_settings.broker_url) == [(RUN_BATCH, [batch_id])]

@@ -279,7 +279,15 @@ def _build_plan(
 ) -> _AttentionPlan:
     cascade = _build_cascade_plan(metadata, block_size) if use_kernel else None
     if cascade is not None:
-        return _AttentionPlan(block_size, num_queries_per_kv, cascade, [], None, [], False)
+        return _AttentionPlan(
+            block_size=block_size,
+            num_queries_per_kv=num_queries_per_kv,
+            cascade=cascade,
+            fresh_prefills=[],
+            decode_kernel=None,
+            groups=[],
+            covers_batch_in_order=False,
+        )
     cu_query_lens = list(accumulate(metadata.query_lens_list, initial=0))
     query_lens, seq_lens = metadata.query_lens_list, metadata.seq_lens_list
     decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
