@@ -7,6 +7,7 @@ migrations first). The app never imports torch or worker code: it validates and 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,11 +22,21 @@ from jobs.intake import resume_validating_batches
 from jobs.status import now_s
 
 
+logger = logging.getLogger(__name__)
+
+
+def _resume_validating(settings: Settings, started_at: int) -> None:
+    try:
+        resume_validating_batches(settings=settings, started_at=started_at)
+    except Exception as exc:  # noqa: BLE001 - e.g. the database is down at start-up: serve anyway
+        logger.warning("could not look for batches left validating: %s", exc)
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """On start-up, validate in a background thread the batches an earlier process left ``validating``."""
     threading.Thread(
-        target=resume_validating_batches,
+        target=_resume_validating,
         kwargs={"settings": app.state.settings, "started_at": now_s()},
         name="resume-validating",
         daemon=True,
