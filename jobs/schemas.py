@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from jobs.models import Batch, File
 from jobs.status import BatchStatus
 
+MAX_N = 128  # samples per line, OpenAI's cap
+
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
@@ -54,7 +56,7 @@ class _SamplingBody(BaseModel):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: Penalty | None = None

@@ -32,7 +32,7 @@ from jobs.config import get_settings
 from jobs.db import session_scope
 from jobs.errors import NotFound
 from jobs.status import BatchStatus
-from worker.engine.errors import PromptTooLongError
+from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.outputs import RequestOutput
 from worker.engine.prefix_grouping import order_by_shared_prefix
 from worker.engine.sampling_params import SamplingParams
@@ -202,6 +202,9 @@ def _stream(
                 engine.add_request(request_id, request.prompt_token_ids, request.params)
             except PromptTooLongError as exc:
                 sink.add(_context_length_result(request_id, endpoint, exc))
+                continue
+            except InvalidParameterError as exc:
+                sink.add(_rejected(request_id, str(exc), param=exc.param, code="invalid_value"))
                 continue
             except ValueError as exc:
                 sink.add(_rejected(request_id, str(exc), param=None))

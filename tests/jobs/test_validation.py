@@ -143,6 +143,7 @@ def test_nan_is_not_json() -> None:
         ({"top_p": 0}, "body.top_p"),
         ({"top_p": 1.5}, "body.top_p"),
         ({"n": 0}, "body.n"),
+        ({"n": 129}, "body.n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "body.stop"),
         ({"stop": 3}, "body.stop"),
         ({"logprobs": 3}, "body.logprobs"),

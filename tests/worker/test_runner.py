@@ -308,3 +308,32 @@ def test_lines_the_engine_drops_fail_instead_of_hanging(service, served_tokenize
     _, output, errors = read_results(batch_id)
     assert set(output) == {"line-1", "line-3"}
     assert errors["line-2"]["response"]["status_code"] == 500
+
+
+def test_a_token_id_outside_the_vocabulary_fails_its_line_alone_on_the_real_engine(service, tmp_path):
+    """A ``logit_bias`` or prompt token id the model does not have passes validation (the API has no model)
+    but is rejected when the line joins the engine, before any step: its neighbours run normally."""
+    from tests.helpers.tiny_llama import save_tiny_llama
+    from worker.engine import EngineConfig, LLMEngine
+
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, kv_cache_memory_bytes=1 << 22))
+    vocab_size = engine.model_config.vocab_size
+    bodies = [
+        completion("fine one"),
+        completion("biased", logit_bias={"3": 5, str(vocab_size + 5): 5}),
+        completion([1, vocab_size]),
+        completion("fine two", temperature=1.0, seed=3),
+    ]
+    batch_id = make_batch(bodies)
+
+    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+
+    batch, output, errors = read_results(batch_id)
+    assert set(output) == {"line-1", "line-4"} and set(errors) == {"line-2", "line-3"}
+    for custom_id, param, bad_id in (("line-2", "logit_bias", vocab_size + 5), ("line-3", "prompt", None)):
+        response = errors[custom_id]["response"]
+        assert response["status_code"] == 400
+        error = response["body"]["error"]
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_value", param)
+        assert str(vocab_size) in error["message"] and (bad_id is None or str(bad_id) in error["message"])

@@ -16,3 +16,15 @@ class PromptTooLongError(ValueError):
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter that only the loaded model can check (token ids against its vocabulary).
+
+    ``param`` names the offending field (``"prompt"``, ``"logit_bias"``); the worker fails that line
+    alone with a 400 ``invalid_value`` error, before it joins a batch.
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param

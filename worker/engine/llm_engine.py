@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from worker.engine.block_manager import KVCacheManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, decode_token
-from worker.engine.errors import PromptTooLongError
+from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from worker.engine.sampling_params import SamplingParams
@@ -114,7 +114,8 @@ class LLMEngine:
 
         Raises:
             PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
-            ValueError: a duplicate ``request_id``, an empty prompt, or a token id outside the vocabulary.
+            InvalidParameterError: a prompt or ``logit_bias`` token id outside the vocabulary.
+            ValueError: a duplicate ``request_id`` or an empty prompt.
         """
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
@@ -127,7 +128,12 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         vocab_size = self.model_config.vocab_size
         if not all(0 <= token_id < vocab_size for token_id in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        bad_bias = sorted(t for t in (params.logit_bias or {}) if not 0 <= t < vocab_size)
+        if bad_bias:
+            raise InvalidParameterError(
+                f"logit_bias token ids {bad_bias} are outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
         seqs = [
