@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI Files + Batches endpoints, ``POST /v1/jobs``, ``/v1/schedules``, ``GET /health``
+"""The FastAPI app: OpenAI Files, Batches and Models endpoints, ``POST /v1/jobs``, ``/v1/schedules``, ``GET /health``
 and ``GET /metrics``.
 
 Serve with ``uvicorn --factory api.main:create_app`` (or ``batchinfer serve``, which also runs the
@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.routes import batches, files, health, jobs, schedules
+from api.routes import batches, files, health, jobs, models, schedules
 from api.routes.metrics import install_metrics
 from jobs.config import Settings, get_settings
 from jobs.intake import resume_validating_batches
@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
-    for module in (files, batches, jobs, schedules, health):
+    for module in (files, batches, jobs, schedules, models, health):
         app.include_router(module.router)
     install_metrics(app, app.state.settings.database_url)
     return app

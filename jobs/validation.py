@@ -127,7 +127,7 @@ def _validate_line(
     except ValueError as exc:
         raise _LineProblem("invalid_json", f"the line is not valid JSON: {exc}") from None
     if not isinstance(line, dict):
-        raise _LineProblem("invalid_json", f"the line must be a JSON object, got {type(line).__name__}")
+        raise _LineProblem("invalid_json", f"the line must be a JSON object, got {_json_type(line)}")
 
     _check_custom_id(line, line_number, first_line_of)
     unknown = sorted(set(line) - _LINE_KEYS)
@@ -190,3 +190,9 @@ def _describe(err: Any) -> str:
     if err["type"] == "extra_forbidden":
         return "unknown field (not a parameter of this endpoint)"
     return str(err["msg"]).removeprefix("Value error, ")
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type (``null``, ``array``, ``string``...)."""
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return names.get(type(value), type(value).__name__)

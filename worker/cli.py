@@ -185,6 +185,19 @@ def _stop_children(children: list[subprocess.Popen]) -> None:
 def _submit(args: argparse.Namespace) -> int:
     import httpx
 
+    if not args.file.is_file():
+        print(f"submit: no such file: {args.file}", file=sys.stderr)
+        return 2
+    try:
+        return _submit_file(args)
+    except httpx.TransportError as exc:
+        print(f"submit: cannot reach batchinfer at {args.base_url} ({exc}); is `batchinfer serve` running?", file=sys.stderr)
+        return 1
+
+
+def _submit_file(args: argparse.Namespace) -> int:
+    import httpx
+
     metadata = dict(_key_value(item) for item in args.metadata)
     with httpx.Client(base_url=args.base_url.rstrip("/"), timeout=120) as client:
         with args.file.open("rb") as f:

@@ -89,6 +89,16 @@ def test_sdk_sees_openai_errors(sdk: openai.OpenAI) -> None:
         sdk.batches.cancel(failed.id)
 
 
+def test_sdk_lists_and_retrieves_the_served_model(sdk: openai.OpenAI, service_settings: Settings) -> None:
+    [model] = list(sdk.models.list())
+
+    assert (model.id, model.object, model.owned_by) == (service_settings.served_model_name, "model", "batchinfer")
+    assert sdk.models.retrieve(model.id).id == model.id
+    with pytest.raises(openai.NotFoundError) as not_found:
+        sdk.models.retrieve("gpt-4o")
+    assert not_found.value.code == "model_not_found"
+
+
 def test_sdk_over_real_http_server(service_settings: Settings) -> None:
     """uvicorn on a free loopback port: validation runs after the create response, the client polls."""
     import socket

@@ -126,6 +126,15 @@ def test_byte_limit() -> None:
     assert [(e.code, e.line) for e in result.errors] == [("file_too_large", None)]
 
 
+@pytest.mark.parametrize(("line", "kind"), [(b"null", "null"), (b"[1]", "an array"), (b'"x"', "a string"), (b"3", "a number")])
+def test_a_line_that_is_not_an_object_names_its_json_type(line: bytes, kind: str) -> None:
+    result = _validate(line + b"\n")
+
+    assert [(e.code, e.line, e.message) for e in result.errors] == [
+        ("invalid_json", 1, f"the line must be a JSON object, got {kind}")
+    ]
+
+
 def test_nan_is_not_json() -> None:
     result = _validate(b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
                        + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}}\n')

@@ -122,3 +122,14 @@ def test_cli_imports_neither_torch_nor_api():
     code = "import sys, worker.cli; print(sorted(m for m in ('torch', 'api', 'api.main') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_submit_explains_a_missing_file_and_an_unreachable_server(tmp_path, capsys):
+    code = cli.main(["submit", str(tmp_path / "nope.jsonl"), "--endpoint", "/v1/completions"])
+    assert code == 2 and "no such file" in capsys.readouterr().err
+
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("{}\n")
+    code = cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", "http://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot reach batchinfer at http://127.0.0.1:1" in err and "Traceback" not in err
