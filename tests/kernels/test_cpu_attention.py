@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -22,13 +20,7 @@ MIXED = [(1, 9), (5, 12), (1, 20), (16, 16), (4, 30), (1, 2), (2, 2)]  # prefix-
 BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_and_kernel(monkeypatch):
-    torch.set_num_threads(1)
-    monkeypatch.delenv(cpu_extension.DISABLE_ENV, raising=False)
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on PATH: the kernel cannot be built here")
-    assert cpu_kernels_available(), "a C++ compiler is present but the kernel failed to build (see the log)"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _setup(batch, num_heads, num_kv_heads, block_size, seed=0):

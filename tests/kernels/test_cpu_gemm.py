@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from torch.nn import functional as F
 
-from kernels import cpu_extension
-from kernels.cpu_extension import cpu_kernels_available
 from kernels.cpu_gemm import PANEL_WIDTH, linear_packed, pack_linear_weight
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_and_kernel(monkeypatch):
-    torch.set_num_threads(1)
-    monkeypatch.delenv(cpu_extension.DISABLE_ENV, raising=False)
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on PATH: the kernels cannot be built here")
-    assert cpu_kernels_available(), "a C++ compiler is present but the kernels failed to build (see the log)"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _weights(out_features, in_features, seed=0):
