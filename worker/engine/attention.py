@@ -21,10 +21,10 @@ the batch, so they are built once per step (on the first layer) and reused by ev
 
 On CPU in float32, decode rows go instead to the C++ kernel in ``kernels/cpu_attention.py``, which
 reads K/V from the blocks in place (no gather); prefill rows stay on ``scaled_dot_product_attention``,
-whose blocked matmuls beat the kernel's per-row loops there. When at least ``MIN_SEQS`` sequences all
+whose blocked matmuls beat the kernel's per-row loops there. When at least ``MIN_SEQS`` sequences
 share their first ``MIN_SHARED_TOKENS``-plus tokens' blocks (a prefix-cached preamble), every row goes
-through cascade attention instead (:mod:`worker.engine.cascade_attention`): the shared prefix once for
-the whole batch, each sequence's own tail through the kernel. ``BATCHINFER_CPU_KERNELS=0``, another
+through cascade attention instead (:mod:`worker.engine.cascade_attention`): each shared prefix once
+for its group of sequences, every sequence's own remaining context through the kernel. ``BATCHINFER_CPU_KERNELS=0``, another
 dtype or device, or a failed build (warned once) leave every row on the PyTorch path.
 """
 
@@ -80,11 +80,20 @@ class _KernelPlan:
 
 
 @dataclass(slots=True)
-class _CascadePlan:
-    """Shared-prefix split: ``prefix_block_ids`` (``LongTensor[num_shared_blocks]``) attended by every row at
-    once; ``suffix``: all rows for the C++ kernel, block tables and ``seq_lens`` shifted past the prefix."""
+class _CascadeGroup:
+    """Rows of the sequences behind one shared prefix: ``prefix_block_ids`` (``LongTensor[num_shared_blocks]``)
+    and ``token_idx`` (``LongTensor[num_group_tokens]``, ``None`` when the group is the whole batch)."""
 
     prefix_block_ids: torch.Tensor
+    token_idx: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _CascadePlan:
+    """``groups`` attend their shared prefix once each; ``suffix``: all rows for the C++ kernel, each
+    sequence's block table and ``seq_lens`` shifted past its group's prefix (not shifted outside groups)."""
+
+    groups: list[_CascadeGroup]
     suffix: _KernelPlan
 
 
@@ -259,17 +268,35 @@ def _build_cascade_plan(metadata: AttentionMetadata, block_size: int) -> _Cascad
     if metadata.num_seqs < cascade_attention.MIN_SEQS:
         return None
     num_computed = [s - q for s, q in zip(metadata.seq_lens_list, metadata.query_lens_list)]
-    num_blocks = cascade_attention.num_shared_prefix_blocks(metadata.block_tables, num_computed, block_size)
-    if num_blocks * block_size < cascade_attention.MIN_SHARED_TOKENS:
-        return None
     tables = metadata.block_tables.to(torch.int32)
+    groups = cascade_attention.shared_prefix_groups(tables, num_computed, block_size)
+    if not groups:
+        return None
+    device = tables.device
+    shift = [0] * metadata.num_seqs  # blocks each sequence's table moves left
+    cu_query_lens = list(accumulate(metadata.query_lens_list, initial=0))
+    cascade_groups = []
+    for seq_ids, num_blocks in groups:
+        for i in seq_ids:
+            shift[i] = num_blocks
+        whole_batch = len(seq_ids) == metadata.num_seqs
+        token_idx = [t for i in seq_ids for t in range(cu_query_lens[i], cu_query_lens[i + 1])]
+        cascade_groups.append(
+            _CascadeGroup(
+                prefix_block_ids=tables[seq_ids[0], :num_blocks].long(),
+                token_idx=None if whole_batch else torch.tensor(token_idx, dtype=torch.long, device=device),
+            )
+        )
+    shift_t = torch.tensor(shift, dtype=torch.long, device=device)
+    width = tables.shape[1]
+    columns = (torch.arange(width, device=device)[None, :] + shift_t[:, None]).clamp_(max=width - 1)
     return _CascadePlan(
-        prefix_block_ids=tables[0, :num_blocks].long(),
+        groups=cascade_groups,
         suffix=_KernelPlan(
             token_idx=None,
             query_start_loc=metadata.query_start_loc.to(torch.int32).contiguous(),
-            seq_lens=(metadata.seq_lens - num_blocks * block_size).to(torch.int32),
-            block_tables=tables[:, num_blocks:].contiguous(),
+            seq_lens=(metadata.seq_lens - shift_t * block_size).to(torch.int32),
+            block_tables=tables.gather(1, columns).contiguous(),
         ),
     )
 
@@ -359,13 +386,24 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
 
 def _attend_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: _CascadePlan, scale: float) -> torch.Tensor:
-    prefix_out, prefix_lse = cascade_attention.prefix_attention(query, kv_cache, cascade.prefix_block_ids, scale)
     suffix = cascade.suffix
     suffix_lse = torch.empty(query.shape[:2], dtype=torch.float32)
-    suffix_out = paged_attention_cpu(
+    out = paged_attention_cpu(
         query, kv_cache, suffix.query_start_loc, suffix.seq_lens, suffix.block_tables, scale, lse_out=suffix_lse
     )
-    return cascade_attention.merge_attention_states(suffix_out, suffix_lse, prefix_out, prefix_lse)
+    for group in cascade.groups:
+        rows = group.token_idx
+        if rows is None:
+            prefix_out, prefix_lse = cascade_attention.prefix_attention(query, kv_cache, group.prefix_block_ids, scale)
+            return cascade_attention.merge_attention_states(out, suffix_lse, prefix_out, prefix_lse)
+        prefix_out, prefix_lse = cascade_attention.prefix_attention(
+            query.index_select(0, rows), kv_cache, group.prefix_block_ids, scale
+        )
+        merged = cascade_attention.merge_attention_states(
+            out.index_select(0, rows), suffix_lse.index_select(0, rows), prefix_out, prefix_lse
+        )
+        out.index_copy_(0, rows, merged)
+    return out
 
 
 def write_to_kv_cache(

@@ -1,18 +1,20 @@
-"""Cascade (shared-prefix) attention: a prefix every sequence of the batch shares is attended once.
+"""Cascade (shared-prefix) attention: a prefix many sequences of the batch share is attended once.
 
-When all sequences of a step share their first KV blocks (prefix caching hands every line of a
+When many sequences of a step share their first KV blocks (prefix caching hands every line of a
 few-shot job the same physical blocks for the preamble), attention splits in two, as in FlashInfer's
 cascade inference (Ye et al. 2024, "Cascade Inference: Memory Bandwidth Efficient Shared Prefix Batch
 Decoding") and vLLM's cascade attention:
 
-1. every query token of the batch attends the shared prefix in one dense, unmasked attention call
+1. every query token of the group attends the shared prefix in one dense, unmasked attention call
    (all queries come after the prefix, so no mask): the prefix K/V are read once per step instead of
    once per sequence, and the work runs as blocked matrix products;
 2. each token attends its own sequence's remaining context (causal) through the paged kernel;
 3. the two partial results are merged exactly by their log-sum-exps (as FlashAttention's split-KV
    reduction, Dao 2023).
 
-Output equals one attention over the whole context up to float32 rounding.
+Output equals one attention over the whole context up to float32 rounding. Each group of sequences
+behind the same preamble gets its own cascade (:func:`shared_prefix_groups`); the others attend their
+whole context through the kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +45,40 @@ def num_shared_prefix_blocks(block_tables: torch.Tensor, num_computed: list[int]
     same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)
     mismatch = torch.nonzero(~same)
     return int(mismatch[0, 0]) if mismatch.numel() else limit
+
+
+def shared_prefix_groups(
+    block_tables: torch.Tensor, num_computed: list[int], block_size: int
+) -> list[tuple[list[int], int]]:
+    """Groups of sequences that share a long enough computed prefix for cascade attention.
+
+    Sequences are grouped by their first physical block (prefix caching gives every line behind the same
+    preamble the same blocks); a group counts when it has at least ``MIN_SEQS`` sequences whose common
+    computed prefix (:func:`num_shared_prefix_blocks`) is at least ``MIN_SHARED_TOKENS`` tokens. A job
+    with several preambles thus gets one cascade per preamble.
+
+    Args:
+        block_tables: int ``[num_seqs, max_num_blocks]``.
+        num_computed: tokens each sequence had in the cache before this step's queries.
+        block_size: tokens per block.
+
+    Returns:
+        ``(seq_ids, num_shared_blocks)`` per group, groups in order of their first sequence.
+    """
+    min_blocks = -(-MIN_SHARED_TOKENS // block_size)
+    by_first_block: dict[int, list[int]] = {}
+    for seq_id, (first_block, computed) in enumerate(zip(block_tables[:, 0].tolist(), num_computed)):
+        if computed >= min_blocks * block_size:
+            by_first_block.setdefault(first_block, []).append(seq_id)
+    groups = []
+    for seq_ids in by_first_block.values():
+        if len(seq_ids) < MIN_SEQS:
+            continue
+        ids = torch.tensor(seq_ids)
+        num_blocks = num_shared_prefix_blocks(block_tables[ids], [num_computed[i] for i in seq_ids], block_size)
+        if num_blocks >= min_blocks:
+            groups.append((seq_ids, num_blocks))
+    return groups
 
 
 def prefix_attention(
