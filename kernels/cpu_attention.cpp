@@ -73,10 +73,29 @@ struct Shapes {
   int64_t cache_stride_kv;  // elements between the K and the V half of the cache
 };
 
+// Calls visit(position, row) for positions 0 .. context_len - 1 of one half of the cache (K or V), where
+// `row` holds that position's num_kv_heads * head_size floats (`token_stride`). Blocks are walked in order
+// while the same row of the next block is prefetched (block ids are random, so the hardware prefetcher
+// cannot guess them).
+template <typename Visit>
+inline void for_each_position(const float* cache_half, const int32_t* block_table, int64_t context_len,
+                              int64_t block_size, int64_t token_stride, Visit&& visit) {
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* block = cache_half + block_table[b] * block_stride;
+    const float* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t pos = b * block_size, n = std::min(block_size, context_len - pos);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
+      visit(pos + j, block + j * token_stride);
+    }
+  }
+}
+
 // Attention of all heads of one query token over the first `context_len` positions of its sequence.
-// Blocks are walked in order and each position's K (then V) row, all KV heads together, is read once
-// and contiguously, while the same row of the next block is prefetched (block ids are random, so the
-// hardware prefetcher cannot guess them). `scores` holds num_heads * context_len floats, `q_scaled`
+// Each position's K (then V) row, all KV heads together, is read once and contiguously
+// (for_each_position). `scores` holds num_heads * context_len floats, `q_scaled`
 // num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads it from `s`.
 template <int64_t kHeadSize>
 void attend_token(const Shapes& s, const float* query, const float* cache, const int32_t* block_table,
@@ -85,8 +104,6 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
   const int64_t num_kv_heads = s.num_kv_heads;
   const int64_t head_size = kHeadSize > 0 ? kHeadSize : s.head_size;
   const int64_t token_stride = num_kv_heads * head_size;  // floats between positions inside a block
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* q = query + h * s.query_stride_head;
 #pragma omp simd
@@ -95,23 +112,16 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
   float max_score[kMaxHeads];
   std::fill(max_score, max_score + num_heads, -std::numeric_limits<float>::infinity());
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* block = cache + block_table[b] * block_stride;
-    const float* next_block = cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-    const int64_t pos = b * block_size, n = std::min(block_size, context_len - pos);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* row = block + j * token_stride;
-      for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const float* k = row + g * head_size;
-        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-          const float score = dot<kHeadSize>(q_scaled + h * head_size, k, head_size);
-          scores[h * context_len + pos + j] = score;
-          max_score[h] = std::max(max_score[h], score);
-        }
+  for_each_position(cache, block_table, context_len, block_size, token_stride, [&](int64_t pos, const float* row) {
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const float* k = row + g * head_size;
+      for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+        const float score = dot<kHeadSize>(q_scaled + h * head_size, k, head_size);
+        scores[h * context_len + pos] = score;
+        max_score[h] = std::max(max_score[h], score);
       }
     }
-  }
+  });
 
   float inv_sum[kMaxHeads];
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -130,24 +140,17 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 
   std::fill(out, out + num_heads * head_size, 0.0f);
   const float* value_cache = cache + s.cache_stride_kv;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* block = value_cache + block_table[b] * block_stride;
-    const float* next_block = value_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-    const int64_t pos = b * block_size, n = std::min(block_size, context_len - pos);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* row = block + j * token_stride;
-      for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const float* __restrict v = row + g * head_size;
-        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-          const float p = scores[h * context_len + pos + j];
-          float* __restrict o = out + h * head_size;
+  for_each_position(value_cache, block_table, context_len, block_size, token_stride, [&](int64_t pos, const float* row) {
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const float* __restrict v = row + g * head_size;
+      for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+        const float p = scores[h * context_len + pos];
+        float* __restrict o = out + h * head_size;
 #pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) o[d] += p * v[d];
-        }
+        for (int64_t d = 0; d < head_size; ++d) o[d] += p * v[d];
       }
     }
-  }
+  });
   for (int64_t h = 0; h < num_heads; ++h) {
     float* __restrict o = out + h * head_size;
     const float inv = inv_sum[h];
