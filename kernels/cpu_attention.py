@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_kernels
+from kernels.cpu_extension import require_cpu_kernels
 
 
 def paged_attention_cpu(
@@ -49,8 +49,7 @@ def paged_attention_cpu(
         RuntimeError: when the kernels are unavailable (see :func:`kernels.cpu_extension.cpu_kernels_available`), or
             on bad shapes, dtypes, lengths or out-of-range block ids.
     """
-    if not load_cpu_kernels():
-        raise RuntimeError("the C++ CPU kernels are unavailable")
+    require_cpu_kernels()
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.batchinfer_cpu.paged_attention_(
         out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, lse_out

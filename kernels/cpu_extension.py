@@ -71,6 +71,16 @@ def load_cpu_kernels() -> bool:
     return _loaded
 
 
+def require_cpu_kernels() -> None:
+    """Load the library (see :func:`load_cpu_kernels`) or raise.
+
+    Raises:
+        RuntimeError: the kernels could not be built or loaded.
+    """
+    if not load_cpu_kernels():
+        raise RuntimeError("the C++ CPU kernels are unavailable")
+
+
 def cpu_kernels_available() -> bool:
     """Whether the C++ kernels can run here: not disabled by ``BATCHINFER_CPU_KERNELS=0`` and built.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_kernels
+from kernels.cpu_extension import require_cpu_kernels
 
 PANEL_WIDTH = 16  # output columns per packed panel
 
@@ -30,8 +30,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: when the kernels are unavailable, or on a weight that is not 2-D float32 on CPU.
     """
-    if not load_cpu_kernels():
-        raise RuntimeError("the C++ CPU kernels are unavailable")
+    require_cpu_kernels()
     return torch.ops.batchinfer_cpu.pack_linear_weight(weight)
 
 
@@ -56,8 +55,7 @@ def linear_packed(
     Raises:
         RuntimeError: when the kernels are unavailable, or on mismatched shapes or dtypes.
     """
-    if not load_cpu_kernels():
-        raise RuntimeError("the C++ CPU kernels are unavailable")
+    require_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.batchinfer_cpu.linear_packed(rows, packed_weight, out_features, bias)
     return out.view(*x.shape[:-1], out_features)
