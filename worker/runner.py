@@ -34,7 +34,7 @@ from jobs.errors import NotFound
 from jobs.status import BatchStatus
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.outputs import RequestOutput
-from worker.engine.prefix_grouping import order_by_shared_prefix
+from worker.prefix_grouping import order_by_shared_prefix
 from worker.engine.sampling_params import SamplingParams
 from worker.request_mapping import CHAT_COMPLETIONS, InvalidRequestError, MappedRequest, map_request
 from worker.responses import build_body, context_length_message, error_body, new_request_id

@@ -130,7 +130,7 @@ def test_env_var_disables_kernel(monkeypatch):
 @pytest.mark.parametrize("kernels_env", ["1", "0"])
 def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
     """paged_attention_forward sends decode rows of a mixed batch to the kernel (unless disabled); same output."""
-    from worker.engine.attention import build_attention_metadata, paged_attention_forward
+    from worker.engine.executor.layers.attention.paged import build_attention_metadata, paged_attention_forward
 
     monkeypatch.setenv(cpu_extension.DISABLE_ENV, kernels_env)
     query, kv_cache, _, _, _ = _setup(MIXED, 9, 3, 4, seed=7)

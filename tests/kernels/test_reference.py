@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import paged_attention_reference, reshape_and_cache
-from worker.engine.attention import build_attention_metadata, paged_attention_forward, write_to_kv_cache
+from worker.engine.executor.layers.attention.paged import build_attention_metadata, paged_attention_forward, write_to_kv_cache
 
 NUM_BLOCKS = 128
 HEAD_SIZE = 8

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from worker.engine.block_manager import KVCacheManager
+from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
-from worker.engine.model_runner import ModelRunner, ModelRunnerOutput
+from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.sequence import Request, Sequence
-from worker.engine.stop_checker import check_finish
+from worker.engine.core.scheduler import Scheduler, SchedulerOutput
+from worker.engine.core.request import Request, Sequence
+from worker.engine.output.stop_checker import check_finish
 
 
 @dataclass(slots=True)

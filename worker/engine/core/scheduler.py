@@ -28,9 +28,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from worker.engine.block_manager import KVCacheManager
-from worker.engine.block_pool import BlockHash
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.core.kv_cache_manager import KVCacheManager
+from worker.engine.core.block_pool import BlockHash
+from worker.engine.core.request import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

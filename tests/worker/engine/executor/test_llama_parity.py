@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.parity import TopTwo, assert_greedy_close, hf_greedy_reference, top_two_from_logits
 from tests.helpers.tiny_llama import save_tiny_llama
-from worker.engine.attention import build_attention_metadata
-from worker.engine.model_loader import load_model
-from worker.engine.models.llama import LlamaForCausalLM
+from worker.engine.executor.layers.attention.paged import build_attention_metadata
+from worker.engine.executor.model_loader import load_model
+from worker.engine.executor.models.llama import LlamaForCausalLM
 
 PROMPT_LENS = [5, 11, 1, 17, 3]
 NUM_DECODE_STEPS = 12
@@ -229,7 +229,7 @@ def test_smollm2_logits_and_greedy_match_hf(served_model_dir, served_tokenizer):
 def test_load_model_packs_float32_linears_unless_kernels_disabled(tmp_path, monkeypatch, kernels_env):
     """fp32 on CPU: every projection and the lm_head become PackedLinear layers with the same outputs."""
     from kernels.cpu_extension import DISABLE_ENV
-    from worker.engine.linear import PackedLinear
+    from worker.engine.executor.layers.linear import PackedLinear
 
     monkeypatch.setenv(DISABLE_ENV, kernels_env)
     path = save_tiny_llama(tmp_path)

@@ -23,7 +23,7 @@ On CPU in float32, decode rows go instead to the C++ kernel in ``kernels/cpu_att
 reads K/V from the blocks in place (no gather); prefill rows stay on ``scaled_dot_product_attention``,
 whose blocked matmuls beat the kernel's per-row loops there. When at least ``MIN_SEQS`` sequences
 share their first ``MIN_SHARED_TOKENS``-plus tokens' blocks (a prefix-cached preamble), every row goes
-through cascade attention instead (:mod:`worker.engine.cascade_attention`): each shared prefix once
+through cascade attention instead (:mod:`worker.engine.executor.layers.attention.cascade`): each shared prefix once
 for its group of sequences, every sequence's own remaining context through the kernel. ``BATCHINFER_CPU_KERNELS=0``, another
 dtype or device, or a failed build (warned once) leave every row on the PyTorch path.
 """
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_attention import paged_attention_cpu
 from kernels.cpu_extension import cpu_kernels_available
-from worker.engine import cascade_attention
+from worker.engine.executor.layers.attention import cascade as cascade_attention
 
 
 @dataclass(slots=True)

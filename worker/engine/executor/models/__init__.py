@@ -1,5 +1,5 @@
 """Model implementations over a flat ragged batch with a paged KV cache."""
 
-from worker.engine.models.llama import LlamaForCausalLM
+from worker.engine.executor.models.llama import LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM"]

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.engine.attention import AttentionMetadata
+from worker.engine.executor.layers.attention.paged import AttentionMetadata
 from worker.engine.config import EngineConfig
-from worker.engine.model_loader import load_model
-from worker.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs, make_generator
-from worker.engine.scheduler import SchedulerOutput
-from worker.engine.sequence import Sequence
+from worker.engine.executor.model_loader import load_model
+from worker.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs, make_generator
+from worker.engine.core.scheduler import SchedulerOutput
+from worker.engine.core.request import Sequence
 
 PromptLogprobEntry = tuple[float, list[tuple[int, float]]]
 

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, LlamaConfig
 
-from worker.engine.linear import pack_linear_layers
-from worker.engine.models.llama import LlamaForCausalLM
+from worker.engine.executor.layers.linear import pack_linear_layers
+from worker.engine.executor.models.llama import LlamaForCausalLM
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -25,7 +25,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     """Build the model from ``model_dir/config.json`` and load its safetensors weights.
 
     Returns the model on ``device`` in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a
-    float32 model on CPU gets packed-weight linear layers (:func:`worker.engine.linear.pack_linear_layers`).
+    float32 model on CPU gets packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`).
 
     Raises:
         FileNotFoundError: if the folder has no ``*.safetensors`` file.

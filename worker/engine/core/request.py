@@ -16,7 +16,7 @@ from worker.engine.outputs import FinishReason, PositionLogprobs
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from worker.engine.detokenizer import IncrementalDetokenizer
+    from worker.engine.output.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):

@@ -4,10 +4,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.scheduling import run_step, scheduled
-from worker.engine.block_manager import KVCacheManager
+from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.core.scheduler import Scheduler
+from worker.engine.core.request import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from worker.engine.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def test_free_queue_pops_head_appends_tail_and_removes_from_middle():

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.engine.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
 
 TEXTS = [
     "你好，世界！这是一个测试。日本語のテキストも大丈夫です。",

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from worker.engine.attention import AttentionMetadata, paged_attention_forward
+from worker.engine.executor.layers.attention.paged import AttentionMetadata, paged_attention_forward
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
 
     Build from a ``transformers.LlamaConfig``, then :meth:`load_weights` with Hugging Face names
     (``model.layers.N.self_attn.q_proj.weight`` ...). Parameters are created with ordinary random
-    initialisation; :func:`worker.engine.model_loader.load_model` does both steps.
+    initialisation; :func:`worker.engine.executor.model_loader.load_model` does both steps.
     """
 
     def __init__(self, config: LlamaConfig) -> None:

@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from worker.engine.block_manager import KVCacheManager
+from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.sequence import Sequence
+from worker.engine.core.request import Sequence
 
 BLOCK_SIZE = 4
 # Prompts made of a few block-sized chunks so that prefix hits (and near misses) are common.

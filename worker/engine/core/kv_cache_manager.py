@@ -1,7 +1,7 @@
 """The KV cache manager: each sequence's block table, on-demand slot allocation, prefix-cache lookups.
 
 vLLM V1's ``KVCacheManager`` (pure Python): a sequence's block table maps logical block ``i`` (positions
-``i * block_size .. (i + 1) * block_size - 1``) to a physical :class:`~worker.engine.block_pool.KVCacheBlock`.
+``i * block_size .. (i + 1) * block_size - 1``) to a physical :class:`~worker.engine.core.block_pool.KVCacheBlock`.
 Blocks are allocated as the scheduler hands out tokens (``allocate_slots``), full computed blocks are
 entered into the prefix cache after each step (``cache_blocks``), and everything goes back to the pool,
 tail first, when the sequence finishes or is preempted (``free``).
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence as SequenceT
 
-from worker.engine.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, KVCacheBlock, PrefixId
-from worker.engine.sequence import Sequence
+from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, KVCacheBlock, PrefixId
+from worker.engine.core.request import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from worker.engine.sampler import (
+from worker.engine.sample.sampler import (
     Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,

@@ -1,0 +1,1 @@
+"""Layers the model implementations share: attention over the paged KV cache, linear layers."""

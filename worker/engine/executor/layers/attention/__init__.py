@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache: per-step metadata, the paged path and cascade (shared-prefix) attention."""

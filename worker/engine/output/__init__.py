@@ -1,0 +1,1 @@
+"""Output processing: incremental detokenization and stop checking."""

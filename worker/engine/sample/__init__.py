@@ -1,0 +1,1 @@
+"""Sampling: the sampler and the logits operations it applies."""
