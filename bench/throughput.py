@@ -45,20 +45,20 @@ def run_batchinfer(model_dir: Path, workload: Workload, rounds: int = 2, **engin
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens]
     round_tok_per_s = []
     for _ in range(rounds):
-        engine.stats.__init__()
+        engine.make_stats()  # start a fresh window
         start = time.perf_counter()
         outputs = engine.generate(workload.prompt_token_ids, params)
         elapsed_s = time.perf_counter() - start
         num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         round_tok_per_s.append(num_output_tokens / elapsed_s)
-    stats = engine.stats
+    stats = engine.make_stats()
     return {
         "batchinfer_tok_per_s": round_tok_per_s[-1],
         "batchinfer_rounds_tok_per_s": round_tok_per_s,
         "batchinfer_elapsed_s": elapsed_s,
         "batchinfer_output_tokens": num_output_tokens,
-        "kv_utilization": stats.kv_cache_utilisation,
-        "overhead_fraction": 1.0 - stats.model_forward_s / stats.step_s if stats.step_s else None,
+        "kv_utilization": stats.kv_slot_utilization,
+        "overhead_fraction": 1.0 - (stats.forward_s + stats.sampling_s) / stats.step_s if stats.step_s else None,
         "num_steps": stats.num_steps,
         "prefill_tokens": stats.num_prompt_tokens_computed,
     }

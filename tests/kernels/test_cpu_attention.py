@@ -130,7 +130,7 @@ def test_env_var_disables_kernel(monkeypatch):
 @pytest.mark.parametrize("kernels_env", ["1", "0"])
 def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
     """paged_attention_forward sends decode rows of a mixed batch to the kernel (unless disabled); same output."""
-    from worker.engine.executor.layers.attention.paged import build_attention_metadata, paged_attention_forward
+    from worker.engine.executor.layers.attention import build_attention_metadata, paged_attention_forward
 
     monkeypatch.setenv(cpu_extension.DISABLE_ENV, kernels_env)
     query, kv_cache, _, _, _ = _setup(MIXED, 9, 3, 4, seed=7)
@@ -140,7 +140,9 @@ def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
     for _, seq_len in MIXED:
         block_tables.append(block_ids[: -(-seq_len // 4)])
         del block_ids[: -(-seq_len // 4)]
-    metadata = build_attention_metadata([q for q, _ in MIXED], [s for _, s in MIXED], block_tables, 4)
+    metadata = build_attention_metadata(
+        [q for q, _ in MIXED], [s for _, s in MIXED], block_tables, 4, num_queries_per_kv=3
+    )
     key = torch.randn(query.shape[0], 3, HEAD_SIZE, generator=gen)
     value = torch.randn(query.shape[0], 3, HEAD_SIZE, generator=gen)
     expected_cache = kv_cache.clone()

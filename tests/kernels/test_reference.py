@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import paged_attention_reference, reshape_and_cache
-from worker.engine.executor.layers.attention.paged import build_attention_metadata, paged_attention_forward, write_to_kv_cache
+from worker.engine.executor.layers.attention import build_attention_metadata, paged_attention_forward, write_to_kv_cache
 
 NUM_BLOCKS = 128
 HEAD_SIZE = 8
@@ -33,7 +33,12 @@ def _setup(batch, num_heads, num_kv_heads, block_size, dtype=torch.float32, seed
         block_tables.append(block_ids[:num_blocks])
         del block_ids[:num_blocks]
     metadata = build_attention_metadata(
-        [q for q, _ in batch], [s for _, s in batch], block_tables, block_size
+        [q for q, _ in batch],
+        [s for _, s in batch],
+        block_tables,
+        block_size,
+        num_queries_per_kv=num_heads // num_kv_heads,
+        dtype=dtype,
     )
     # Context already cached (positions before this step's queries).
     prefix_slots = [
@@ -147,7 +152,7 @@ def test_cache_writes_agree():
 
 
 def test_build_attention_metadata_slots_and_shapes():
-    metadata = build_attention_metadata([2, 1], [6, 3], [[5, 2], [9]], block_size=4)
+    metadata = build_attention_metadata([2, 1], [6, 3], [[5, 2], [9]], block_size=4, num_queries_per_kv=1)
 
     assert metadata.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, 9 * 4 + 2]
     assert metadata.query_start_loc.tolist() == [0, 2, 3]
@@ -166,4 +171,4 @@ def test_build_attention_metadata_slots_and_shapes():
 )
 def test_build_attention_metadata_rejects_bad_input(query_lens, seq_lens, block_tables, message):
     with pytest.raises(ValueError, match=message):
-        build_attention_metadata(query_lens, seq_lens, block_tables, block_size=4)
+        build_attention_metadata(query_lens, seq_lens, block_tables, block_size=4, num_queries_per_kv=1)

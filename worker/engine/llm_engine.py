@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -23,45 +22,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.core.request import Request, Sequence
 from worker.engine.output.stop_checker import check_finish
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine started (benchmarks read them; times in seconds).
-
-    ``num_prompt_tokens_computed`` counts tokens run through the model that were not the one decode
-    token of a sequence (prefill chunks, recomputation after preemption; prefix-cache hits excluded);
-    ``num_cached_tokens`` counts prompt tokens served by the prefix cache. ``kv_cache_tokens_stored_sum``
-    and ``kv_cache_slots_sum`` add, once per step, the computed tokens held in referenced blocks and
-    those blocks' slots (their ratio is :attr:`kv_cache_utilisation`).
-    ``prefix_cache_queries`` / ``prefix_cache_hits`` are vLLM's prefix-cache counters in tokens: tokens
-    looked up in the cache at each admission (re-admissions after preemption included) and tokens the
-    cache supplied (both 0 with caching off); ``num_prefix_holds`` counts admissions deferred because a
-    running request was computing the same prefix block (scheduler.py).
-    """
-
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_prefix_holds: int = 0
-    model_forward_s: float = 0.0
-    step_s: float = 0.0
-    kv_cache_tokens_stored_sum: int = 0
-    kv_cache_slots_sum: int = 0
-
-    @property
-    def kv_cache_utilisation(self) -> float:
-        """Tokens stored / slots of referenced blocks, both summed over steps (so each step weighs by its KV use)."""
-        return self.kv_cache_tokens_stored_sum / self.kv_cache_slots_sum if self.kv_cache_slots_sum else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """``prefix_cache_hits / prefix_cache_queries`` in [0, 1] (0 before any query)."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+from worker.engine.stats import EngineStats
 
 
 class LLMEngine:
@@ -71,7 +32,6 @@ class LLMEngine:
         tokenizer: the model folder's Hugging Face tokenizer.
         model_config: the model folder's ``transformers`` config.
         max_model_len: most tokens (prompt + output) one sequence may hold.
-        stats: :class:`EngineStats`.
 
     Raises:
         ValueError: on a ``max_model_len`` beyond the model's positions, or a KV cache too small to hold
@@ -101,8 +61,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
-        self._last_counters = (0, 0, 0, 0)
+        self._stats = EngineStats()
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
 
@@ -187,13 +146,14 @@ class LLMEngine:
                 del self.requests[request_id]
                 outputs.append(self._request_output(request))
 
-        stats = self.stats
+        stats = self._stats
         stats.num_steps += 1
-        self._count_scheduler_counters()
-        stats.model_forward_s += runner_output.model_forward_s
-        num_stored, num_slots = self.kv_cache_manager.kv_cache_usage()
-        stats.kv_cache_tokens_stored_sum += num_stored
-        stats.kv_cache_slots_sum += num_slots
+        stats.forward_s += runner_output.forward_s
+        stats.sampling_s += runner_output.sampling_s
+        occupancy = self.kv_cache_manager.slot_occupancy()
+        stats.kv_tokens_stored_sum += occupancy.num_tokens_stored
+        stats.kv_slots_sum += occupancy.num_slots
+        stats.kv_cache_usage = self.kv_cache_manager.kv_cache_usage
         stats.step_s += time.perf_counter() - start_s
         return outputs
 
@@ -227,17 +187,16 @@ class LLMEngine:
                     results[output.request_id] = output
         return [results[request_id] for request_id in request_ids]
 
-    def _count_scheduler_counters(self) -> None:
-        """Add the scheduler's and KV cache manager's counters since the last step to ``stats`` (deltas, so a
-        caller may reset ``stats`` between runs)."""
-        kv, scheduler = self.kv_cache_manager, self.scheduler
-        now = (scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits, scheduler.num_prefix_holds)
-        last, self._last_counters = self._last_counters, now
-        stats = self.stats
-        stats.num_preemptions += now[0] - last[0]
-        stats.prefix_cache_queries += now[1] - last[1]
-        stats.prefix_cache_hits += now[2] - last[2]
-        stats.num_prefix_holds += now[3] - last[3]
+    def make_stats(self) -> EngineStats:
+        """What the engine did since the last call (take and reset: each caller reports a fresh window)."""
+        stats, self._stats = self._stats, EngineStats()
+        scheduler_stats = self.scheduler.make_stats()
+        prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        stats.num_preemptions = scheduler_stats.num_preemptions
+        stats.num_prefix_holds = scheduler_stats.num_prefix_holds
+        stats.prefix_cache_queries = prefix_cache_stats.queries
+        stats.prefix_cache_hits = prefix_cache_stats.hits
+        return stats
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         num_decode_tokens = sum(
@@ -245,7 +204,7 @@ class LLMEngine:
             for seq, num_tokens in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens)
             if num_tokens == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1
         )
-        self.stats.num_prompt_tokens_computed += scheduler_output.total_num_scheduled_tokens - num_decode_tokens
+        self._stats.num_prompt_tokens_computed += scheduler_output.total_num_scheduled_tokens - num_decode_tokens
 
     def _process_samples(self, runner_output: ModelRunnerOutput) -> list[Sequence]:
         """Append each sampled token, detokenize, accumulate logprobs, check stops; returns finished sequences."""
@@ -253,7 +212,7 @@ class LLMEngine:
         if sampler_output is None:
             return []
         finished = []
-        stats, tokenizer = self.stats, self.tokenizer
+        stats, tokenizer = self._stats, self.tokenizer
         logprobs = sampler_output.logprobs or [0.0] * len(runner_output.sampled_seqs)
         for seq, token_id, logprob, top in zip(
             runner_output.sampled_seqs,
@@ -265,7 +224,7 @@ class LLMEngine:
                 stats.num_cached_tokens += seq.num_cached_tokens or 0
             seq.append_token(token_id)
             seq.cumulative_logprob += logprob
-            stats.num_output_tokens += 1
+            stats.num_generation_tokens += 1
             if seq.logprobs is not None:
                 entry: PositionLogprobs = {token_id: Logprob(logprob, decode_token(tokenizer, token_id))}
                 for top_id, top_logprob in top or ():

@@ -63,7 +63,7 @@ def test_alone_and_batched_match_hugging_face(served_model_dir, prompts, referen
     batched = engine.generate(prompts, GREEDY)
     assert_all_close(references, batched, "batched")
     assert all(len(out.outputs[0].token_ids) == MAX_TOKENS for out in alone + batched)
-    assert engine.stats.num_cached_tokens > 0  # the second pass hit the prefix cache
+    assert engine.make_stats().num_cached_tokens > 0  # the second pass hit the prefix cache
 
 
 def test_batch_of_64_with_mixed_prompt_and_output_lengths(served_model_dir, prompts, references):
@@ -87,5 +87,5 @@ def test_preemption_matches_hugging_face(served_model_dir, prompts, references):
     # 8 sequences of up to 72 tokens need ~72 blocks of 8; 24 blocks force recompute preemption.
     engine = make_engine(served_model_dir, block_size=8, num_gpu_blocks_override=24, max_model_len=192)
     outputs = engine.generate(prompts, GREEDY)
-    assert engine.stats.num_preemptions > 0
+    assert engine.make_stats().num_preemptions > 0
     assert_all_close(references, outputs, "preempted")

@@ -68,7 +68,7 @@ def test_batched_greedy_matches_hugging_face(model_dir, prompts, references, ena
     engine = make_engine(model_dir, enable_prefix_caching=enable_prefix_caching)
     outputs = run_checked(engine, prompts, GREEDY)
     assert_matches(references, outputs)
-    assert engine.stats.num_preemptions == 0
+    assert engine.make_stats().num_preemptions == 0
 
 
 def test_chunked_prefill_matches_hugging_face(model_dir, prompts, references):
@@ -80,7 +80,7 @@ def test_chunked_prefill_matches_hugging_face(model_dir, prompts, references):
 def test_preemption_recomputes_and_matches_hugging_face(model_dir, prompts, references):
     engine = make_engine(model_dir, num_gpu_blocks_override=16, max_num_batched_tokens=32)
     outputs = run_checked(engine, prompts, GREEDY)
-    assert engine.stats.num_preemptions > 0
+    assert engine.make_stats().num_preemptions > 0
     assert_matches(references, outputs)
 
 
@@ -90,7 +90,7 @@ def test_prefix_cache_hits_are_counted_and_invisible(model_dir, prompts, referen
     rest = engine.generate(prompts[-3:-1], GREEDY)
     assert first.num_cached_tokens == 0
     assert [out.num_cached_tokens for out in rest] == [8, 8]  # two full blocks of the shared 9-token prefix
-    assert engine.stats.num_cached_tokens == 16
+    assert engine.make_stats().num_cached_tokens == 16
     assert_matches(references[-3:], rest + [first])
 
 

@@ -45,11 +45,13 @@ def test_siblings_wait_one_step_for_the_shared_prefix_then_hit_it():
     for seq in [*siblings, loner]:
         scheduler.add_seq(seq)
     assert scheduled(run_step(scheduler)) == [(0, 14), (9, 6)]  # siblings held, the loner is not
-    assert scheduler.num_prefix_holds == 3
+    assert scheduler.stats.num_prefix_holds == 3
     assert scheduled(run_step(scheduler)) == [(0, 1), (9, 1), (1, 2), (2, 2), (3, 2)]
     assert [seq.num_cached_tokens for seq in siblings] == [0, 12, 12, 12]
     kv = scheduler.kv_cache_manager
-    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (4 * 14 + 6, 3 * 12)
+    taken = kv.make_prefix_cache_stats()
+    assert (taken.queries, taken.hits) == (4 * 14 + 6, 3 * 12)
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (0, 0)  # taken and reset
     shared = kv.seq_to_blocks[1][:3]
     assert all(block.ref_cnt == 3 for block in shared)  # seq 0 finished; 1, 2, 3 share its blocks
     assert [b.block_id for b in kv.seq_to_blocks[2][:3]] == [b.block_id for b in shared]
@@ -60,8 +62,8 @@ def test_without_caching_nothing_is_held():
     for i in range(3):
         scheduler.add_seq(make_seq(i, PREFIX + [20 + i]))
     assert scheduled(run_step(scheduler)) == [(0, 13), (1, 13), (2, 13)]
-    assert scheduler.num_prefix_holds == 0
-    assert scheduler.kv_cache_manager.prefix_cache_queries == 0
+    assert scheduler.stats.num_prefix_holds == 0
+    assert scheduler.kv_cache_manager.prefix_cache_stats.queries == 0
 
 
 def test_hold_lasts_only_until_the_owner_prefill_passes_the_shared_blocks():
@@ -231,7 +233,7 @@ def uncached(model_dir, job):
 def test_cache_on_cold_and_warm_equals_cache_off_and_computes_each_prefix_once(model_dir, job, uncached):
     engine = make_engine(model_dir)
     cold = run(engine, job, GREEDY)
-    stats = engine.stats
+    stats = engine.make_stats()
     assert token_ids(cold) == uncached[0]
     assert stats.num_prefix_holds > 0
     # Each preamble's full blocks are computed once: 6 + 3 blocks of 4 tokens are hit 4 times each.
@@ -314,4 +316,4 @@ def test_few_shot_job_on_smollm2_matches_hugging_face_with_the_cache_cold_and_wa
         outputs = run(engine, prompts, params)
         for i, (ref, out) in enumerate(zip(references, outputs)):
             assert_greedy_close(ref.token_ids, ref.top2, out.outputs[0].token_ids, label=f"{label} {i}")
-    assert engine.stats.prefix_cache_hits >= 3 * (len(preamble) // 16 * 16)
+    assert engine.make_stats().prefix_cache_hits >= 3 * (len(preamble) // 16 * 16)

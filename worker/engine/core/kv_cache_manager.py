@@ -10,10 +10,29 @@ tail first, when the sequence finishes or is preempted (``free``).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence as SequenceT
 
 from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, KVCacheBlock, PrefixId
 from worker.engine.core.request import Sequence
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """vLLM's prefix-cache counters, in tokens: ``queries`` looked up at admission (re-admissions after
+    preemption included), ``hits`` supplied by the cache (both 0 with caching off)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+@dataclass(slots=True)
+class SlotOccupancy:
+    """The blocks sequences reference now: ``num_slots`` slots (``block_size`` per block), of which
+    ``num_tokens_stored`` hold a computed token (the rest are the empty tails of last blocks)."""
+
+    num_tokens_stored: int
+    num_slots: int
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,17 +53,15 @@ class KVCacheManager:
         self._num_slots: dict[int, int] = {}
         # Prefix ids of each sequence's leading blocks that have been offered to the prefix cache.
         self._prefix_ids: dict[int, list[PrefixId]] = {}
-        # vLLM's PrefixCacheStats, in tokens: looked up at admission / supplied by the cache.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
     @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by some sequence, in [0, 1]."""
+    def kv_cache_usage(self) -> float:
+        """vLLM's ``kv_cache_usage``: fraction of blocks referenced by some sequence, in [0, 1]."""
         return 1.0 - self.block_pool.get_num_free_blocks() / self.block_pool.num_blocks
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
@@ -94,8 +111,13 @@ class KVCacheManager:
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup: ``num_query_tokens`` looked up, ``num_hit_tokens`` of them cached."""
         if self.enable_caching:
-            self.prefix_cache_queries += num_query_tokens
-            self.prefix_cache_hits += num_hit_tokens
+            self.prefix_cache_stats.queries += num_query_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache counters since the last call (take and reset, as vLLM's)."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, new_computed_blocks: SequenceT[KVCacheBlock] = ()
@@ -157,8 +179,8 @@ class KVCacheManager:
         """Physical block ids of ``seq_id``'s block table, in logical order."""
         return [block.block_id for block in self.seq_to_blocks[seq_id]]
 
-    def kv_cache_usage(self) -> tuple[int, int]:
-        """``(tokens stored, slots)`` over the blocks sequences reference now (0 slots when none is used).
+    def slot_occupancy(self) -> SlotOccupancy:
+        """Tokens stored and slots over the blocks sequences reference now (0 slots when none is used).
 
         Only a table's last block can be partly empty and shared blocks are always full, so the empty
         slots are the sum over tables of ``len(blocks) * block_size - num_computed_tokens``.
@@ -167,7 +189,7 @@ class KVCacheManager:
         num_empty = sum(
             len(self.seq_to_blocks[seq_id]) * self.block_size - seq.num_computed_tokens for seq_id, seq in self._seqs.items()
         )
-        return num_slots - num_empty, num_slots
+        return SlotOccupancy(num_tokens_stored=num_slots - num_empty, num_slots=num_slots)
 
     def check_invariants(self) -> None:
         """Assert engine.md's invariants: pool consistency, ref counts = table references, table sizes, cached contents."""

@@ -51,6 +51,16 @@ class SchedulerOutput:
         return not self.seqs
 
 
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Scheduler counters: ``num_preemptions`` (running sequences sent back to recompute) and
+    ``num_prefix_holds`` (admissions deferred because a running sibling was computing the same prefix block)."""
+
+    num_preemptions: int = 0
+    num_prefix_holds: int = 0
+
+
 class Scheduler:
     """Moves sequences between ``waiting`` (a deque, FCFS) and ``running`` (admission order) each step."""
 
@@ -67,11 +77,14 @@ class Scheduler:
         self.admission_lookahead = admission_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        # Admission attempts skipped because a running sibling was computing the same prefix block.
-        self.num_prefix_holds = 0
+        self.stats = SchedulerStats()
         # The head of ``waiting`` at the end of the last step if it was passed over (it goes first next).
         self._passed_over_head: Sequence | None = None
+
+    def make_stats(self) -> SchedulerStats:
+        """The counters since the last call (take and reset)."""
+        stats, self.stats = self.stats, SchedulerStats()
+        return stats
 
     def add_seq(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of ``waiting``."""
@@ -135,7 +148,7 @@ class Scheduler:
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(seq)
             next_hash = kv.next_block_hash(seq, computed_blocks)
             if next_hash is not None and next_hash in pending:
-                self.num_prefix_holds += 1
+                self.stats.num_prefix_holds += 1
                 continue
             num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget)
             if not kv.allocate_slots(seq, num_new_tokens, computed_blocks):
@@ -165,7 +178,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """Mark the scheduled tokens computed (the forward pass ran) and offer full blocks to the prefix cache."""

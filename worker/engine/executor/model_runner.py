@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 
-import numpy as np
 import torch
 
-from worker.engine.executor.layers.attention.paged import AttentionMetadata
+from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
 from worker.engine.config import EngineConfig
 from worker.engine.executor.model_loader import load_model
-from worker.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs, make_generator
+from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
+from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from worker.engine.core.scheduler import SchedulerOutput
 from worker.engine.core.request import Sequence
 
@@ -39,14 +40,15 @@ class PromptLogprobsChunk:
 class ModelRunnerOutput:
     """Result of one forward pass: ``sampled_seqs[i]`` got row ``i`` of ``sampler_output``.
 
-    ``prompt_logprobs`` holds the prompt logprobs computed this step. ``model_forward_s`` is
-    wall time in the model forward, logits and sampler (seconds).
+    ``prompt_logprobs`` holds the prompt logprobs computed this step. ``forward_s`` is wall time in the
+    model forward and logits, ``sampling_s`` in the sampler and prompt logprobs (seconds).
     """
 
     sampled_seqs: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
-    model_forward_s: float = 0.0
+    forward_s: float = 0.0
+    sampling_s: float = 0.0
 
 
 def kv_cache_bytes_per_block(
@@ -81,6 +83,8 @@ class ModelRunner:
         num_layers = model_config.num_hidden_layers
         num_kv_heads = model_config.num_key_value_heads
         head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        self.num_queries_per_kv = model_config.num_attention_heads // num_kv_heads
+        self.use_cpu_kernels = cpu_kernels_apply(self.device, self.dtype)
         bytes_per_block = kv_cache_bytes_per_block(num_layers, self.block_size, num_kv_heads, head_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks_override or config.kv_cache_memory_bytes // bytes_per_block
         if self.num_blocks < 1:
@@ -122,60 +126,46 @@ class ModelRunner:
             the sampled sequences with their tokens and logprobs, plus any prompt logprobs.
         """
         seqs = scheduler_output.seqs
-        num_seqs = len(seqs)
-        block_size = self.block_size
         query_lens_list = scheduler_output.num_scheduled_tokens
         num_computed_list = [seq.num_computed_tokens for seq in seqs]
-        query_lens = np.array(query_lens_list, dtype=np.int64)
-        num_computed = np.array(num_computed_list, dtype=np.int64)
-        seq_lens = num_computed + query_lens
-        cu_query_lens = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu_query_lens[1:])
-        num_tokens = int(cu_query_lens[-1])
-
-        if num_tokens == num_seqs:  # pure decode: one token per sequence, its last one
+        seq_lens_list = [n + q for n, q in zip(num_computed_list, query_lens_list)]
+        attn_metadata = build_attention_metadata(
+            query_lens_list,
+            seq_lens_list,
+            block_ids,
+            self.block_size,
+            num_queries_per_kv=self.num_queries_per_kv,
+            dtype=self.dtype,
+            use_cpu_kernels=self.use_cpu_kernels,
+            device=self.device,
+        )
+        if attn_metadata.num_tokens == len(seqs):  # pure decode: one token per sequence, its last one
             input_ids = [seq.token_ids[-1] for seq in seqs]
-            positions = num_computed
         else:
             input_ids = []
             for seq, start, query_len in zip(seqs, num_computed_list, query_lens_list):
                 input_ids.extend(seq.token_ids[start : start + query_len])
-            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_query_lens[:-1] - num_computed, query_lens)
 
-        max_num_blocks = max(len(ids) for ids in block_ids)
-        block_tables = np.zeros((num_seqs, max_num_blocks), dtype=np.int32)
-        for row, ids in enumerate(block_ids):
-            block_tables[row, : len(ids)] = ids
-        token_seq_idx = np.repeat(np.arange(num_seqs), query_lens)
-        slot_mapping = block_tables[token_seq_idx, positions // block_size].astype(np.int64) * block_size + (
-            positions % block_size
-        )
-
-        seq_lens_list = seq_lens.tolist()
+        cu_query_lens = list(accumulate(query_lens_list, initial=0))
         sampled_seqs = [seq for seq, seq_len in zip(seqs, seq_lens_list) if seq_len == seq.num_tokens]
-        logits_rows = [int(cu_query_lens[i + 1]) - 1 for i, seq in enumerate(seqs) if seq_lens_list[i] == seq.num_tokens]
+        logits_rows = [cu_query_lens[i + 1] - 1 for i, seq in enumerate(seqs) if seq_lens_list[i] == seq.num_tokens]
         prompt_rows, prompt_chunks = self._prompt_logprob_rows(seqs, num_computed_list, query_lens_list, cu_query_lens)
 
         device = self.device
-        attn_metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(cu_query_lens.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            query_lens_list=list(query_lens_list),
-            seq_lens_list=seq_lens_list,
-        )
         start_s = time.perf_counter()
         hidden_states = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.from_numpy(np.ascontiguousarray(positions)).to(device),
+            attn_metadata.positions,
             self.kv_caches,
             attn_metadata,
         )
         rows = logits_rows + [row for rows_of_seq in prompt_rows for row in rows_of_seq]
         if not rows:  # only prefill chunks that sample nothing yet
-            return ModelRunnerOutput([], None, [], time.perf_counter() - start_s)
+            self._synchronize()
+            return ModelRunnerOutput([], None, [], forward_s=time.perf_counter() - start_s)
         logits = self.model.compute_logits(hidden_states[torch.tensor(rows, dtype=torch.long, device=device)])
+        self._synchronize()
+        sampling_start_s = time.perf_counter()
 
         sampler_output = None
         if sampled_seqs:
@@ -196,13 +186,23 @@ class ModelRunner:
             targets = seq.prompt_token_ids[first_position : first_position + len(rows_of_seq)]
             entries = compute_prompt_logprobs(seq_logits, targets, seq.params.prompt_logprobs or 0)
             prompt_logprobs.append(PromptLogprobsChunk(seq, first_position, entries))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return ModelRunnerOutput(sampled_seqs, sampler_output, prompt_logprobs, time.perf_counter() - start_s)
+        self._synchronize()
+        return ModelRunnerOutput(
+            sampled_seqs,
+            sampler_output,
+            prompt_logprobs,
+            forward_s=sampling_start_s - start_s,
+            sampling_s=time.perf_counter() - sampling_start_s,
+        )
+
+    def _synchronize(self) -> None:
+        """Wait for queued device work, so the wall times above are the work's (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def _prompt_logprob_rows(
-        seqs: list[Sequence], num_computed: list[int], query_lens: list[int], cu_query_lens: np.ndarray
+        seqs: list[Sequence], num_computed: list[int], query_lens: list[int], cu_query_lens: list[int]
     ) -> tuple[list[list[int]], list[tuple[Sequence, int]]]:
         """Batch rows whose logits score a prompt token, per sequence that asked for prompt logprobs.
 
@@ -218,7 +218,7 @@ class ModelRunner:
             end = min(start + query_lens[i], seq.num_prompt_tokens - 1)
             if start >= end:
                 continue
-            first_row = int(cu_query_lens[i])
+            first_row = cu_query_lens[i]
             rows.append(list(range(first_row, first_row + end - start)))
             chunks.append((seq, start + 1))
         return rows, chunks

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from worker.engine.core.kv_cache_manager import KVCacheManager
+from worker.engine.core.kv_cache_manager import KVCacheManager, SlotOccupancy
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.core.request import Sequence
 
@@ -28,15 +28,15 @@ def make_seq(seq_id, tokens, prompt_logprobs=None):
     return Sequence(seq_id, f"req-{seq_id}", 0, params, list(tokens))
 
 
-def test_kv_cache_usage_counts_computed_tokens_against_referenced_slots():
+def test_slot_occupancy_counts_computed_tokens_against_referenced_slots():
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
-    assert kv.kv_cache_usage() == (0, 0)
+    assert kv.slot_occupancy() == SlotOccupancy(0, 0)
     first, second = make_seq(0, range(6)), make_seq(1, range(9))
     assert kv.allocate_slots(first, 6) and kv.allocate_slots(second, 9)
     first.num_computed_tokens, second.num_computed_tokens = 6, 5  # second's last chunk not run yet
-    assert kv.kv_cache_usage() == (11, 5 * BLOCK_SIZE)
+    assert kv.slot_occupancy() == SlotOccupancy(11, 5 * BLOCK_SIZE)
     kv.free(first)
-    assert kv.kv_cache_usage() == (5, 3 * BLOCK_SIZE)
+    assert kv.slot_occupancy() == SlotOccupancy(5, 3 * BLOCK_SIZE)
 
 
 def test_allocation_is_on_demand_and_all_or_nothing():

@@ -68,7 +68,8 @@ def test_out_of_blocks_preempts_the_youngest_running_and_requeues_it_first():
     assert young.status is SequenceStatus.PREEMPTED and young.num_computed_tokens == 0
     assert [seq.seq_id for seq in scheduler.waiting] == [1, 2]
     assert young.seq_id not in scheduler.kv_cache_manager.seq_to_blocks
-    assert scheduler.num_preemptions == 1
+    assert scheduler.make_stats().num_preemptions == 1
+    assert scheduler.stats.num_preemptions == 0  # taken and reset
     generated = list(young.output_token_ids)
     assert len(generated) == 2
     while scheduler.has_unfinished_seqs():

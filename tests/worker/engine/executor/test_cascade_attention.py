@@ -10,7 +10,7 @@ import torch
 from kernels.cpu_extension import DISABLE_ENV
 from kernels.reference import paged_attention_reference
 from worker.engine.executor.layers.attention import cascade as cascade_attention
-from worker.engine.executor.layers.attention.paged import build_attention_metadata, paged_attention_forward
+from worker.engine.executor.layers.attention import build_attention_metadata, paged_attention_forward
 from worker.engine.executor.layers.attention.cascade import merge_attention_states, num_shared_prefix_blocks, shared_prefix_groups
 
 BLOCK_SIZE = 8
@@ -78,7 +78,9 @@ def _shared_prefix_batch(query_lens, own_lens, shared_blocks, seed=0):
         own_blocks = -(-seq_len // BLOCK_SIZE) - shared_blocks
         tables.append(shared + free[:own_blocks])
         del free[:own_blocks]
-    metadata = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
+    metadata = build_attention_metadata(
+        query_lens, seq_lens, tables, BLOCK_SIZE, num_queries_per_kv=NUM_HEADS // NUM_KV_HEADS
+    )
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen)
     key, value = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen) for _ in range(2))
@@ -132,7 +134,9 @@ def test_two_preambles_and_unrelated_sequences_get_one_cascade_per_preamble():
         del free[:own_blocks]
         query_lens.append(query_len)
         seq_lens.append(seq_len)
-    metadata = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
+    metadata = build_attention_metadata(
+        query_lens, seq_lens, tables, BLOCK_SIZE, num_queries_per_kv=NUM_HEADS // NUM_KV_HEADS
+    )
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen)
     key, value = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, generator=gen) for _ in range(2))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.parity import TopTwo, assert_greedy_close, hf_greedy_reference, top_two_from_logits
 from tests.helpers.tiny_llama import save_tiny_llama
-from worker.engine.executor.layers.attention.paged import build_attention_metadata
+from worker.engine.executor.layers.attention import build_attention_metadata
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import LlamaForCausalLM
 
@@ -32,6 +32,7 @@ class PagedDriver:
         head_size = config.hidden_size // config.num_attention_heads
         self.model = model
         self.block_size = block_size
+        self.num_queries_per_kv = config.num_attention_heads // config.num_key_value_heads
         self.kv_caches = [
             torch.zeros(2, num_blocks, block_size, config.num_key_value_heads, head_size)
             for _ in range(config.num_hidden_layers)
@@ -57,7 +58,9 @@ class PagedDriver:
             query_lens.append(len(token_ids))
             seq_lens.append(seq_len)
             tables.append(table)
-        metadata = build_attention_metadata(query_lens, seq_lens, tables, self.block_size)
+        metadata = build_attention_metadata(
+            query_lens, seq_lens, tables, self.block_size, num_queries_per_kv=self.num_queries_per_kv
+        )
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
         return list(self.model.compute_logits(hidden).split(query_lens))
 

@@ -8,12 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from worker.engine.sample.sampler import (
-    Sampler,
-    SamplingMetadata,
-    compute_prompt_logprobs,
-    make_generator,
-)
+from worker.engine.sample.metadata import SamplingMetadata
+from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from worker.engine.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from worker.engine.executor.layers.attention.paged import AttentionMetadata, paged_attention_forward
+from worker.engine.executor.layers.attention import AttentionMetadata, paged_attention_forward
 
 
 class RMSNorm(nn.Module):

@@ -1,1 +1,16 @@
-"""Attention over the paged KV cache: per-step metadata, the paged path and cascade (shared-prefix) attention."""
+"""Attention over the paged KV cache: per-step metadata and plan, the paged path, cascade (shared-prefix) attention."""
+
+from worker.engine.executor.layers.attention.metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    cpu_kernels_apply,
+)
+from worker.engine.executor.layers.attention.paged import paged_attention_forward, write_to_kv_cache
+
+__all__ = [
+    "AttentionMetadata",
+    "build_attention_metadata",
+    "cpu_kernels_apply",
+    "paged_attention_forward",
+    "write_to_kv_cache",
+]

@@ -1,0 +1,278 @@
+"""The execution plan of one step's attention: which rows take which path, with their index tensors.
+
+Paths (executed by :mod:`.paged`):
+
+- a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached)
+  attends its own K/V with one causal ``scaled_dot_product_attention`` call (no gather, no mask);
+- decode rows (``query_len == 1``) go to the C++ CPU kernel, which reads K/V from the blocks in place,
+  when the kernels apply (float32 on CPU, :func:`~.metadata.cpu_kernels_apply`);
+- the rest (prefill chunks over a cached prefix or an earlier chunk, and decode rows without the
+  kernel) are split into two groups, decode rows and the others; for each group, one ``index_select``
+  gathers the whole blocks of every sequence into a padded
+  ``[num_group_seqs, num_blocks * block_size, num_kv_heads, head_size]`` tensor and one
+  ``scaled_dot_product_attention`` call runs over it with an additive mask (causal and length).
+  Grouped-query attention folds the ``num_heads // num_kv_heads`` query heads that share a KV head
+  into the query-length axis, so K/V are never repeated;
+- when at least ``MIN_SEQS`` sequences share their first ``MIN_SHARED_TOKENS``-plus tokens' blocks (a
+  prefix-cached preamble) and the kernels apply, every row goes through cascade attention instead
+  (:mod:`.cascade`): each shared prefix once for its group, every sequence's own remaining context
+  through the kernel.
+
+The index tensors and masks depend only on the batch, so they are built once per step, by
+:func:`~.metadata.build_attention_metadata`, and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from worker.engine.executor.layers.attention import cascade as cascade_attention
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The step's batch as the builders read it (see ``AttentionMetadata`` for each field)."""
+
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+@dataclass(slots=True)
+class GroupPlan:
+    """Index tensors and mask for one group of sequences (decode rows, or all the others).
+
+    ``query_idx``: ``[num_group_seqs, max_query_len]`` flat batch index of each query row (padding rows
+    repeat a valid index); ``valid_rows``: ``[num_group_tokens]`` indices into the flattened
+    ``num_group_seqs * max_query_len`` rows that are real (``None`` when no row is padding);
+    ``token_idx``: ``[num_group_tokens]`` flat batch index of each real row, in the same order;
+    ``flat_block_ids``: ``[num_group_seqs * num_blocks]`` physical blocks to gather, sequence-major;
+    ``mask``: ``[num_group_seqs, 1, num_queries_per_kv * max_query_len, num_blocks * block_size]``
+    additive (0 or -inf), in the query dtype.
+    """
+
+    query_idx: torch.Tensor
+    valid_rows: torch.Tensor | None
+    token_idx: torch.Tensor
+    flat_block_ids: torch.Tensor
+    mask: torch.Tensor
+    max_query_len: int
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class KernelPlan:
+    """Decode rows for the C++ CPU kernel.
+
+    ``token_idx``: ``[num_decode_seqs]`` flat batch index of each decode row (``None`` when the decode
+    rows are the whole batch, in order); ``query_start_loc`` (``[num_decode_seqs + 1]``), ``seq_lens``
+    and ``block_tables``: int32 metadata of those sequences only.
+    """
+
+    token_idx: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(slots=True)
+class CascadeGroup:
+    """Rows of the sequences behind one shared prefix: ``prefix_block_ids`` (``LongTensor[num_shared_blocks]``)
+    and ``token_idx`` (``LongTensor[num_group_tokens]``, ``None`` when the group is the whole batch)."""
+
+    prefix_block_ids: torch.Tensor
+    token_idx: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class CascadePlan:
+    """``groups`` attend their shared prefix once each; ``suffix``: all rows for the C++ kernel, each
+    sequence's block table and ``seq_lens`` shifted past its group's prefix (not shifted outside groups)."""
+
+    groups: list[CascadeGroup]
+    suffix: KernelPlan
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Which rows of a step take which attention path; built once per step, read by every layer."""
+
+    block_size: int
+    num_queries_per_kv: int
+    cascade: CascadePlan | None  # when set, it covers every row and the other fields are unused
+    fresh_prefills: list[tuple[int, int]]  # token ranges of sequences whose whole context is this step's
+    decode_kernel: KernelPlan | None  # decode rows for the C++ kernel, or None: all rows in `groups`
+    groups: list[GroupPlan]  # rows attended with the PyTorch path
+    covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
+
+
+def _build_group(
+    batch: _Batch,
+    seq_ids: list[int],
+    cu_query_lens: list[int],
+    block_size: int,
+    num_queries_per_kv: int,
+    dtype: torch.dtype,
+) -> GroupPlan:
+    device = batch.block_tables.device
+    query_lens = [batch.query_lens_list[i] for i in seq_ids]
+    seq_lens = [batch.seq_lens_list[i] for i in seq_ids]
+    max_query_len = max(query_lens)
+    num_blocks = -(-max(seq_lens) // block_size)
+
+    query_idx_rows, valid_rows, token_idx = [], [], []
+    for row, (seq_idx, query_len) in enumerate(zip(seq_ids, query_lens)):
+        start = cu_query_lens[seq_idx]
+        tokens = list(range(start, start + query_len))
+        token_idx.extend(tokens)
+        valid_rows.extend(range(row * max_query_len, row * max_query_len + query_len))
+        query_idx_rows.append(tokens + [start] * (max_query_len - query_len))
+
+    seq_ids_t = torch.tensor(seq_ids, dtype=torch.long, device=device)
+    flat_block_ids = batch.block_tables.index_select(0, seq_ids_t)[:, :num_blocks].reshape(-1).long()
+
+    # Query row i of a sequence sits at position seq_len - query_len + i and sees keys up to it.
+    # Padding rows (i >= query_len) see the whole context: never an all-masked row (which gives NaN).
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.long, device=device)[:, None, None]
+    query_lens_t = torch.tensor(query_lens, dtype=torch.long, device=device)[:, None, None]
+    query_pos = torch.arange(max_query_len, device=device)[None, :, None] + seq_lens_t - query_lens_t
+    key_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]
+    visible = (key_pos <= query_pos) & (key_pos < seq_lens_t)  # [G, max_query_len, L]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    mask = mask[:, None].expand(-1, num_queries_per_kv, -1, -1).reshape(len(seq_ids), 1, -1, visible.shape[-1])
+
+    return GroupPlan(
+        query_idx=torch.tensor(query_idx_rows, dtype=torch.long, device=device),
+        valid_rows=(
+            None
+            if len(valid_rows) == len(seq_ids) * max_query_len
+            else torch.tensor(valid_rows, dtype=torch.long, device=device)
+        ),
+        token_idx=torch.tensor(token_idx, dtype=torch.long, device=device),
+        flat_block_ids=flat_block_ids,
+        mask=mask,
+        max_query_len=max_query_len,
+        num_blocks=num_blocks,
+    )
+
+
+def _build_kernel_plan(batch: _Batch, decode_ids: list[int], cu_query_lens: list[int]) -> KernelPlan:
+    if len(decode_ids) == batch.num_seqs:
+        return KernelPlan(
+            token_idx=None,
+            query_start_loc=batch.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=batch.seq_lens.to(torch.int32).contiguous(),
+            block_tables=batch.block_tables.to(torch.int32).contiguous(),
+        )
+    device = batch.block_tables.device
+    seq_ids = torch.tensor(decode_ids, dtype=torch.long, device=device)
+    return KernelPlan(
+        token_idx=torch.tensor([cu_query_lens[i] for i in decode_ids], dtype=torch.long, device=device),
+        query_start_loc=torch.arange(len(decode_ids) + 1, dtype=torch.int32, device=device),
+        seq_lens=batch.seq_lens.index_select(0, seq_ids).to(torch.int32),
+        block_tables=batch.block_tables.index_select(0, seq_ids).to(torch.int32).contiguous(),
+    )
+
+
+def _build_cascade_plan(batch: _Batch, block_size: int) -> CascadePlan | None:
+    if batch.num_seqs < cascade_attention.MIN_SEQS:
+        return None
+    num_computed = [s - q for s, q in zip(batch.seq_lens_list, batch.query_lens_list)]
+    tables = batch.block_tables.to(torch.int32)
+    groups = cascade_attention.shared_prefix_groups(tables, num_computed, block_size)
+    if not groups:
+        return None
+    device = tables.device
+    shift = [0] * batch.num_seqs  # blocks each sequence's table moves left
+    cu_query_lens = list(accumulate(batch.query_lens_list, initial=0))
+    cascade_groups = []
+    for seq_ids, num_blocks in groups:
+        for i in seq_ids:
+            shift[i] = num_blocks
+        whole_batch = len(seq_ids) == batch.num_seqs
+        token_idx = [t for i in seq_ids for t in range(cu_query_lens[i], cu_query_lens[i + 1])]
+        cascade_groups.append(
+            CascadeGroup(
+                prefix_block_ids=tables[seq_ids[0], :num_blocks].long(),
+                token_idx=None if whole_batch else torch.tensor(token_idx, dtype=torch.long, device=device),
+            )
+        )
+    shift_t = torch.tensor(shift, dtype=torch.long, device=device)
+    width = tables.shape[1]
+    columns = (torch.arange(width, device=device)[None, :] + shift_t[:, None]).clamp_(max=width - 1)
+    return CascadePlan(
+        groups=cascade_groups,
+        suffix=KernelPlan(
+            token_idx=None,
+            query_start_loc=batch.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=(batch.seq_lens - shift_t * block_size).to(torch.int32),
+            block_tables=tables.gather(1, columns).contiguous(),
+        ),
+    )
+
+
+def build_attention_plan(
+    query_lens_list: list[int],
+    seq_lens_list: list[int],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    block_size: int,
+    num_queries_per_kv: int,
+    dtype: torch.dtype,
+    use_cpu_kernels: bool,
+) -> AttentionPlan:
+    """Split a step's sequences among the execution paths and build their index tensors and masks.
+
+    Args:
+        query_lens_list, seq_lens_list: new tokens and context length per sequence (host lists).
+        query_start_loc: ``IntTensor[num_seqs + 1]``; seq_lens: ``IntTensor[num_seqs]``;
+            block_tables: ``IntTensor[num_seqs, max_num_blocks]`` (as in ``AttentionMetadata``).
+        block_size: tokens per KV block; num_queries_per_kv: query heads per KV head.
+        dtype: the query dtype (masks are additive in it).
+        use_cpu_kernels: send decode rows, or every row when a long prefix is shared, to the C++ kernels.
+    """
+    batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
+    use_kernel = use_cpu_kernels
+    cascade = _build_cascade_plan(batch, block_size) if use_kernel else None
+    if cascade is not None:
+        return AttentionPlan(
+            block_size=block_size,
+            num_queries_per_kv=num_queries_per_kv,
+            cascade=cascade,
+            fresh_prefills=[],
+            decode_kernel=None,
+            groups=[],
+            covers_batch_in_order=False,
+        )
+    cu_query_lens = list(accumulate(batch.query_lens_list, initial=0))
+    query_lens, seq_lens = batch.query_lens_list, batch.seq_lens_list
+    decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+    fresh_ids = [i for i, query_len in enumerate(query_lens) if 1 < query_len == seq_lens[i]]
+    other_ids = [i for i, query_len in enumerate(query_lens) if 1 < query_len < seq_lens[i]]
+    decode_kernel = _build_kernel_plan(batch, decode_ids, cu_query_lens) if use_kernel and decode_ids else None
+    groups = [
+        _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype)
+        for seq_ids in ([] if decode_kernel else decode_ids, other_ids)
+        if seq_ids
+    ]
+    # Decode rows are already in batch order; a lone "other" group is too (sequence by sequence).
+    return AttentionPlan(
+        block_size=block_size,
+        num_queries_per_kv=num_queries_per_kv,
+        cascade=None,
+        fresh_prefills=[(cu_query_lens[i], cu_query_lens[i + 1]) for i in fresh_ids],
+        decode_kernel=decode_kernel,
+        groups=groups,
+        covers_batch_in_order=decode_kernel is None and not fresh_ids and len(groups) == 1,
+    )

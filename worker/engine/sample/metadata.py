@@ -1,0 +1,41 @@
+"""What the sampler reads and returns for one step (row ``i`` is row ``i`` of the step's logits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling inputs for one step (row ``i`` describes row ``i`` of the logits).
+
+    ``generators[i]`` may be ``None`` for greedy rows; a non-greedy row with ``None`` draws from torch's
+    default generator (unreproducible). ``prompt_token_ids``/``output_token_ids`` feed the penalties
+    (repetition counts prompt + output tokens, as vLLM; presence/frequency count output tokens only) and
+    min-tokens masking; ``eos_token_id`` is masked together with ``params.stop_token_ids`` while
+    ``len(output_token_ids[i]) < params.min_tokens``, unless ``params.ignore_eos``.
+    """
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    eos_token_id: int | None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row, its raw logprob, and the requested top alternatives.
+
+    ``logprobs`` is ``None`` when no row of the step asked for logprobs (the vocabulary-wide log-sum-exp
+    is then skipped). ``top_logprobs[i]`` holds ``params.logprobs`` pairs ``(token_id, raw logprob)`` in
+    descending order (an empty list for ``logprobs=0``), or ``None`` when the row asked for no logprobs.
+    """
+
+    sampled_token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]] | None]
