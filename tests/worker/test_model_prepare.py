@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
+from jobs.config import BUILTIN_MODEL, get_settings
 from worker.model_prepare import (
-    BUILTIN_MODEL,
     ModelNotFoundError,
     check_model,
     prepare_model,
@@ -46,3 +46,16 @@ def test_builtin_model_converts_and_answers():
     assert config["num_hidden_layers"] == 30 and config["num_key_value_heads"] == 3
     assert config["tie_word_embeddings"] is True
     check_model(model_dir)
+
+
+def test_builtin_model_is_found_in_the_configured_cache(tmp_path, monkeypatch):
+    """A published folder under ``BATCHINFER_MODEL_CACHE_DIR`` is served without converting again."""
+    published = tmp_path / BUILTIN_MODEL
+    published.mkdir()
+    (published / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("BATCHINFER_MODEL_CACHE_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+        assert prepare_model() == published
+    finally:
+        get_settings.cache_clear()
