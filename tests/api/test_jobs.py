@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 
-from jobs.config import Settings
+from jobs.config import BUILTIN_MODEL, Settings
 from jobs.queue import RUN_BATCH
 from tests.helpers.service import CHAT, api_client, chat_line, jsonl, queued_tasks
 
@@ -52,7 +52,7 @@ def test_job_bad_parameters_are_400_and_store_nothing(client: Any) -> None:
 
 
 def test_health_ok_and_unavailable(client: Any, service_settings: Settings) -> None:
-    assert client.get("/health").json() == {"status": "ok", "database": "ok", "model": "SmolLM2-135M-Instruct"}
+    assert client.get("/health").json() == {"status": "ok", "database": "ok", "model": BUILTIN_MODEL}
     broken = service_settings.model_copy(update={"database_url": "postgresql+psycopg://nobody@127.0.0.1:1/none"})
     with api_client(broken) as broken_client:
         response = broken_client.get("/health")

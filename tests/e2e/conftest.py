@@ -2,7 +2,8 @@
 
 import pytest
 
-from worker.model_prepare import BUILTIN_MODEL, prepare_model
+from jobs.config import BUILTIN_MODEL
+from worker.model_prepare import prepare_model
 
 
 @pytest.fixture(scope="session")

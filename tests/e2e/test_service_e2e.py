@@ -13,12 +13,12 @@ import random
 
 import pytest
 from examples.humaneval import MAX_TOKENS, STOP, build_lines, load_problems
+from jobs.config import BUILTIN_MODEL
 from tests.e2e.processes import child_env, cli, free_port, running, wait_for_batch, wait_for_health
 from tests.helpers.service import postgres_url  # noqa: F401  (fixture: a fresh, migrated database)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
-MODEL = "SmolLM2-135M-Instruct"
 CONTEXT_LEN = 8192
 
 
@@ -80,11 +80,11 @@ def test_prompt_longer_than_context_fails_alone(service, served_tokenizer):
     assert num_long_tokens > CONTEXT_LEN
     lines = [
         {"custom_id": "before", "method": "POST", "url": "/v1/completions",
-         "body": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}},
+         "body": {"model": BUILTIN_MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}},
         {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
-         "body": {"model": MODEL, "prompt": long_prompt, "max_tokens": 8}},
+         "body": {"model": BUILTIN_MODEL, "prompt": long_prompt, "max_tokens": 8}},
         {"custom_id": "after", "method": "POST", "url": "/v1/completions",
-         "body": {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}},
+         "body": {"model": BUILTIN_MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}},
     ]
 
     batch = _run(client, logs, lines, "/v1/completions", timeout_s=300)
@@ -107,7 +107,7 @@ def test_prompt_longer_than_context_fails_alone(service, served_tokenizer):
 def test_humaneval_job_through_the_openai_sdk(service, served_tokenizer):
     client, logs = service
     problems = load_problems()
-    lines = build_lines(problems, MODEL)
+    lines = build_lines(problems, BUILTIN_MODEL)
     assert len(lines) == 164
 
     batch = _run(client, logs, lines, "/v1/completions", timeout_s=1800)
@@ -125,7 +125,7 @@ def test_humaneval_job_through_the_openai_sdk(service, served_tokenizer):
         assert envelope["id"].startswith("batch_req_") and envelope["error"] is None
         assert envelope["response"]["status_code"] == 200
         body = envelope["response"]["body"]
-        assert body["object"] == "text_completion" and body["model"] == MODEL
+        assert body["object"] == "text_completion" and body["model"] == BUILTIN_MODEL
         (choice,) = body["choices"]
         assert choice["index"] == 0 and choice["logprobs"] is None
         assert choice["finish_reason"] in ("stop", "length")

@@ -8,11 +8,10 @@ import subprocess
 
 import pytest
 
+from jobs.config import BUILTIN_MODEL
 from tests.e2e.processes import ROOT, child_env, cli, free_port, running, wait_for_health
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
 
 
 def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
@@ -23,9 +22,9 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     lines = [
         {"custom_id": "france", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}},
+         "body": {"model": BUILTIN_MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}},
         {"custom_id": "two-samples", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+         "body": {"model": BUILTIN_MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
                   "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}},
     ]
     input_path = tmp_path / "job.jsonl"

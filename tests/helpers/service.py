@@ -36,7 +36,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from jobs.config import Settings, get_settings
+from jobs.config import BUILTIN_MODEL, Settings, get_settings
 from jobs.db import dispose_engines, get_engine, upgrade_database
 from jobs.queue import celery_app, configure_celery
 
@@ -184,7 +184,7 @@ def openai_client(test_client: Any) -> Any:
     )
 
 
-def chat_line(custom_id: str, content: str = "Say hi.", *, model: str = "SmolLM2-135M-Instruct", **body: Any) -> dict[str, Any]:
+def chat_line(custom_id: str, content: str = "Say hi.", *, model: str = BUILTIN_MODEL, **body: Any) -> dict[str, Any]:
     """One ``/v1/chat/completions`` input line."""
     return {
         "custom_id": custom_id,
@@ -194,7 +194,7 @@ def chat_line(custom_id: str, content: str = "Say hi.", *, model: str = "SmolLM2
     }
 
 
-def completion_line(custom_id: str, prompt: str | list[int] = "Once upon a time", *, model: str = "SmolLM2-135M-Instruct", **body: Any) -> dict[str, Any]:
+def completion_line(custom_id: str, prompt: str | list[int] = "Once upon a time", *, model: str = BUILTIN_MODEL, **body: Any) -> dict[str, Any]:
     """One ``/v1/completions`` input line."""
     return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS, "body": {"model": model, "prompt": prompt, **body}}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.config import Settings
+from jobs.config import BUILTIN_MODEL, Settings
 
 
 def test_defaults_live_under_absolute_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +33,7 @@ def test_env_overrides_and_postgres_driver_rewrite(monkeypatch: pytest.MonkeyPat
 
 
 def test_served_model_name_is_builtin_name_or_folder_basename(tmp_path: Path) -> None:
-    assert Settings().served_model_name == "SmolLM2-135M-Instruct"
+    assert Settings().served_model_name == BUILTIN_MODEL
     folder = tmp_path / "my-llama"
     folder.mkdir()
     assert Settings(model=str(folder)).served_model_name == "my-llama"

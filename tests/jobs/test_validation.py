@@ -7,14 +7,13 @@ from typing import Any
 
 import pytest
 
+from jobs.config import BUILTIN_MODEL
 from jobs.validation import validate_batch_file
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, completion_line, jsonl
 
-MODEL = "SmolLM2-135M-Instruct"
-
 
 def _validate(data: bytes, endpoint: str = CHAT, *, max_lines: int = 100, max_bytes: int = 1 << 20):  # type: ignore[no-untyped-def]
-    return validate_batch_file(data, endpoint=endpoint, model_names={MODEL}, max_lines=max_lines, max_bytes=max_bytes)
+    return validate_batch_file(data, endpoint=endpoint, model_names={BUILTIN_MODEL}, max_lines=max_lines, max_bytes=max_bytes)
 
 
 def _with_body(custom_id: str, **fields: Any) -> dict[str, Any]:
@@ -137,7 +136,7 @@ def test_a_line_that_is_not_an_object_names_its_json_type(line: bytes, kind: str
 
 def test_nan_is_not_json() -> None:
     result = _validate(b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
-                       + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}}\n')
+                       + BUILTIN_MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}}\n')
     assert [e.code for e in result.errors] == ["invalid_json"]
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from sqlalchemy import inspect
 
-from jobs.config import get_settings
+from jobs.config import BUILTIN_MODEL, get_settings
 from jobs.db import dispose_engines, get_engine
 from worker import cli
 
@@ -86,7 +86,7 @@ def live_api(data_dir):
 
 def test_submit_posts_the_file_and_prints_the_batch(live_api, tmp_path, capsys):
     line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-            "body": {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2}}
+            "body": {"model": BUILTIN_MODEL, "prompt": "Hello", "max_tokens": 2}}
     path = tmp_path / "job.jsonl"
     path.write_text(json.dumps(line) + "\n")
 

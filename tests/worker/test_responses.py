@@ -1,6 +1,7 @@
 import json
 import math
 
+from jobs.config import BUILTIN_MODEL
 from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from worker.request_mapping import CHAT_COMPLETIONS, COMPLETIONS, map_request
 from worker.responses import build_body, context_length_message, error_body, usage
@@ -33,10 +34,10 @@ def test_text_completion_body_shape_and_usage(served_tokenizer):
         [CompletionOutput(index=0, text="    return a + b", token_ids=text_ids, finish_reason="stop", stop_reason="\ndef ")],
         cached=4,
     )
-    body = build_body(out, mapped, model="SmolLM2-135M-Instruct", tokenizer=served_tokenizer, created=123)
+    body = build_body(out, mapped, model=BUILTIN_MODEL, tokenizer=served_tokenizer, created=123)
     assert body["object"] == "text_completion"
     assert body["id"].startswith("cmpl-")
-    assert body["model"] == "SmolLM2-135M-Instruct" and body["created"] == 123
+    assert body["model"] == BUILTIN_MODEL and body["created"] == 123
     (choice,) = body["choices"]
     assert choice == {
         "index": 0,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from jobs import repository
-from jobs.config import get_settings
+from jobs.config import BUILTIN_MODEL, get_settings
 from jobs.db import dispose_engines, session_scope, upgrade_database
 from jobs.files import file_path, get_file, write_file
 from jobs.status import BatchStatus
@@ -25,8 +25,6 @@ from worker import runner
 from worker.engine.errors import PromptTooLongError
 from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from worker.engine.sampling_params import SamplingParams
-
-MODEL = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -120,7 +118,7 @@ def make_batch(bodies: list[dict], endpoint: str = "/v1/completions") -> str:
     with session_scope() as session:
         file = write_file(session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir)
         batch = repository.create_batch(session, input_file_id=file.id, endpoint=endpoint)
-        repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=MODEL)
+        repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=BUILTIN_MODEL)
         return batch.id
 
 
@@ -139,7 +137,7 @@ def read_results(batch_id: str) -> tuple[object, dict[str, dict], dict[str, dict
 
 
 def completion(prompt: str, **fields) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, **fields}
+    return {"model": BUILTIN_MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, **fields}
 
 
 def test_all_lines_run_as_one_stream_and_complete(service, served_tokenizer):
@@ -160,7 +158,7 @@ def test_all_lines_run_as_one_stream_and_complete(service, served_tokenizer):
         response = output[f"line-{n}"]["response"]
         assert response["status_code"] == 200 and response["request_id"].startswith("req_")
         result = response["body"]
-        assert result["object"] == "text_completion" and result["model"] == MODEL
+        assert result["object"] == "text_completion" and result["model"] == BUILTIN_MODEL
         assert result["usage"]["prompt_tokens"] == len(served_tokenizer.encode(body["prompt"]))
         assert result["usage"]["completion_tokens"] == body["max_tokens"]
         assert result["choices"][0]["text"] == " ok" * body["max_tokens"]
@@ -271,7 +269,7 @@ def test_engine_fault_fails_lines_in_flight_but_not_the_batch(service, served_to
 
 
 def test_n_choices_and_chat_endpoint(service, served_tokenizer):
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2, "logprobs": True}
+    chat = {"model": BUILTIN_MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2, "logprobs": True}
     batch_id = make_batch([chat, dict(chat, n=1)], endpoint="/v1/chat/completions")
 
     assert runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
