@@ -31,7 +31,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         RuntimeError: when the kernels are unavailable, or on a weight that is not 2-D float32 on CPU.
     """
     require_cpu_kernels()
-    return torch.ops.batchinfer_cpu.pack_linear_weight(weight)
+    packed: torch.Tensor = torch.ops.batchinfer_cpu.pack_linear_weight(weight)
+    return packed
 
 
 def linear_packed(
@@ -57,5 +58,5 @@ def linear_packed(
     """
     require_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.batchinfer_cpu.linear_packed(rows, packed_weight, out_features, bias)
+    out: torch.Tensor = torch.ops.batchinfer_cpu.linear_packed(rows, packed_weight, out_features, bias)
     return out.view(*x.shape[:-1], out_features)

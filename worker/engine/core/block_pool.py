@@ -15,7 +15,8 @@ the key identifies the whole prefix exactly, not just this block's tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NewType
+from collections.abc import Iterable, Iterator
+from typing import NewType
 
 BlockId = NewType("BlockId", int)
 PrefixId = NewType("PrefixId", int)
@@ -79,7 +80,7 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free_block
         while block is not self._tail:
             assert block is not None

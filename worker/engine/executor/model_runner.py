@@ -19,6 +19,7 @@ import torch
 from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
 from worker.engine.config import EngineConfig
 from worker.engine.executor.model_loader import load_model
+from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from worker.engine.core.scheduler import SchedulerOutput
@@ -80,10 +81,10 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.model = load_model(config.model, self.dtype, self.device)
         model_config = self.model.config
-        num_layers = model_config.num_hidden_layers
-        num_kv_heads = model_config.num_key_value_heads
-        head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-        self.num_queries_per_kv = model_config.num_attention_heads // num_kv_heads
+        num_layers = int(model_config.num_hidden_layers)
+        num_kv_heads = num_kv_heads_of(model_config)
+        head_size = head_size_of(model_config)
+        self.num_queries_per_kv = int(model_config.num_attention_heads) // num_kv_heads
         self.use_cpu_kernels = cpu_kernels_apply(self.device, self.dtype)
         bytes_per_block = kv_cache_bytes_per_block(num_layers, self.block_size, num_kv_heads, head_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks_override or config.kv_cache_memory_bytes // bytes_per_block

@@ -74,9 +74,13 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        assert isinstance(text, str)  # one id list decodes to one string
+        return text
 
 
 def decode_token(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     """Text of one token for a logprob entry (special tokens shown, a partial character as U+FFFD)."""
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    assert isinstance(text, str)  # one id list decodes to one string
+    return text

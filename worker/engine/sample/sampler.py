@@ -67,10 +67,13 @@ def compute_prompt_logprobs(
     target_logprobs = (logits.gather(1, targets[:, None]).squeeze(1) - lse).tolist()
     if num_top <= 0:
         return [(lp, []) for lp in target_logprobs]
-    values, ids = logits.topk(min(num_top, logits.shape[1]), dim=-1)
-    values = (values - lse[:, None]).tolist()
-    ids = ids.tolist()
-    return [(lp, list(zip(row_ids, row_values))) for lp, row_ids, row_values in zip(target_logprobs, ids, values)]
+    top = logits.topk(min(num_top, logits.shape[1]), dim=-1)
+    values: list[list[float]] = (top.values - lse[:, None]).tolist()
+    ids: list[list[int]] = top.indices.tolist()
+    return [
+        (lp, list(zip(row_ids, row_values, strict=True)))
+        for lp, row_ids, row_values in zip(target_logprobs, ids, values, strict=True)
+    ]
 
 
 @dataclass(slots=True)
@@ -242,9 +245,9 @@ def _top_logprobs(
         return result
     num_top = min(max(params[i].logprobs or 0 for i in rows), logits.shape[1])
     row_idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    values, ids = logits.index_select(0, row_idx).topk(num_top, dim=-1)
-    values = (values - raw_lse.index_select(0, row_idx)[:, None]).tolist()
-    ids = ids.tolist()
+    top = logits.index_select(0, row_idx).topk(num_top, dim=-1)
+    values: list[list[float]] = (top.values - raw_lse.index_select(0, row_idx)[:, None]).tolist()
+    ids: list[list[int]] = top.indices.tolist()
     for j, i in enumerate(rows):
         k = params[i].logprobs or 0
         result[i] = list(zip(ids[j][:k], values[j][:k]))

@@ -35,6 +35,17 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+def head_size_of(config: LlamaConfig) -> int:
+    """Per-head width: ``head_dim`` when the config sets it, else ``hidden_size // num_attention_heads``."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def num_kv_heads_of(config: LlamaConfig) -> int:
+    """KV heads (grouped-query attention); a config without ``num_key_value_heads`` has one per query head."""
+    return int(config.num_key_value_heads or config.num_attention_heads)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embeddings (Su et al. 2021), "rotate half" layout as in Hugging Face's Llama.
 
@@ -49,13 +60,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: LlamaConfig, head_size: int) -> None:
         super().__init__()
-        rope_type = config.rope_parameters.get("rope_type", "default")
+        rope_parameters = config.rope_parameters or {}
+        rope_type = str(rope_parameters.get("rope_type", "default"))
         if rope_type == "dynamic":
             raise ValueError("dynamic NTK rope scaling is not supported")
         # NOTE: tables are built on the CPU whatever the default device; the module is moved afterwards.
         cpu = torch.device("cpu")
         if rope_type == "default":
-            base = config.rope_parameters["rope_theta"]
+            base = float(rope_parameters["rope_theta"] or 10000.0)
             exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=cpu).float() / head_size
             inv_freq = 1.0 / (base**exponents)
             attention_scaling = 1.0
@@ -79,9 +91,9 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_size = head_size_of(config)
         self.scale = self.head_size**-0.5
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(
@@ -104,7 +116,8 @@ class LlamaAttention(nn.Module):
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention_forward(query, key, value, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -119,7 +132,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -140,14 +154,14 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = hidden_states + self.self_attn(
             positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
         )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        out: torch.Tensor = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return out
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(config, head_size)
+        self.rotary_emb = RotaryEmbedding(config, head_size_of(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
@@ -195,14 +209,16 @@ class LlamaForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
-        hidden_states = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        hidden_states: torch.Tensor = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
-        return self.model.norm(hidden_states)
+        out: torch.Tensor = self.model.norm(hidden_states)
+        return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_sampled, hidden_size]`` -> float32 logits ``[num_sampled, vocab_size]``."""
-        return self.lm_head(hidden_states).float()
+        logits: torch.Tensor = self.lm_head(hidden_states)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing q/k/v and gate/up on the way.
@@ -215,9 +231,10 @@ class LlamaForCausalLM(nn.Module):
             ValueError: on a shape mismatch, or when some parameter received no tensor.
         """
         params = dict(self.named_parameters())
-        q_size = self.config.num_attention_heads * self.model.layers[0].self_attn.head_size
-        kv_size = self.config.num_key_value_heads * self.model.layers[0].self_attn.head_size
-        intermediate = self.config.intermediate_size
+        head_size = head_size_of(self.config)
+        q_size = int(self.config.num_attention_heads) * head_size
+        kv_size = num_kv_heads_of(self.config) * head_size
+        intermediate = int(self.config.intermediate_size)
         # HF projection -> (fused parameter, row offset, rows)
         fused = {
             "q_proj": ("qkv_proj", 0, q_size),
@@ -233,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             parts = name.split(".")
-            target, start, rows = name, 0, None
+            target, start = name, 0
+            rows: int | None = None
             if len(parts) >= 3 and parts[-2] in fused:
                 fused_name, start, rows = fused[parts[-2]]
                 target = ".".join(parts[:-2] + [fused_name, parts[-1]])

@@ -134,6 +134,7 @@ def paged_attention_forward(
     for start, end in plan.fresh_prefills:
         output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale)
     if kernel is not None:
+        assert kernel.token_idx is not None  # a kernel plan covering the whole batch returned above
         decode_out = paged_attention_cpu(
             query.index_select(0, kernel.token_idx),
             kv_cache,

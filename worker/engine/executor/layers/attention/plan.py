@@ -129,7 +129,9 @@ def _build_group(
     max_query_len = max(query_lens)
     num_blocks = -(-max(seq_lens) // block_size)
 
-    query_idx_rows, valid_rows, token_idx = [], [], []
+    query_idx_rows: list[list[int]] = []
+    valid_rows: list[int] = []
+    token_idx: list[int] = []
     for row, (seq_idx, query_len) in enumerate(zip(seq_ids, query_lens)):
         start = cu_query_lens[seq_idx]
         tokens = list(range(start, start + query_len))
@@ -256,10 +258,9 @@ def build_attention_plan(
             covers_batch_in_order=False,
         )
     cu_query_lens = list(accumulate(batch.query_lens_list, initial=0))
-    query_lens, seq_lens = batch.query_lens_list, batch.seq_lens_list
-    decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
-    fresh_ids = [i for i, query_len in enumerate(query_lens) if 1 < query_len == seq_lens[i]]
-    other_ids = [i for i, query_len in enumerate(query_lens) if 1 < query_len < seq_lens[i]]
+    decode_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1]
+    fresh_ids = [i for i, query_len in enumerate(query_lens_list) if 1 < query_len == seq_lens_list[i]]
+    other_ids = [i for i, query_len in enumerate(query_lens_list) if 1 < query_len < seq_lens_list[i]]
     decode_kernel = _build_kernel_plan(batch, decode_ids, cu_query_lens) if use_kernel and decode_ids else None
     groups = [
         _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype)
