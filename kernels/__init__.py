@@ -1,1 +1,2 @@
-"""Attention kernels over the paged KV cache; ``reference`` holds their plain PyTorch twins. Imports nothing of ours."""
+"""CPU kernels (paged attention over the KV cache, packed-weight fp32 GEMM) built on first use by ``cpu_extension``;
+``reference`` holds their plain PyTorch twins. Imports nothing of ours."""

@@ -1,13 +1,13 @@
 // Paged attention for x86/ARM CPUs that reads K/V from the cache blocks in place (no gather).
 //
 // Registered as the Torch op `batchinfer_cpu::paged_attention_` (built and loaded by cpu_extension.py).
-// One work item is (query token, KV head): the `num_heads / num_kv_heads` query heads that share the
-// KV head are scored together, so every K/V row is read once per item. Softmax is exact and two-pass
-// over a per-thread score buffer (max, then exp and sum) in fp32, as in vLLM's CPU paged-attention
-// kernel (csrc/cpu/attention.cpp); work items are split across threads by cost (context length) with
-// at::parallel_for, so torch.set_num_threads governs it. Optionally it also writes each (token, head)'s
+// One work item is a query token with all its heads: the `num_heads / num_kv_heads` query heads that
+// share a KV head are scored together, so every K/V row is read once per token. Softmax is exact and
+// two-pass over a per-thread score buffer (max, then exp and sum) in fp32, as in vLLM's CPU
+// paged-attention kernel (csrc/cpu/attention.cpp); tokens are split into one contiguous run per thread
+// of about equal cost (context length) with at::parallel_for, so torch.set_num_threads governs it. Optionally it also writes each (token, head)'s
 // log-sum-exp of its scaled scores, so a caller can merge this partial attention with another over
-// other keys (cascade attention, worker/engine/cascade_attention.py).
+// other keys (cascade attention, worker/engine/executor/layers/attention/cascade.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,6 @@
 """Shared-prefix grouping: an admission order for a job's lines in which lines sharing a prefix are adjacent.
 
-engine.md, "Prefix caching": the worker admits a job's lines in this order, so the first line of a group
+docs/engine.md, "Prefix caching": the worker admits a job's lines in this order, so the first line of a group
 pays the prefill of the shared prefix and its siblings, admitted right after it, hit the prefix cache
 (the scheduler holds a sibling back until the shared blocks are computed). Sorting the prompts
 lexicographically by token ids puts every set of prompts with a common prefix in one contiguous run

@@ -1,4 +1,4 @@
-"""Greedy parity against a reference, with layout.md's near-tie rule (vLLM's ``check_logprobs_close`` idea).
+"""Greedy parity against a reference, with the near-tie rule of docs/engine.md, "Correctness testing" (vLLM's ``check_logprobs_close`` idea).
 
 fp32 matmuls over different batch shapes may sum in different orders, so two correct engines can part
 ways at a near-tie. The rule: the token ids must be equal, or the FIRST divergence must sit where the

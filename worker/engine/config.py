@@ -12,7 +12,7 @@ class EngineConfig:
     ``model`` is a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files).
     The KV cache gets ``kv_cache_memory_bytes`` (bytes) unless ``num_gpu_blocks_override`` forces a
     number of blocks (tests use it to make preemption happen). ``block_size`` is tokens per KV block:
-    8 by default, not engine.md's 16 (NOTE: measured on the HumanEval workload, 8 keeps KV utilisation
+    8 by default, not 16 (docs/engine.md, "Block size"; NOTE: measured on the HumanEval workload, 8 keeps KV utilisation
     near 98% instead of 95.6% at no cost in speed, since decode attention reads blocks in place).
     ``max_num_batched_tokens`` is the per-step token budget, ``max_num_seqs`` the cap on running
     sequences; ``max_model_len`` (prompt + output tokens) defaults to the model's

@@ -173,7 +173,7 @@ class BlockPool:
                 self.free_block_queue.append(block)
 
     def check_invariants(self) -> None:
-        """Assert the pool's own invariants (engine.md): free + used = total, free blocks have ref 0, cache map consistent."""
+        """Assert the pool's own invariants (docs/engine.md, "Invariants"): free + used = total, free blocks have ref 0, cache map consistent."""
         free = list(self.free_block_queue)
         assert len(free) == self.free_block_queue.num_free_blocks
         assert len({id(b) for b in free}) == len(free), "a block is twice in the free queue"

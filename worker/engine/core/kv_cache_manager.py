@@ -192,7 +192,7 @@ class KVCacheManager:
         return SlotOccupancy(num_tokens_stored=num_slots - num_empty, num_slots=num_slots)
 
     def check_invariants(self) -> None:
-        """Assert engine.md's invariants: pool consistency, ref counts = table references, table sizes, cached contents."""
+        """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table references, table sizes, cached contents."""
         self.block_pool.check_invariants()
         references = Counter(id(block) for blocks in self.seq_to_blocks.values() for block in blocks)
         for block in self.block_pool.blocks:

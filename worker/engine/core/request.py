@@ -2,7 +2,7 @@
 
 A :class:`Request` is one prompt plus its :class:`~worker.engine.sampling_params.SamplingParams`; it owns
 ``n`` :class:`Sequence` objects, one per sample. For now the samples share nothing (each prefills the
-prompt itself; the copy-on-write fork of engine.md comes later), so the scheduler and the KV cache
+prompt itself; copy-on-write forks are not built yet, docs/engine.md, "Not built yet"), so the scheduler and the KV cache
 manager only ever see sequences. The request finishes when all its sequences do.
 """
 
