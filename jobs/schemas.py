@@ -3,7 +3,9 @@
 Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
 vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``). They are strict: numbers must
 be JSON numbers (an integer field rejects ``1.5`` and ``true``), and an unknown field is rejected
-with its name, so a typo never silently falls back to a default.
+with its name, so a typo never silently falls back to a default. They are the one place a body rule
+lives: the worker parses each stored line with them (`jobs.line_body.parse_body`) and builds the
+engine's ``SamplingParams`` from `sampling_kwargs`.
 """
 
 from __future__ import annotations
