@@ -18,10 +18,17 @@ def get_app_settings(request: Request) -> Settings:
 
 
 def get_session(settings: Annotated[Settings, Depends(get_app_settings)]) -> Iterator[Session]:
-    """A session whose transaction commits after the endpoint returns (rolls back if it raises)."""
+    """A session whose transaction commits when the endpoint returns (rolls back if it raises).
+
+    Raises:
+        sqlalchemy.exc.SQLAlchemyError: the commit failed (the app answers 500, never the endpoint's 200).
+    """
     with session_scope(settings.database_url) as session:
         yield session
 
 
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# NOTE: scope="function" commits before the response is sent. FastAPI's default ("request") commits
+# after, so a client could receive an id and ask for it before the row was visible (and a failed
+# commit could follow a 200). Background tasks run after the response, so they see the commit too.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]

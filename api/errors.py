@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobs.errors import InvalidRequest, NotFound
+from jobs.errors import InvalidRequest, NotFound, error_envelope
 from jobs.paging import UnknownCursor
 from jobs.status import IllegalTransition
 
@@ -34,8 +34,7 @@ def error_response(
     error_type: str = "invalid_request_error",
 ) -> JSONResponse:
     """A JSON response with OpenAI's error envelope."""
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return JSONResponse(status_code=status_code, content=body)
+    return JSONResponse(status_code=status_code, content=error_envelope(message, type=error_type, param=param, code=code))
 
 
 def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:

@@ -1,6 +1,8 @@
-"""Domain errors the API turns into OpenAI-style error responses (see `api/errors.py`)."""
+"""Domain errors the API and the worker turn into OpenAI-style error responses, and that envelope."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class NotFound(LookupError):
@@ -13,10 +15,20 @@ class NotFound(LookupError):
 
 
 class InvalidRequest(ValueError):
-    """A request the service refuses (a 400); ``param`` names the field at fault, ``code`` is OpenAI's."""
+    """A request the service refuses (a 400): an API call, or one batch line's body.
+
+    ``param`` names the field at fault (OpenAI's ``error.param``), ``code`` is OpenAI's ``error.code``.
+    """
 
     def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+
+
+def error_envelope(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error envelope: ``{"error": {message, type, param, code}}`` (HTTP errors and batch-line bodies)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -3,14 +3,27 @@
 Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
 vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``). They are strict: numbers must
 be JSON numbers (an integer field rejects ``1.5`` and ``true``), and an unknown field is rejected
-with its name, so a typo never silently falls back to a default.
+with its name, so a typo never silently falls back to a default. They are the one place a body rule
+lives: the worker parses each stored line with them (`jobs.line_body.parse_body`) and builds the
+engine's ``SamplingParams`` from `sampling_kwargs`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from jobs.models import Batch, File
 from jobs.status import BatchStatus
@@ -34,6 +47,37 @@ _STRICT = ConfigDict(strict=True, extra="forbid")
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# A token id of the served model; its upper bound (the vocabulary) is checked where the model is
+# loaded (the engine's add_request), for every field of this type.
+TokenId = Annotated[int, Field(ge=0)]
+
+# vLLM's beam-search options and the values that ask for nothing; any other value is refused
+# until the engine implements beam search.
+_BEAM_SEARCH_NEUTRAL: dict[str, object] = {"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
+# Body fields that are `SamplingParams` fields of the same name and meaning, copied when set.
+_SAMPLING_FIELDS = frozenset(
+    {
+        "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+        "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+        "skip_special_tokens",
+    }
+)
+
+
+def _one_message(message: str) -> WrapValidator:
+    """A validator that reports any failure of the wrapped type as ``message``.
+
+    For union-typed fields: pydantic would list why the value fails each member of the union
+    ("String should have at least 1 character; Input should be a valid list"); users need one sentence.
+    """
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_value", message) from None
+
+    return WrapValidator(validate)
 
 
 class BatchLine(BaseModel):
@@ -48,7 +92,11 @@ class BatchLine(BaseModel):
 
 
 class _SamplingBody(BaseModel):
-    """Fields both endpoints share: OpenAI sampling fields, then vLLM's extensions."""
+    """Fields both endpoints share: OpenAI sampling fields, then vLLM's extensions.
+
+    `sampling_kwargs` turns a parsed body into the engine's ``SamplingParams`` keyword arguments
+    (vLLM's ``to_sampling_params``), so the worker applies no rule of its own.
+    """
 
     model_config = _STRICT
 
@@ -57,12 +105,12 @@ class _SamplingBody(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str], _one_message("must be a string or a list of strings")] | None = None
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stream: Literal[False] | None = None
+    stream: bool | None = None
     user: str | None = None
     # vLLM extensions
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -70,12 +118,26 @@ class _SamplingBody(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_streaming(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("streaming is not supported in a batch; remove it or set it to false")
+        return value
+
+    @field_validator(*_BEAM_SEARCH_NEUTRAL)
+    @classmethod
+    def _no_beam_search_yet(cls, value: bool | float | None, info: ValidationInfo) -> bool | float | None:
+        if value is not None and value != _BEAM_SEARCH_NEUTRAL[info.field_name]:
+            raise ValueError("is not supported yet (beam search is not implemented); remove it")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -89,7 +151,7 @@ class _SamplingBody(BaseModel):
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
             if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (digit strings), got {key!r}")
+                raise ValueError(f"keys must be token ids (digit strings), got {key!r}")
         return value
 
     @property
@@ -97,12 +159,38 @@ class _SamplingBody(BaseModel):
         """The generation cap this body asks for (None = up to the context limit)."""
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives wanted per generated token (0 = the sampled token's only; None = no logprobs)."""
+        return None
+
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> _SamplingBody:
         cap = self.effective_max_tokens
         if self.min_tokens is not None and cap is not None and self.min_tokens > cap:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= the max tokens ({cap})")
+            # NOTE: a model-level error has no location; ``param`` in its context names the field for
+            # `jobs.line_body.parse_body`.
+            raise PydanticCustomError(
+                "min_tokens_above_max", "must be <= the max tokens ({cap}), got {min_tokens}",
+                {"param": "min_tokens", "min_tokens": self.min_tokens, "cap": cap},
+            )
         return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's ``SamplingParams`` (plain values: jobs never imports the engine).
+
+        Unset fields are left out so the engine's defaults apply, except ``max_tokens`` (None = up to
+        the context limit); empty stop strings are dropped; ``logit_bias`` keys become ints.
+        """
+        kwargs = self.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
+        kwargs["max_tokens"] = self.effective_max_tokens
+        if self.stop is not None:
+            kwargs["stop"] = [stop for stop in ([self.stop] if isinstance(self.stop, str) else self.stop) if stop]
+        if self.logit_bias is not None:
+            kwargs["logit_bias"] = {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+        if self.num_logprobs is not None:
+            kwargs["logprobs"] = self.num_logprobs
+        return kwargs
 
 
 class TextContentPart(BaseModel):
@@ -120,8 +208,20 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    content: Annotated[
+        str | list[TextContentPart],
+        _one_message('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
+    ] | None = None
     name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined, no content = empty)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionBody(_SamplingBody):
@@ -136,12 +236,20 @@ class ChatCompletionBody(_SamplingBody):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
         if top_logprobs and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top_logprobs
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as ``[{"role", "content"}]`` for the tokenizer's chat template."""
+        return [{"role": message.role, "content": message.text} for message in self.messages]
 
 
 class CompletionBody(_SamplingBody):
@@ -151,13 +259,20 @@ class CompletionBody(_SamplingBody):
     prompts is rejected (one prompt per batch line).
     """
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: Annotated[
+        Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)],
+        _one_message("must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
+    ]
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -171,8 +286,16 @@ class CompletionBody(_SamplingBody):
             return prompt[0]
         return prompt
 
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As `_SamplingBody.sampling_kwargs`; ``echo`` with ``logprobs`` also asks for the prompt's logprobs."""
+        kwargs = super().sampling_kwargs()
+        if self.echo and self.logprobs is not None:
+            kwargs["prompt_logprobs"] = self.logprobs
+        return kwargs
 
-BODY_SCHEMAS: dict[str, type[_SamplingBody]] = {
+
+LineBody = ChatCompletionBody | CompletionBody
+BODY_SCHEMAS: dict[str, type[LineBody]] = {
     CHAT_COMPLETIONS: ChatCompletionBody,
     COMPLETIONS: CompletionBody,
 }

@@ -1,4 +1,9 @@
-"""Validate a batch input file (UTF-8 JSONL) before any work runs: all lines good, or every error.
+"""Validate a batch input file's structure (UTF-8 JSONL) before any work runs: all lines good, or every error.
+
+Only the file's structure fails a batch. A body the endpoint rejects (an empty prompt, a field out of
+range, ``stream: true``, an unknown field) is not checked here: the worker parses each line's body
+with its endpoint's schema (`jobs.line_body.parse_body`) and answers a bad one with a 400 for that
+line alone, as OpenAI does.
 
 Each bad line yields exactly one `LineError` (the first problem found, checked in this order):
 
@@ -13,10 +18,8 @@ Each bad line yields exactly one `LineError` (the first problem found, checked i
 | ``invalid_method`` | ``method`` is not ``"POST"`` |
 | ``invalid_url`` | ``url`` differs from the batch's endpoint |
 | ``invalid_body`` | ``body`` is not an object |
-| ``stream_unsupported`` | ``body.stream`` is true |
 | ``invalid_body`` | ``body.model`` is missing or not a string |
 | ``model_not_found`` | ``body.model`` is not the served model |
-| ``invalid_body`` | the body fails the endpoint's schema (`jobs.schemas`): ``param`` is the first bad field, ``message`` lists every problem |
 
 Whole-file problems have ``line = None``: ``file_too_large`` (over ``max_file_bytes``),
 ``empty_file`` (no non-blank line), ``too_many_lines`` (over ``max_file_lines`` non-blank lines).
@@ -31,14 +34,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
-from jobs.schemas import BODY_SCHEMAS, MAX_CUSTOM_ID_CHARS, BatchLine, LineError
+from jobs.schemas import MAX_CUSTOM_ID_CHARS, BatchLine, LineError
 
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 _UTF8_BOM = b"\xef\xbb\xbf"
-# pydantic inserts union-member tags into error locations; they name types, not fields.
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 @dataclass(slots=True)
@@ -139,7 +138,7 @@ def _validate_line(
         raise _LineProblem("invalid_url", f"url {line.get('url')!r} does not match the batch endpoint {endpoint!r}", "url")
     if not isinstance(line.get("body"), dict):
         raise _LineProblem("invalid_body", "body must be a JSON object", "body")
-    _check_body(line["body"], endpoint, model_names)
+    _check_model(line["body"], model_names)
     parsed = BatchLine.model_validate(line)
     return ValidatedLine(line_number=line_number, custom_id=parsed.custom_id, body=parsed.body)
 
@@ -159,37 +158,13 @@ def _check_custom_id(line: dict[str, Any], line_number: int, first_line_of: dict
         raise _LineProblem("duplicate_custom_id", f"custom_id {custom_id!r} is already used on line {first}", "custom_id")
 
 
-def _check_body(body: dict[str, Any], endpoint: str, model_names: Collection[str]) -> None:
-    if body.get("stream") is True:
-        raise _LineProblem("stream_unsupported", "stream: true is not supported in a batch", "body.stream")
+def _check_model(body: dict[str, Any], model_names: Collection[str]) -> None:
     model = body.get("model")
     if not isinstance(model, str):
         raise _LineProblem("invalid_body", "body.model is required and must be a string", "body.model")
     if model not in model_names:
         served = ", ".join(repr(name) for name in sorted(model_names))
         raise _LineProblem("model_not_found", f"model {model!r} is not served here (served: {served})", "body.model")
-    try:
-        BODY_SCHEMAS[endpoint].model_validate(body)
-    except ValidationError as exc:
-        messages = [f"{_location(err['loc'])}: {_describe(err)}" for err in exc.errors()]
-        first_loc = _location(exc.errors()[0]["loc"])
-        raise _LineProblem("invalid_body", "; ".join(dict.fromkeys(messages)), first_loc) from None
-
-
-def _location(loc: tuple[int | str, ...]) -> str:
-    path = "body"
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part not in _UNION_TAGS and "[" not in part and "-" not in part:
-            path += f".{part}"
-    return path
-
-
-def _describe(err: Any) -> str:
-    if err["type"] == "extra_forbidden":
-        return "unknown field (not a parameter of this endpoint)"
-    return str(err["msg"]).removeprefix("Value error, ")
 
 
 def _json_type(value: object) -> str:

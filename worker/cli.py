@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     submit = commands.add_parser("submit", help="submit a JSONL file as a batch through the HTTP API")
     submit.add_argument("file", type=Path)
     submit.add_argument("--endpoint", required=True, choices=["/v1/completions", "/v1/chat/completions"])
-    submit.add_argument("--base-url", default=f"http://{settings.api_host}:{settings.api_port}")
+    submit.add_argument(
+        "--base-url",
+        default=f"http://{settings.api_host}:{settings.api_port}",
+        help="the server, with or without the /v1 suffix the openai SDK's base_url carries",
+    )
     submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--wait", action="store_true", help="poll until the batch ends, then download")
     submit.add_argument("--output", type=Path, help="where to write the output file (implies --wait)")
@@ -199,7 +203,7 @@ def _submit_file(args: argparse.Namespace) -> int:
     import httpx
 
     metadata = dict(_key_value(item) for item in args.metadata)
-    with httpx.Client(base_url=args.base_url.rstrip("/"), timeout=120) as client:
+    with httpx.Client(base_url=server_root(args.base_url), timeout=120) as client:
         with args.file.open("rb") as f:
             data = {"endpoint": args.endpoint}
             if metadata:
@@ -217,6 +221,11 @@ def _submit_file(args: argparse.Namespace) -> int:
         _download(client, batch.get("error_file_id"), errors)
     print(json.dumps(batch, indent=2))
     return 0 if batch["status"] == "completed" else 1
+
+
+def server_root(base_url: str) -> str:
+    """``base_url`` without a trailing ``/v1`` (or ``/``): the routes below are requested as ``/v1/...``."""
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 def _wait(client: httpx.Client, batch: dict, poll_interval_s: float) -> dict:

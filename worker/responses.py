@@ -6,7 +6,9 @@ Shapes follow OpenAI's API reference; where it is silent, vLLM's OpenAI server
   ``top_logprobs`` entry maps decoded token -> logprob for the k most likely tokens plus the sampled
   one (so up to k+1 entries); ``text_offset`` counts characters from the start of the choice's text.
   With ``echo`` the prompt's tokens come first, the very first one with a null logprob.
-- chat ``logprobs``: ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal}``.
+- chat ``logprobs``: ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal}``;
+  ``bytes`` are each token's own raw bytes (`worker.token_bytes`), so the ``bytes`` of a completion's
+  tokens join into its text even where one character spans several tokens.
 - ``usage``: ``{prompt_tokens, completion_tokens (all choices), total_tokens,
   prompt_tokens_details: {cached_tokens}}``.
 - ``-inf`` logprobs (a token masked out) are written as -9999.0, vLLM's clamp: JSON has no infinity.
@@ -18,13 +20,15 @@ import time
 import uuid
 from typing import Any, Protocol
 
+from jobs.schemas import CHAT_COMPLETIONS
 from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from worker.request_mapping import CHAT_COMPLETIONS, MappedRequest
+from worker.request_mapping import MappedRequest
+from worker.token_bytes import TokenBytes, TokenStore
 
 _MIN_LOGPROB = -9999.0
 
 
-class Decoder(Protocol):
+class Decoder(TokenStore, Protocol):
     """The slice of a Hugging Face tokenizer this module uses."""
 
     def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
@@ -49,12 +53,13 @@ def build_body(
         output: the request's finished `RequestOutput` (one `CompletionOutput` per choice).
         mapped: the line as it was fed to the engine (endpoint, echo, logprob settings).
         model: the served model name to report.
-        tokenizer: decodes token ids that carry no decoded text (echoed prompts given as ids).
+        tokenizer: decodes token ids that carry no decoded text (echoed prompts given as ids) and
+            gives chat logprobs' token bytes.
         created: unix seconds; now when None.
     """
     created = int(time.time()) if created is None else created
     if mapped.endpoint == CHAT_COMPLETIONS:
-        return chat_completion_body(output, mapped, model=model, created=created)
+        return chat_completion_body(output, mapped, model=model, tokenizer=tokenizer, created=created)
     return completion_body(output, mapped, model=model, tokenizer=tokenizer, created=created)
 
 
@@ -91,14 +96,17 @@ def completion_body(
     }
 
 
-def chat_completion_body(output: RequestOutput, mapped: MappedRequest, *, model: str, created: int) -> dict[str, Any]:
+def chat_completion_body(
+    output: RequestOutput, mapped: MappedRequest, *, model: str, tokenizer: Decoder, created: int
+) -> dict[str, Any]:
     """A ``chat.completion`` object."""
     num_top = mapped.params.logprobs
+    token_bytes = TokenBytes(tokenizer)
     choices = []
     for completion in _by_index(output.outputs):
         logprobs = None
         if num_top is not None:
-            logprobs = {"content": _chat_logprobs(completion, num_top), "refusal": None}
+            logprobs = {"content": _chat_logprobs(completion, num_top, token_bytes), "refusal": None}
         choices.append(
             {
                 "index": completion.index,
@@ -129,11 +137,6 @@ def usage(output: RequestOutput) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
     }
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error envelope: ``{"error": {message, type, param, code}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def context_length_message(num_prompt_tokens: int, max_model_len: int) -> str:
@@ -192,26 +195,25 @@ def _completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
-def _chat_logprobs(completion: CompletionOutput, k: int) -> list[dict[str, Any]]:
+def _chat_logprobs(completion: CompletionOutput, k: int, token_bytes: TokenBytes) -> list[dict[str, Any]]:
     content = []
     for idx, token_id in enumerate(completion.token_ids):
         assert completion.logprobs is not None and token_id in completion.logprobs[idx], (
             "the engine returns the sampled token's logprob at every generated position"
         )
         position = completion.logprobs[idx]
-        chosen = position[token_id]
         content.append(
             {
-                **_chat_token(chosen),
-                "top_logprobs": [_chat_token(lp) for _, lp in _top(position, k)],
+                **_chat_token(token_id, position[token_id], token_bytes),
+                "top_logprobs": [_chat_token(top_id, lp, token_bytes) for top_id, lp in _top(position, k)],
             }
         )
     return content
 
 
-def _chat_token(logprob: Logprob) -> dict[str, Any]:
+def _chat_token(token_id: int, logprob: Logprob, token_bytes: TokenBytes) -> dict[str, Any]:
     return {
         "token": logprob.decoded_token,
         "logprob": _clamp(logprob.logprob),
-        "bytes": list(logprob.decoded_token.encode("utf-8")),
+        "bytes": list(token_bytes(token_id, logprob.decoded_token)),
     }

@@ -2,9 +2,10 @@
 
 Flow (plain functions; the Celery task in `worker.tasks` only calls `run_batch`):
 1. Load the batch's pending lines (a re-delivered task resumes where the last run stopped).
-2. Map each line body to prompt token ids + `SamplingParams` (`worker.request_mapping`). A line the
-   endpoint rejects (bad field, prompt longer than the context) gets a 400 ``response`` with an
-   OpenAI error body and counts as failed; its neighbours run.
+2. Parse each line body with its endpoint's schema and map it to prompt token ids + `SamplingParams`
+   (`worker.request_mapping`). A line the endpoint rejects (a bad field, a token id outside the
+   vocabulary, a prompt longer than the context) gets a 400 ``response`` with an OpenAI error body
+   and counts as failed; its neighbours run.
 3. Order the lines by prompt token ids, so lines sharing a prefix are admitted together and hit the
    prefix cache (engine.md, "shared-prefix grouping"), and add them ALL to the engine; then step until
    done. Continuous batching keeps the running batch full; no line waits for another to finish.
@@ -30,14 +31,15 @@ from typing import Any, Protocol
 from jobs import repository
 from jobs.config import get_settings
 from jobs.db import session_scope
-from jobs.errors import NotFound
+from jobs.errors import InvalidRequest, NotFound, error_envelope
+from jobs.schemas import CHAT_COMPLETIONS
 from jobs.status import BatchStatus
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.outputs import RequestOutput
 from worker.prefix_grouping import order_by_shared_prefix
 from worker.engine.sampling_params import SamplingParams
-from worker.request_mapping import CHAT_COMPLETIONS, InvalidRequestError, MappedRequest, map_request
-from worker.responses import build_body, context_length_message, error_body, new_request_id
+from worker.request_mapping import MappedRequest, map_request
+from worker.responses import build_body, context_length_message, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +255,7 @@ def _map_lines(
     for request_id, body in pending:
         try:
             request = map_request(endpoint, body, engine.tokenizer)
-        except InvalidRequestError as exc:
+        except InvalidRequest as exc:
             sink.add(_rejected(request_id, exc.message, param=exc.param, code=exc.code))
             continue
         mapped[request_id] = request
@@ -305,7 +307,7 @@ def _completed(output: RequestOutput, request: MappedRequest, *, model_name: str
 
 
 def _rejected(request_id: str, message: str, *, param: str | None, code: str | None = None) -> LineResult:
-    body = error_body(message, type="invalid_request_error", param=param, code=code)
+    body = error_envelope(message, type="invalid_request_error", param=param, code=code)
     return LineResult(request_id=request_id, response={"status_code": 400, "request_id": new_request_id(), "body": body})
 
 
@@ -319,5 +321,5 @@ def _context_length_result(request_id: str, endpoint: str, exc: PromptTooLongErr
 
 
 def _server_error(request_id: str, message: str) -> LineResult:
-    body = error_body(message, type="server_error", param=None, code="engine_error")
+    body = error_envelope(message, type="server_error", param=None, code="engine_error")
     return LineResult(request_id=request_id, response={"status_code": 500, "request_id": new_request_id(), "body": body})

@@ -55,7 +55,6 @@ def create(
         completion_window=request.completion_window,
         metadata=request.metadata,
     )
-    session.commit()
     background_tasks.add_task(validate_in_background, batch.id, settings)
     return BatchObject.from_row(batch)
 

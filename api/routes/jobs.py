@@ -54,6 +54,5 @@ def create_job(
         completion_window=completion_window,
         metadata=parsed_metadata,
     )
-    session.commit()
     background_tasks.add_task(validate_in_background, batch.id, settings)
     return BatchObject.from_row(batch)

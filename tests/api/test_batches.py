@@ -58,17 +58,24 @@ def test_create_returns_validating_batch_then_validation_starts_it(client: Any, 
 
 
 def test_bad_input_file_fails_the_batch_with_line_numbered_errors(client: Any, service_settings: Settings) -> None:
-    lines = [chat_line("a"), "not json", chat_line("a"), completion_line("c"), chat_line("d", temperature=9)]
+    lines = [chat_line("a"), "not json", chat_line("a"), completion_line("c"), chat_line("d", model="gpt-4o")]
     batch_id = _create(client, _upload(client, lines)).json()["id"]
     batch = client.get(f"/v1/batches/{batch_id}").json()
     assert batch["status"] == "failed" and batch["failed_at"] is not None
     assert batch["errors"]["object"] == "list"
     assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == [
-        (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "invalid_url"), (5, "invalid_body")
+        (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "invalid_url"), (5, "model_not_found")
     ]
     assert all(set(e) == {"code", "message", "param", "line"} for e in batch["errors"]["data"])
     assert batch["request_counts"]["total"] == 0
     assert queued_tasks(service_settings.broker_url) == []
+
+
+def test_a_body_the_endpoint_rejects_does_not_fail_the_batch(client: Any) -> None:
+    lines = [chat_line("a"), chat_line("b", temperature=9), chat_line("c", stream=True)]
+    batch = client.get(f"/v1/batches/{_create(client, _upload(client, lines)).json()['id']}").json()
+    assert batch["status"] == "in_progress" and batch["errors"] is None
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
 
 
 def test_completions_batch_and_deleted_input_file(client: Any) -> None:

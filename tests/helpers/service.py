@@ -19,7 +19,8 @@ Fixtures:
 
 Helpers: `configure_service` (the env + settings + migrations step, for custom fixtures),
 `queued_tasks` (drain the broker and return the ``(task name, args)`` sent), `api_client`
-(FastAPI `TestClient`; background tasks run before the response returns), `openai_client` (the real
+(FastAPI `TestClient`; background tasks run before the response returns), `serve_http` (the app
+under uvicorn on a loopback port, in a thread: responses leave as they would in production), `openai_client` (the real
 ``openai`` SDK over that client), `chat_line` / `completion_line` / `jsonl` (input files).
 """
 
@@ -28,7 +29,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +178,35 @@ def api_client(settings: Settings) -> Any:
     from api.main import create_app
 
     return TestClient(create_app(settings))
+
+
+@contextmanager
+def serve_http(settings: Settings, timeout_s: float = 30) -> Iterator[str]:
+    """Serve ``create_app(settings)`` with uvicorn on a free loopback port for the block; yields the base URL.
+
+    Unlike `api_client`, the client and the app only share the socket, so what the app does after
+    sending a response (e.g. a late commit) races the client's next request, as in production.
+    """
+    import uvicorn
+
+    from api.main import create_app
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on port {port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
 
 
 def openai_client(test_client: Any) -> Any:

@@ -84,13 +84,14 @@ def live_api(data_dir):
     thread.join(timeout=10)
 
 
-def test_submit_posts_the_file_and_prints_the_batch(live_api, tmp_path, capsys):
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_submit_posts_the_file_and_prints_the_batch(live_api, tmp_path, capsys, suffix):
     line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
             "body": {"model": BUILTIN_MODEL, "prompt": "Hello", "max_tokens": 2}}
     path = tmp_path / "job.jsonl"
     path.write_text(json.dumps(line) + "\n")
 
-    code = cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", live_api, "--metadata", "team=evals"])
+    code = cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", live_api + suffix, "--metadata", "team=evals"])
 
     assert code == 0
     batch = json.loads(capsys.readouterr().out)

@@ -1,11 +1,12 @@
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from worker.request_mapping import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    InvalidRequestError,
-    map_request,
-)
+from jobs.errors import InvalidRequest
+from jobs.line_body import parse_body
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS
+from worker.engine import SamplingParams
+from worker.request_mapping import map_request
 
 
 def test_completion_string_prompt_uses_tokenizer_count_and_defaults(served_tokenizer):
@@ -71,10 +72,10 @@ def test_chat_prompt_is_the_models_chat_template(served_tokenizer):
 
 
 def test_chat_text_parts_equal_plain_content(served_tokenizer):
-    plain = map_request(CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "hi there"}]}, served_tokenizer)
+    plain = map_request(CHAT_COMPLETIONS, {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}, served_tokenizer)
     parts = map_request(
         CHAT_COMPLETIONS,
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]},
         served_tokenizer,
     )
     assert parts.prompt_token_ids == plain.prompt_token_ids
@@ -82,6 +83,7 @@ def test_chat_text_parts_equal_plain_content(served_tokenizer):
 
 def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
     body = {
+        "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 5,
         "max_completion_tokens": 9,
@@ -92,7 +94,7 @@ def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
     assert params.max_tokens == 9
     assert params.logprobs == 3
     assert params.prompt_logprobs is None
-    no_top = map_request(CHAT_COMPLETIONS, {"messages": body["messages"], "logprobs": True}, served_tokenizer)
+    no_top = map_request(CHAT_COMPLETIONS, {"model": "m", "messages": body["messages"], "logprobs": True}, served_tokenizer)
     assert no_top.params.logprobs == 0
 
 
@@ -107,17 +109,94 @@ def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
         (COMPLETIONS, {"prompt": "x", "n": 1.5}, "n"),
         (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
         (COMPLETIONS, {"prompt": "x", "stop": [1, 2]}, "stop"),
-        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
         (COMPLETIONS, {"prompt": "x", "echo": "yes"}, "echo"),
+        (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         (CHAT_COMPLETIONS, {"messages": []}, "messages"),
-        (CHAT_COMPLETIONS, {"messages": [{"content": "no role"}]}, "messages[0]"),
+        (CHAT_COMPLETIONS, {"messages": [{"content": "no role"}]}, "messages[0].role"),
         (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/embeddings", {"input": "x"}, "url"),
     ],
 )
 def test_rejected_bodies_name_the_field(served_tokenizer, endpoint, body, param):
-    with pytest.raises(InvalidRequestError) as info:
-        map_request(endpoint, body, served_tokenizer)
+    with pytest.raises(InvalidRequest) as info:
+        map_request(endpoint, {"model": "m", **body}, served_tokenizer)
     assert info.value.param == param
-    assert info.value.message
+    assert info.value.message.startswith(f"{param}: ") or param == "url"
+
+
+def test_request_mapping_holds_no_body_rule():
+    """Body rules (limits, defaults, cross-field checks) live in the schemas alone: the worker's mapping
+    has no numeric literal, names no limit constant and raises no invalid-request error of its own."""
+    import ast
+    from pathlib import Path
+
+    from worker import request_mapping
+
+    source = Path(request_mapping.__file__).read_text()
+    tree = ast.parse(source)
+    numbers = [
+        node.value for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool)
+    ]
+    assert numbers == []
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not {name for name in names if name.lstrip("_").startswith(("MAX_", "MIN_")) or "DEFAULT" in name}
+    assert not any(isinstance(node, ast.Raise) for node in ast.walk(tree))
+
+
+_ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 140),
+    st.floats(-3, 3, allow_nan=False),
+    st.text("ab\n", max_size=2),
+    st.lists(st.integers(-2, 5), max_size=3),
+    st.lists(st.text("ab", max_size=2), max_size=5),
+    st.dictionaries(st.sampled_from(["0", "42", "x"]), st.floats(-150, 150, allow_nan=False), max_size=2),
+)
+_OPTIONAL_FIELDS = [
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+    "frequency_penalty", "logit_bias", "stream", "user", "top_k", "min_p", "repetition_penalty", "min_tokens",
+    "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search",
+    "length_penalty", "early_stopping", "echo", "logprobs", "top_logprobs", "suffix",
+]
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "robot"]), "content": st.one_of(st.text("hi", max_size=3), st.none(), st.integers())}
+)
+_EXTRA_FIELDS = st.dictionaries(st.sampled_from(_OPTIONAL_FIELDS), _ANY_VALUE, max_size=3)
+_BODIES = st.one_of(
+    st.tuples(
+        st.just(COMPLETIONS),
+        st.builds(
+            lambda prompt, extra: {"model": "m", "prompt": prompt, **extra},
+            st.one_of(st.text("ab", max_size=3), st.lists(st.integers(-1, 9), max_size=3), st.just(["a"]), _ANY_VALUE),
+            _EXTRA_FIELDS,
+        ),
+    ),
+    st.tuples(
+        st.just(CHAT_COMPLETIONS),
+        st.builds(lambda messages, extra: {"model": "m", "messages": messages, **extra}, st.lists(_MESSAGE, max_size=2), _EXTRA_FIELDS),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_BODIES)
+def test_the_api_and_the_worker_decide_alike_on_any_body(served_tokenizer, case):
+    """The decision the API documents for a body (the schema's: accepted, or a 400 naming ``param``) is the
+    worker's: same verdict, same param and message; and what the schema accepts the engine's own
+    `SamplingParams` checks accept too (no ValueError escapes the worker)."""
+    endpoint, body = case
+    try:
+        parsed = parse_body(endpoint, body)
+    except InvalidRequest as api_error:
+        with pytest.raises(InvalidRequest) as worker_error:
+            map_request(endpoint, body, served_tokenizer)
+        assert (worker_error.value.param, worker_error.value.message) == (api_error.param, api_error.message)
+        return
+    mapped = map_request(endpoint, body, served_tokenizer)
+    assert mapped.params == SamplingParams(**parsed.sampling_kwargs())
+    assert mapped.prompt_token_ids

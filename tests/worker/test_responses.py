@@ -2,9 +2,12 @@ import json
 import math
 
 from jobs.config import BUILTIN_MODEL
+from jobs.errors import error_envelope
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS
+from worker.engine.output.detokenizer import decode_token
 from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from worker.request_mapping import CHAT_COMPLETIONS, COMPLETIONS, map_request
-from worker.responses import build_body, context_length_message, error_body, usage
+from worker.request_mapping import map_request
+from worker.responses import build_body, context_length_message, usage
 
 
 def _position(tokenizer, chosen: int, alternatives: dict[int, float], chosen_logprob: float):
@@ -26,7 +29,7 @@ def _output(tokenizer, prompt_ids, completions, *, cached=0, prompt_logprobs=Non
 
 
 def test_text_completion_body_shape_and_usage(served_tokenizer):
-    mapped = map_request(COMPLETIONS, {"prompt": "def add(a, b):\n", "max_tokens": 8}, served_tokenizer)
+    mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "def add(a, b):\n", "max_tokens": 8}, served_tokenizer)
     text_ids = served_tokenizer.encode("    return a + b")
     out = _output(
         served_tokenizer,
@@ -56,7 +59,7 @@ def test_text_completion_body_shape_and_usage(served_tokenizer):
 
 
 def test_n_choices_keep_their_indexes_and_usage_sums_them(served_tokenizer):
-    mapped = map_request(COMPLETIONS, {"prompt": "x", "n": 2, "temperature": 1}, served_tokenizer)
+    mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "x", "n": 2, "temperature": 1}, served_tokenizer)
     outs = [
         CompletionOutput(index=1, text="b c", token_ids=[3, 4, 5], finish_reason="length"),
         CompletionOutput(index=0, text="a", token_ids=[6], finish_reason="stop"),
@@ -70,7 +73,7 @@ def test_n_choices_keep_their_indexes_and_usage_sums_them(served_tokenizer):
 
 def test_completion_logprobs_have_k_plus_sampled_and_offsets(served_tokenizer):
     tok = served_tokenizer
-    mapped = map_request(COMPLETIONS, {"prompt": "Hello", "logprobs": 1}, tok)
+    mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "Hello", "logprobs": 1}, tok)
     a, b, c = tok.encode(" world")[0], tok.encode("!")[0], tok.encode(" there")[0]
     positions = [
         _position(tok, a, {c: -0.5}, chosen_logprob=-1.0),  # sampled token is not the top one
@@ -87,7 +90,7 @@ def test_completion_logprobs_have_k_plus_sampled_and_offsets(served_tokenizer):
 
 def test_completion_echo_prepends_prompt_text_and_prompt_logprobs(served_tokenizer):
     tok = served_tokenizer
-    mapped = map_request(COMPLETIONS, {"prompt": "Hello world", "echo": True, "logprobs": 0, "max_tokens": 1}, tok)
+    mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "Hello world", "echo": True, "logprobs": 0, "max_tokens": 1}, tok)
     p0, p1 = mapped.prompt_token_ids
     gen = tok.encode("!")[0]
     prompt_logprobs = [None, _position(tok, p1, {}, chosen_logprob=-2.0)]
@@ -107,7 +110,7 @@ def test_completion_echo_prepends_prompt_text_and_prompt_logprobs(served_tokeniz
 
 def test_chat_completion_body_with_top_logprobs(served_tokenizer):
     tok = served_tokenizer
-    body_in = {"messages": [{"role": "user", "content": "Capital of France?"}], "logprobs": True, "top_logprobs": 2}
+    body_in = {"model": "m", "messages": [{"role": "user", "content": "Capital of France?"}], "logprobs": True, "top_logprobs": 2}
     mapped = map_request(CHAT_COMPLETIONS, body_in, tok)
     paris, lyon, nice = tok.encode("Paris")[0], tok.encode("Lyon")[0], tok.encode("Nice")[0]
     position = _position(tok, paris, {lyon: -3.0, nice: -4.0}, chosen_logprob=-0.01)
@@ -134,14 +137,14 @@ def test_openai_sdk_parses_the_bodies(served_tokenizer):
     from openai.types.chat import ChatCompletion
 
     tok = served_tokenizer
-    mapped = map_request(COMPLETIONS, {"prompt": "x", "logprobs": 1}, tok)
+    mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 1}, tok)
     gen = tok.encode("y")[0]
     out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, "y", [gen], logprobs=[_position(tok, gen, {}, -0.2)], finish_reason="stop")])
     completion = Completion.model_validate(build_body(out, mapped, model="m", tokenizer=tok))
     assert completion.choices[0].logprobs.tokens == ["y"]
     assert completion.usage.prompt_tokens_details.cached_tokens == 0
 
-    mapped = map_request(CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, tok)
+    mapped = map_request(CHAT_COMPLETIONS, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, tok)
     out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, "y", [gen], logprobs=[_position(tok, gen, {}, -0.2)], finish_reason="length")])
     chat = ChatCompletion.model_validate(build_body(out, mapped, model="m", tokenizer=tok))
     assert chat.choices[0].message.content == "y"
@@ -153,6 +156,25 @@ def test_usage_and_error_bodies():
     assert usage(out)["prompt_tokens_details"] == {"cached_tokens": 2}
     message = context_length_message(9000, 8192)
     assert "9000" in message and "8192" in message
-    assert error_body(message, param="prompt", code="context_length_exceeded") == {
+    assert error_envelope(message, param="prompt", code="context_length_exceeded") == {
         "error": {"message": message, "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
     }
+
+
+def test_chat_logprob_bytes_join_into_the_text_across_split_characters(served_tokenizer):
+    """CJK characters and an emoji span several byte-level tokens; each token's ``bytes`` are its own raw
+    bytes (a lone part of a character decodes to U+FFFD), so joined they give back the text."""
+    tok = served_tokenizer
+    text = "日本語のテキスト 😀👍🏽 ok"
+    token_ids = tok.encode(text)
+    assert any("\ufffd" in decode_token(tok, token_id) for token_id in token_ids), "no token splits a character"
+    positions = [_position(tok, token_id, {}, -0.5) for token_id in token_ids]
+    body_in = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1}
+    mapped = map_request(CHAT_COMPLETIONS, body_in, tok)
+    out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, text, token_ids, logprobs=positions, finish_reason="length")])
+
+    content = build_body(out, mapped, model="m", tokenizer=tok)["choices"][0]["logprobs"]["content"]
+
+    assert b"".join(bytes(entry["bytes"]) for entry in content).decode("utf-8") == text
+    for entry in content:
+        assert [top["bytes"] for top in entry["top_logprobs"]] == [entry["bytes"]]

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from jobs import repository
+from jobs import intake, repository
 from jobs.config import BUILTIN_MODEL, get_settings
 from jobs.db import dispose_engines, session_scope, upgrade_database
 from jobs.files import file_path, get_file, write_file
 from jobs.status import BatchStatus
 from jobs.validation import ValidatedLine
+from tests.helpers.service import completion_line, jsonl
 from worker import runner
 from worker.engine.errors import PromptTooLongError
 from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -209,6 +210,38 @@ def test_too_long_and_invalid_lines_fail_alone(service, served_tokenizer):
     assert errors["line-2"]["error"] is None
 
 
+@pytest.mark.parametrize(
+    ("bad_fields", "param"),
+    [({"prompt": ""}, "prompt"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature")],
+)
+def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(service, served_tokenizer, monkeypatch, bad_fields, param):
+    """The file passes validation (its structure is fine); the worker's parse of the middle body fails,
+    so that line is a 400 in the error file, named by ``param`` in plain words, and its neighbours run."""
+    lines = [completion_line("first", max_tokens=2), completion_line("middle", **bad_fields), completion_line("last", max_tokens=2)]
+    settings = get_settings()
+    with session_scope() as session:
+        file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir)
+        batch_id = repository.create_batch(session, input_file_id=file.id, endpoint="/v1/completions").id
+    monkeypatch.setattr(intake, "enqueue_batch", lambda *args, **kwargs: None)
+    assert intake.validate_and_start(batch_id, settings=settings) == BatchStatus.IN_PROGRESS
+
+    assert runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
+
+    batch, output, errors = read_results(batch_id)
+    assert set(output) == {"first", "last"} and set(errors) == {"middle"}
+    assert (batch.total_requests, batch.completed_requests, batch.failed_requests) == (3, 2, 1)
+    envelope = errors["middle"]
+    assert envelope["error"] is None
+    assert envelope["response"]["status_code"] == 400
+    error = envelope["response"]["body"]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert error["message"].startswith(f"{param}: must be ")
+    with session_scope() as session:
+        envelopes = file_path(get_file(session, file_id=batch.error_file_id), settings.files_dir).read_text().splitlines()
+    assert len(envelopes) == 1
+
+
 def test_cancel_aborts_in_flight_lines_and_keeps_finished(service, served_tokenizer):
     batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
 
@@ -308,9 +341,12 @@ def test_lines_the_engine_drops_fail_instead_of_hanging(service, served_tokenize
     assert errors["line-2"]["response"]["status_code"] == 500
 
 
-def test_a_token_id_outside_the_vocabulary_fails_its_line_alone_on_the_real_engine(service, tmp_path):
-    """A ``logit_bias`` or prompt token id the model does not have passes validation (the API has no model)
-    but is rejected when the line joins the engine, before any step: its neighbours run normally."""
+def test_token_ids_outside_the_vocabulary_or_an_unreachable_min_tokens_fail_their_line_alone_on_the_real_engine(
+    service, tmp_path
+):
+    """Token ids (prompt, ``logit_bias``, ``stop_token_ids``) pass validation (the API has no model), and so
+    does a ``min_tokens`` the prompt leaves no room for; each is rejected when its line joins the engine,
+    before any step, naming the field: the neighbours run normally."""
     from tests.helpers.tiny_llama import save_tiny_llama
     from worker.engine import EngineConfig, LLMEngine
 
@@ -321,6 +357,9 @@ def test_a_token_id_outside_the_vocabulary_fails_its_line_alone_on_the_real_engi
         completion("fine one"),
         completion("biased", logit_bias={"3": 5, str(vocab_size + 5): 5}),
         completion([1, vocab_size]),
+        completion("stops", stop_token_ids=[2, vocab_size + 7]),
+        completion([5] * 60, min_tokens=10, max_tokens=16),
+        completion([5] * 50, min_tokens=10, max_tokens=16, ignore_eos=True),
         completion("fine two", temperature=1.0, seed=3),
     ]
     batch_id = make_batch(bodies)
@@ -328,10 +367,18 @@ def test_a_token_id_outside_the_vocabulary_fails_its_line_alone_on_the_real_engi
     assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
 
     batch, output, errors = read_results(batch_id)
-    assert set(output) == {"line-1", "line-4"} and set(errors) == {"line-2", "line-3"}
-    for custom_id, param, bad_id in (("line-2", "logit_bias", vocab_size + 5), ("line-3", "prompt", None)):
+    assert set(output) == {"line-1", "line-6", "line-7"}
+    assert output["line-6"]["response"]["body"]["usage"]["completion_tokens"] >= 10
+    expected = {
+        "line-2": ("logit_bias", [str(vocab_size), str(vocab_size + 5)]),
+        "line-3": ("prompt", [str(vocab_size)]),
+        "line-4": ("stop_token_ids", [str(vocab_size), str(vocab_size + 7)]),
+        "line-5": ("min_tokens", ["10", "60", "64"]),
+    }
+    assert set(errors) == set(expected)
+    for custom_id, (param, numbers) in expected.items():
         response = errors[custom_id]["response"]
         assert response["status_code"] == 400
         error = response["body"]["error"]
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_value", param)
-        assert str(vocab_size) in error["message"] and (bad_id is None or str(bad_id) in error["message"])
+        assert all(number in error["message"] for number in numbers), error["message"]

@@ -24,6 +24,8 @@ from worker.engine.core.request import Request, Sequence
 from worker.engine.output.stop_checker import check_finish
 from worker.engine.stats import EngineStats
 
+_MAX_IDS_SHOWN = 8  # token ids quoted in an error message
+
 
 class LLMEngine:
     """Offline engine: add requests, call :meth:`step` until none is unfinished (or use :meth:`generate`).
@@ -73,7 +75,8 @@ class LLMEngine:
 
         Raises:
             PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
-            InvalidParameterError: a prompt or ``logit_bias`` token id outside the vocabulary.
+            InvalidParameterError: a token id outside the vocabulary (the prompt's, or in any field
+                `SamplingParams.token_id_fields` lists), or ``min_tokens`` beyond the room the prompt leaves.
             ValueError: a duplicate ``request_id`` or an empty prompt.
         """
         if request_id in self.requests:
@@ -86,15 +89,22 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab_size = self.model_config.vocab_size
-        if not all(0 <= token_id < vocab_size for token_id in prompt_token_ids):
-            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        bad_bias = sorted(t for t in (params.logit_bias or {}) if not 0 <= t < vocab_size)
-        if bad_bias:
-            raise InvalidParameterError(
-                f"logit_bias token ids {bad_bias} are outside the vocabulary [0, {vocab_size})", "logit_bias"
-            )
+        for param, token_ids in {"prompt": prompt_token_ids, **params.token_id_fields()}.items():
+            bad_ids = sorted({token_id for token_id in token_ids if not 0 <= token_id < vocab_size})
+            if bad_ids:
+                shown = ", ".join(map(str, bad_ids[:_MAX_IDS_SHOWN])) + (", ..." if len(bad_ids) > _MAX_IDS_SHOWN else "")
+                raise InvalidParameterError(
+                    f"{param} holds {len(bad_ids)} token ids outside the vocabulary [0, {vocab_size}): {shown}", param
+                )
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        room = self.max_model_len - len(prompt_token_ids)
+        if params.min_tokens > room:
+            raise InvalidParameterError(
+                f"min_tokens ({params.min_tokens}) cannot be met: the prompt has {len(prompt_token_ids)} tokens "
+                f"and the context {self.max_model_len}, which leaves room for {room}",
+                "min_tokens",
+            )
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),

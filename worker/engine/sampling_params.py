@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -63,6 +64,13 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    def token_id_fields(self) -> dict[str, Collection[int]]:
+        """The token ids each field holds, by field name: every one must be in the model's vocabulary.
+
+        A new field holding token ids must be listed here, so the engine checks it with the others.
+        """
+        return {"logit_bias": (self.logit_bias or {}).keys(), "stop_token_ids": self.stop_token_ids}
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,53 @@
+"""Parse one batch line's ``body`` with its endpoint's schema: the one place a body is judged.
+
+The worker calls `parse_body` on each stored line before it runs; a body the endpoint rejects
+becomes that line's 400 ``response`` (OpenAI's error envelope, ``param`` naming the field), while
+the other lines run. The rules themselves live in the schemas (`jobs.schemas`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from jobs.errors import InvalidRequest
+from jobs.schemas import BODY_SCHEMAS, LineBody
+
+
+def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
+    """The body parsed by ``endpoint``'s schema.
+
+    Raises:
+        InvalidRequest: the endpoint is not served (``param`` "url"), or the body breaks a rule of its
+            schema: ``param`` is the first field at fault (``messages[0].content`` style), ``message``
+            names every problem in plain words.
+    """
+    schema = BODY_SCHEMAS.get(endpoint)
+    if schema is None:
+        raise InvalidRequest(f"unsupported endpoint {endpoint!r}; use one of {sorted(BODY_SCHEMAS)}", param="url")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        problems = [(_param(error), _describe(error, endpoint)) for error in exc.errors()]
+        message = "; ".join(dict.fromkeys(f"{param}: {text}" if param else text for param, text in problems))
+        raise InvalidRequest(message, param=problems[0][0]) from None
+
+
+def _param(error: ErrorDetails) -> str | None:
+    """OpenAI's ``param`` for an error location: ``messages[0].content``, ``logit_bias.42``."""
+    path = ""
+    for part in error["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path.lstrip(".") or error.get("ctx", {}).get("param")
+
+
+def _describe(error: ErrorDetails, endpoint: str) -> str:
+    if error["type"] == "extra_forbidden":
+        return f"unknown field (not a parameter of {endpoint})"
+    if error["type"] == "missing":
+        return "is required"
+    # NOTE: pydantic words constraints as "Input should be ..." and custom checks as "Value error, ...".
+    return error["msg"].removeprefix("Value error, ").replace("Input should be", "must be")

@@ -1,0 +1,162 @@
+"""Line bodies judged by their endpoint's schema (`jobs.line_body.parse_body`): plain messages naming
+``param``, and the engine's `SamplingParams` arguments (`sampling_kwargs`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jobs.errors import InvalidRequest
+from jobs.line_body import parse_body
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], **fields}
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "Once upon a time", **fields}
+
+
+def _rejection(endpoint: str, body: dict[str, Any]) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        parse_body(endpoint, body)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {"42": 101}}, "logit_bias.42"),
+        ({"seed": "7"}, "seed"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"stop_token_ids": [1, "2"]}, "stop_token_ids[1]"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"stream": True}, "stream"),
+        ({"functions": []}, "functions"),
+        ({"temprature": 0.5}, "temprature"),
+    ],
+)
+def test_chat_body_out_of_range_or_unknown_field_names_the_field(fields: dict[str, Any], param: str) -> None:
+    error = _rejection(CHAT_COMPLETIONS, _chat(**fields))
+    assert (error.param, error.code) == (param, "invalid_value")
+    assert error.message.startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"prompt": ""}, "prompt", "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
+        ({"prompt": []}, "prompt", "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
+        ({"prompt": [1, -1]}, "prompt", "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
+        ({"prompt": ["a", "b"]}, "prompt", "put each prompt on its own line"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens: must be greater than or equal to 1"),
+        ({"temperature": -1}, "temperature", "temperature: must be greater than or equal to 0"),
+        ({"logprobs": 21}, "logprobs", "logprobs: must be less than or equal to 20"),
+        ({"logprobs": True}, "logprobs", "logprobs: must be a valid integer"),
+        ({"suffix": "y"}, "suffix", "suffix: unknown field (not a parameter of /v1/completions)"),
+        ({"min_tokens": 17}, "min_tokens", "min_tokens: must be <= the max tokens (16), got 17"),
+        ({"stream": True}, "stream", "stream: streaming is not supported in a batch"),
+        ({"stop": ["a", 1]}, "stop", "stop: must be a string or a list of strings"),
+    ],
+)
+def test_completion_body_errors_are_plain_words(fields: dict[str, Any], param: str, message: str) -> None:
+    error = _rejection(COMPLETIONS, _completion(**fields))
+    assert error.param == param
+    assert message in error.message
+    assert "Input should" not in error.message and "Value error" not in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"length_penalty": 0.8}, "length_penalty"),
+        ({"early_stopping": True}, "early_stopping"),
+    ],
+)
+def test_beam_search_options_are_refused_until_implemented(fields: dict[str, Any], param: str) -> None:
+    error = _rejection(COMPLETIONS, _completion(**fields))
+    assert error.param == param and "not supported yet" in error.message
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
+    assert "use_beam_search" not in parse_body(COMPLETIONS, _completion(**neutral)).sampling_kwargs()
+
+
+def test_missing_model_and_unknown_endpoint() -> None:
+    body = _chat()
+    del body["model"]
+    assert _rejection(CHAT_COMPLETIONS, body).param == "model"
+    assert _rejection("/v1/embeddings", {"input": "x"}).param == "url"
+
+
+def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
+    body = _chat(
+        max_tokens=8, max_completion_tokens=6, temperature=0.7, top_p=0.9, n=2, stop=["\n", "END"], seed=3,
+        logprobs=True, top_logprobs=20, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"42": -100, "7": 100},
+        user="u1", stream=False, top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=2, ignore_eos=True,
+        stop_token_ids=[2], include_stop_str_in_output=True, skip_special_tokens=False,
+        use_beam_search=False, length_penalty=1.0, early_stopping=False,
+    )
+    body["messages"] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}], "name": "ann"},
+        {"role": "assistant", "content": None},
+    ]
+    parsed = parse_body(CHAT_COMPLETIONS, body)
+    assert parsed.conversation() == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": ""},
+    ]
+    assert parsed.sampling_kwargs() == {
+        "max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "n": 2, "stop": ["\n", "END"], "seed": 3, "logprobs": 20,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {42: -100.0, 7: 100.0}, "top_k": 40,
+        "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [2],
+        "include_stop_str_in_output": True, "skip_special_tokens": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, {"n": 1, "max_tokens": 16}),
+        ({"prompt": ["Once"], "stop": ""}, {"n": 1, "max_tokens": 16, "stop": []}),
+        ({"prompt": [1, 2, 3], "logprobs": 0}, {"n": 1, "max_tokens": 16, "logprobs": 0}),
+        ({"echo": True, "logprobs": 5, "max_tokens": 4, "stop": "\n"},
+         {"n": 1, "max_tokens": 4, "stop": ["\n"], "logprobs": 5, "prompt_logprobs": 5}),
+    ],
+)
+def test_completion_sampling_kwargs(fields: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert parse_body(COMPLETIONS, _completion(**fields)).sampling_kwargs() == expected
+
+
+def test_chat_defaults_leave_max_tokens_to_the_context() -> None:
+    assert parse_body(CHAT_COMPLETIONS, _chat()).sampling_kwargs() == {"n": 1, "max_tokens": None}
+    assert parse_body(CHAT_COMPLETIONS, _chat(logprobs=True)).sampling_kwargs()["logprobs"] == 0
