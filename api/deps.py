@@ -14,7 +14,8 @@ from jobs.db import session_scope
 
 def get_app_settings(request: Request) -> Settings:
     """The `Settings` the app was created with (`api.main.create_app`)."""
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 def get_session(settings: Annotated[Settings, Depends(get_app_settings)]) -> Iterator[Session]:

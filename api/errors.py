@@ -34,7 +34,9 @@ def error_response(
     error_type: str = "invalid_request_error",
 ) -> JSONResponse:
     """A JSON response with OpenAI's error envelope."""
-    return JSONResponse(status_code=status_code, content=error_envelope(message, type=error_type, param=param, code=code))
+    return JSONResponse(
+        status_code=status_code, content=error_envelope(message, type=error_type, param=param, code=code)
+    )
 
 
 def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:

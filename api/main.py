@@ -21,14 +21,13 @@ from jobs.config import Settings, get_settings
 from jobs.intake import resume_validating_batches
 from jobs.status import now_s
 
-
 logger = logging.getLogger(__name__)
 
 
 def _resume_validating(settings: Settings, started_at: int) -> None:
     try:
         resume_validating_batches(settings=settings, started_at=started_at)
-    except Exception as exc:  # noqa: BLE001 - e.g. the database is down at start-up: serve anyway
+    except Exception as exc:
         logger.warning("could not look for batches left validating: %s", exc)
 
 

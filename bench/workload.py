@@ -34,7 +34,7 @@ class Workload:
         path.write_text(json.dumps(asdict(self)))
 
     @classmethod
-    def load(cls, path: Path) -> "Workload":
+    def load(cls, path: Path) -> Workload:
         return cls(**json.loads(Path(path).read_text()))
 
 

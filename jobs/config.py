@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     database_url: str = ""
     broker_url: str = ""
     result_backend: str | None = None
-    files_dir: Path | None = None
+    files_dir: Path = Field(default_factory=lambda data: data["data_dir"] / "files")
     model: str = BUILTIN_MODEL
     model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "batchinfer" / "models")
     device: str = "auto"
@@ -56,7 +56,7 @@ class Settings(BaseSettings):
             self.database_url = "postgresql+psycopg://" + self.database_url.removeprefix("postgresql://")
         if not self.broker_url:
             self.broker_url = f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
-        self.files_dir = (self.files_dir or self.data_dir / "files").expanduser().resolve()
+        self.files_dir = self.files_dir.expanduser().resolve()
         return self
 
     @property

@@ -12,8 +12,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,7 +42,7 @@ def _create_engine(url: str) -> Engine:
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": _SQLITE_BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")
-    def _sqlite_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
         # NOTE: pysqlite's own implicit BEGIN is turned off so that "begin" below can say IMMEDIATE.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
@@ -50,7 +51,7 @@ def _create_engine(url: str) -> Engine:
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _sqlite_begin(connection) -> None:  # type: ignore[no-untyped-def]
+    def _sqlite_begin(connection: Connection) -> None:
         # NOTE: a deferred transaction that reads and then writes fails at once (SQLITE_BUSY) when
         # another process wrote in between; IMMEDIATE takes the write lock up front and waits for it.
         connection.exec_driver_sql("BEGIN IMMEDIATE")

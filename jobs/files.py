@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -73,7 +74,7 @@ def write_file(
     return file
 
 
-def read_chunks(stream, chunk_bytes: int = CHUNK_BYTES) -> Iterable[bytes]:  # type: ignore[no-untyped-def]
+def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterable[bytes]:
     """Chunks of a binary stream (anything with ``read(n) -> bytes``) until EOF."""
     while chunk := stream.read(chunk_bytes):
         yield chunk

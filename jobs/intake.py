@@ -89,6 +89,6 @@ def resume_validating_batches(*, settings: Settings | None = None, started_at: i
     for batch_id in batch_ids:
         try:
             validate_and_start(batch_id, settings=settings)
-        except Exception:  # noqa: BLE001 - one batch's failure must not stop the others
+        except Exception:
             logger.exception("could not resume the validation of batch %s", batch_id)
     return batch_ids

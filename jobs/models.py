@@ -16,7 +16,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from jobs.status import BatchStatus
 
-
 FILE_ID_PREFIX = "file-"
 BATCH_ID_PREFIX = "batch_"
 REQUEST_ID_PREFIX = "batch_req_"

@@ -20,7 +20,7 @@ class UnknownCursor(LookupError):
 
 def keyset_page(
     session: Session,
-    query: Select[tuple[Row]],
+    query: Select[Row],
     model: Any,
     *,
     after: str | None,

@@ -84,7 +84,8 @@ def enqueue_batch(batch_id: str, *, broker_url: str | None = None) -> str:
     ensure_broker_dir(broker_url)
     with celery_app.connection_for_write(broker_url) as connection:
         result = celery_app.send_task(RUN_BATCH, args=[batch_id], connection=connection)
-    return result.id
+    task_id: str = result.id
+    return task_id
 
 
 configure_celery()

@@ -32,9 +32,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import CursorResult, Result, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from jobs.config import get_settings
@@ -58,7 +58,10 @@ INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 _NEVER_RUN_MESSAGES = {
     BatchStatus.CANCELLED: ("batch_cancelled", "This request was not run because the batch was cancelled."),
-    BatchStatus.EXPIRED: ("batch_expired", "This request was not run before the batch expired (completion window 24h)."),
+    BatchStatus.EXPIRED: (
+        "batch_expired",
+        "This request was not run before the batch expired (completion window 24h).",
+    ),
 }
 
 
@@ -150,9 +153,13 @@ def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[
         if not isinstance(key, str) or not isinstance(value, str):
             raise InvalidRequest("metadata keys and values must be strings", param="metadata")
         if len(key) > MAX_METADATA_KEY_CHARS:
-            raise InvalidRequest(f"metadata key {key[:16]!r}... is over {MAX_METADATA_KEY_CHARS} characters", param="metadata")
+            raise InvalidRequest(
+                f"metadata key {key[:16]!r}... is over {MAX_METADATA_KEY_CHARS} characters", param="metadata"
+            )
         if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequest(f"metadata value of {key!r} is over {MAX_METADATA_VALUE_CHARS} characters", param="metadata")
+            raise InvalidRequest(
+                f"metadata value of {key!r} is over {MAX_METADATA_VALUE_CHARS} characters", param="metadata"
+            )
 
 
 def get_batch(session: Session, *, batch_id: str, for_update: bool = False) -> Batch:
@@ -271,7 +278,7 @@ def claim_batch(session: Session, *, batch_id: str, now: int | None = None) -> b
         .values(started_at=func.coalesce(Batch.started_at, now))
         .execution_options(synchronize_session="fetch")
     )
-    return result.rowcount == 1
+    return _num_rows_updated(result) == 1
 
 
 def pending_requests(session: Session, *, batch_id: str) -> list[BatchRequest]:
@@ -314,26 +321,30 @@ def record_result(
     """
     if response is None and error is None:
         raise ValueError("record_result needs a response or an error")
-    state = RequestState.COMPLETED if response is not None and response.get("status_code") == 200 else RequestState.FAILED
+    state = (
+        RequestState.COMPLETED if response is not None and response.get("status_code") == 200 else RequestState.FAILED
+    )
     batch_id = session.scalar(select(BatchRequest.batch_id).where(BatchRequest.id == request_id))
     if batch_id is None:
         raise NotFound("batch request", request_id)
     # NOTE: lock order is batch row, then line rows, as in `finalize_batch`, so the two never deadlock.
     session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
-    recorded = session.execute(
-        update(BatchRequest)
-        .where(BatchRequest.id == request_id, BatchRequest.state == RequestState.PENDING.value)
-        .values(
-            state=state.value,
-            response=response,
-            error=error,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=cached_tokens,
-            finished_at=now_s() if now is None else now,
+    recorded = _num_rows_updated(
+        session.execute(
+            update(BatchRequest)
+            .where(BatchRequest.id == request_id, BatchRequest.state == RequestState.PENDING.value)
+            .values(
+                state=state.value,
+                response=response,
+                error=error,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                cached_tokens=cached_tokens,
+                finished_at=now_s() if now is None else now,
+            )
+            .execution_options(synchronize_session="fetch")
         )
-        .execution_options(synchronize_session="fetch")
-    ).rowcount
+    )
     if not recorded:
         raise RequestAlreadyRecorded(f"batch request {request_id!r} already has a result")
     counter = Batch.completed_requests if state == RequestState.COMPLETED else Batch.failed_requests
@@ -385,12 +396,16 @@ def cancel_batch(session: Session, *, batch_id: str, now: int | None = None, fil
     now = now_s() if now is None else now
     # NOTE: the conditional UPDATE comes first so that it, not a read, takes the row lock; a worker's
     # claim either committed before (started_at set) or will find the batch no longer in progress.
-    moved = session.execute(
-        update(Batch)
-        .where(Batch.id == batch_id, Batch.status.in_([BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value]))
-        .values(status=BatchStatus.CANCELLING.value, cancelling_at=now)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    moved = _num_rows_updated(
+        session.execute(
+            update(Batch)
+            .where(
+                Batch.id == batch_id, Batch.status.in_([BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value])
+            )
+            .values(status=BatchStatus.CANCELLING.value, cancelling_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    )
     batch = get_batch(session, batch_id=batch_id, for_update=True)
     status = BatchStatus(batch.status)
     if not moved:
@@ -472,8 +487,10 @@ def finalize_batch(session: Session, *, batch_id: str, now: int | None = None, f
 
 
 def _count_in_state(session: Session, batch_id: str, state: RequestState) -> int:
-    query = select(func.count()).select_from(BatchRequest).where(
-        BatchRequest.batch_id == batch_id, BatchRequest.state == state.value
+    query = (
+        select(func.count())
+        .select_from(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == state.value)
     )
     return session.scalar(query) or 0
 
@@ -488,3 +505,8 @@ def _envelope_lines(session: Session, batch_id: str, state: RequestState) -> Ite
     for request_id, custom_id, response, error in session.execute(query):
         envelope = {"id": request_id, "custom_id": custom_id, "response": response, "error": error}
         yield (json.dumps(envelope, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _num_rows_updated(result: Result[Any]) -> int:
+    """Rows an UPDATE matched (``session.execute`` types its result as ``Result``; an UPDATE's is a ``CursorResult``)."""
+    return cast(CursorResult[Any], result).rowcount

@@ -37,7 +37,7 @@ from jobs.intake import validate_and_start
 from jobs.models import SCHEDULE_ID_PREFIX, Schedule, new_id
 from jobs.paging import keyset_page
 from jobs.repository import check_batch_params, create_batch, get_batch_input_file
-from jobs.schemas import COMPLETION_WINDOW
+from jobs.schemas import COMPLETION_WINDOW, ListedObject
 from jobs.status import now_s
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,9 @@ CRON_NUM_FIELDS = 5
 SCHEDULE_ID_METADATA_KEY = "schedule_id"
 
 
-class ScheduleObject(BaseModel):
+class ScheduleObject(ListedObject):
     """A schedule as the API returns it; ``*_at`` fields are Unix seconds."""
 
-    id: str
     object: Literal["schedule"] = "schedule"
     cron: str
     input_file_id: str

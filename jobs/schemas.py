@@ -57,8 +57,19 @@ _BEAM_SEARCH_NEUTRAL: dict[str, object] = {"use_beam_search": False, "length_pen
 # Body fields that are `SamplingParams` fields of the same name and meaning, copied when set.
 _SAMPLING_FIELDS = frozenset(
     {
-        "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-        "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+        "n",
+        "temperature",
+        "top_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
         "skip_special_tokens",
     }
 )
@@ -135,7 +146,7 @@ class _SamplingBody(BaseModel):
     @field_validator(*_BEAM_SEARCH_NEUTRAL)
     @classmethod
     def _no_beam_search_yet(cls, value: bool | float | None, info: ValidationInfo) -> bool | float | None:
-        if value is not None and value != _BEAM_SEARCH_NEUTRAL[info.field_name]:
+        if value is not None and value != _BEAM_SEARCH_NEUTRAL[str(info.field_name)]:
             raise ValueError("is not supported yet (beam search is not implemented); remove it")
         return value
 
@@ -171,7 +182,8 @@ class _SamplingBody(BaseModel):
             # NOTE: a model-level error has no location; ``param`` in its context names the field for
             # `jobs.line_body.parse_body`.
             raise PydanticCustomError(
-                "min_tokens_above_max", "must be <= the max tokens ({cap}), got {min_tokens}",
+                "min_tokens_above_max",
+                "must be <= the max tokens ({cap}), got {min_tokens}",
                 {"param": "min_tokens", "min_tokens": self.min_tokens, "cap": cap},
             )
         return self
@@ -182,7 +194,7 @@ class _SamplingBody(BaseModel):
         Unset fields are left out so the engine's defaults apply, except ``max_tokens`` (None = up to
         the context limit); empty stop strings are dropped; ``logit_bias`` keys become ints.
         """
-        kwargs = self.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
+        kwargs = self.model_dump(include=set(_SAMPLING_FIELDS), exclude_none=True)
         kwargs["max_tokens"] = self.effective_max_tokens
         if self.stop is not None:
             kwargs["stop"] = [stop for stop in ([self.stop] if isinstance(self.stop, str) else self.stop) if stop]
@@ -208,10 +220,13 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[
-        str | list[TextContentPart],
-        _one_message('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
-    ] | None = None
+    content: (
+        Annotated[
+            str | list[TextContentPart],
+            _one_message('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
+        ]
+        | None
+    ) = None
     name: str | None = None
 
     @property
@@ -310,10 +325,15 @@ class LineError(BaseModel):
     line: int | None = None
 
 
-class FileObject(BaseModel):
-    """OpenAI's File object (``status`` and ``status_details`` are the deprecated fields strict clients read)."""
+class ListedObject(BaseModel):
+    """An object a cursor page (:class:`ListPage`) lists: it has an ``id``, the page's cursor."""
 
     id: str
+
+
+class FileObject(ListedObject):
+    """OpenAI's File object (``status`` and ``status_details`` are the deprecated fields strict clients read)."""
+
     object: Literal["file"] = "file"
     bytes: int
     created_at: int
@@ -368,10 +388,9 @@ class BatchUsage(BaseModel):
     total_tokens: int
 
 
-class BatchObject(BaseModel):
+class BatchObject(ListedObject):
     """OpenAI's Batch object, every field present (null when unset)."""
 
-    id: str
     object: Literal["batch"] = "batch"
     endpoint: str
     errors: BatchErrors | None
@@ -428,7 +447,7 @@ class BatchObject(BaseModel):
         )
 
 
-T = TypeVar("T")
+T = TypeVar("T", bound=ListedObject)
 
 
 class ListPage(BaseModel, Generic[T]):

@@ -131,11 +131,15 @@ def _validate_line(
     _check_custom_id(line, line_number, first_line_of)
     unknown = sorted(set(line) - _LINE_KEYS)
     if unknown:
-        raise _LineProblem("invalid_line", f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)", unknown[0])
+        raise _LineProblem(
+            "invalid_line", f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)", unknown[0]
+        )
     if line.get("method") != "POST":
         raise _LineProblem("invalid_method", f"method must be 'POST', got {line.get('method')!r}", "method")
     if line.get("url") != endpoint:
-        raise _LineProblem("invalid_url", f"url {line.get('url')!r} does not match the batch endpoint {endpoint!r}", "url")
+        raise _LineProblem(
+            "invalid_url", f"url {line.get('url')!r} does not match the batch endpoint {endpoint!r}", "url"
+        )
     if not isinstance(line.get("body"), dict):
         raise _LineProblem("invalid_body", "body must be a JSON object", "body")
     _check_model(line["body"], model_names)
@@ -152,10 +156,14 @@ def _check_custom_id(line: dict[str, Any], line_number: int, first_line_of: dict
     if not isinstance(custom_id, str) or not custom_id:
         raise _LineProblem("missing_custom_id", "custom_id is required and must be a non-empty string", "custom_id")
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
-        raise _LineProblem("invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters", "custom_id")
+        raise _LineProblem(
+            "invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters", "custom_id"
+        )
     first = first_line_of.setdefault(custom_id, line_number)
     if first != line_number:
-        raise _LineProblem("duplicate_custom_id", f"custom_id {custom_id!r} is already used on line {first}", "custom_id")
+        raise _LineProblem(
+            "duplicate_custom_id", f"custom_id {custom_id!r} is already used on line {first}", "custom_id"
+        )
 
 
 def _check_model(body: dict[str, Any], model_names: Collection[str]) -> None:
@@ -169,5 +177,12 @@ def _check_model(body: dict[str, Any], model_names: Collection[str]) -> None:
 
 def _json_type(value: object) -> str:
     """The JSON name of a parsed value's type (``null``, ``array``, ``string``...)."""
-    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    names = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+    }
     return names.get(type(value), type(value).__name__)

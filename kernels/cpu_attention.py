@@ -29,7 +29,8 @@ def paged_attention_cpu(
     ``seq_lens[s]``-token context (already in the cache); query row ``i`` sees positions up to
     ``seq_lens[s] - query_len + i``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     Softmax is exact (two passes over the scores) in float32; slots outside a sequence's context are
-    never read. Work is split over query tokens (each with all its heads), one run of about equal cost per ``torch.get_num_threads()`` thread.
+    never read. Work is split over query tokens (each with all its heads), one run of about equal cost per
+    ``torch.get_num_threads()`` thread.
 
     Args:
         query: float32 ``[num_tokens, num_heads, head_size]`` on CPU, unit stride in the last dim

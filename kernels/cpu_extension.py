@@ -65,7 +65,7 @@ def load_cpu_kernels() -> bool:
                 verbose=False,
             )
             _loaded = True
-        except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the fallback"
+        except Exception as exc:
             logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch paths", exc)
             _loaded = False
     return _loaded

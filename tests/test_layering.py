@@ -70,7 +70,10 @@ def _imported(node: ast.AST) -> list[str]:
         return [alias.name for alias in node.names]
     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
         # `from a.b import c` names module a.b.c when that is one of ours, else a.b.
-        return [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module for alias in node.names]
+        return [
+            f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+            for alias in node.names
+        ]
     return []
 
 
@@ -96,7 +99,10 @@ def test_imports_flow_one_way(module):
 
 def test_the_engine_has_no_import_cycles():
     engine = {name: path for name, path in MODULES.items() if name.startswith("worker.engine")}
-    graph = {name: {dep for dep in _top_level_imports(path) if dep in engine and dep != name} for name, path in engine.items()}
+    graph = {
+        name: {dep for dep in _top_level_imports(path) if dep in engine and dep != name}
+        for name, path in engine.items()
+    }
     state: dict[str, str] = {}
 
     def visit(name: str, stack: list[str]) -> None:
@@ -116,7 +122,9 @@ def test_the_engine_has_no_import_cycles():
 
 def test_the_checker_sees_a_cycle_and_a_forbidden_import(tmp_path):
     """The parsing helpers above are what the two tests rely on: they must see real imports."""
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import jobs.models\nimport worker.engine.config\n"
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import jobs.models\nimport worker.engine.config\n"
+    )
     path = tmp_path / "mod.py"
     path.write_text(source)
     assert _top_level_imports(path) == ["typing", "worker.engine.config"]

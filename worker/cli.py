@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jobs.config import get_settings
 
@@ -129,8 +129,16 @@ def _beat(args: argparse.Namespace) -> int:
     schedule_file = get_settings().data_dir / "celerybeat-schedule"
     schedule_file.parent.mkdir(parents=True, exist_ok=True)
     celery_app.worker_main(
-        ["worker", "--beat", f"--schedule={schedule_file}", "-Q", SCHEDULES_QUEUE, "--pool=solo",
-         f"--loglevel={args.loglevel}", "--hostname=beat@%h"]
+        [
+            "worker",
+            "--beat",
+            f"--schedule={schedule_file}",
+            "-Q",
+            SCHEDULES_QUEUE,
+            "--pool=solo",
+            f"--loglevel={args.loglevel}",
+            "--hostname=beat@%h",
+        ]
     )
     return 0
 
@@ -148,7 +156,11 @@ def _serve(args: argparse.Namespace) -> int:
     }
     if not args.no_beat:
         children["beat"] = subprocess.Popen(own + ["beat"])
-    print(f"batchinfer: API on http://{args.host}:{args.port}/v1, data in {settings.data_dir}", file=sys.stderr, flush=True)
+    print(
+        f"batchinfer: API on http://{args.host}:{args.port}/v1, data in {settings.data_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     stopping = False
 
     def _stop(_signum: int, _frame: object) -> None:
@@ -172,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _stop_children(children: list[subprocess.Popen]) -> None:
+def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM every child still running (warm shutdown), then SIGKILL whatever outlives the grace period."""
     for child in children:
         if child.poll() is None:
@@ -195,7 +207,10 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         return _submit_file(args)
     except httpx.TransportError as exc:
-        print(f"submit: cannot reach batchinfer at {args.base_url} ({exc}); is `batchinfer serve` running?", file=sys.stderr)
+        print(
+            f"submit: cannot reach batchinfer at {args.base_url} ({exc}); is `batchinfer serve` running?",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -228,7 +243,7 @@ def server_root(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
 
-def _wait(client: httpx.Client, batch: dict, poll_interval_s: float) -> dict:
+def _wait(client: httpx.Client, batch: dict[str, Any], poll_interval_s: float) -> dict[str, Any]:
     last = None
     while batch["status"] not in TERMINAL_STATUSES:
         time.sleep(poll_interval_s)
@@ -254,10 +269,11 @@ def _download(client: httpx.Client, file_id: str | None, path: Path) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def _json_or_exit(response: httpx.Response) -> dict:
+def _json_or_exit(response: httpx.Response) -> dict[str, Any]:
     if response.is_error:
         raise SystemExit(f"batchinfer: HTTP {response.status_code}: {response.text}")
-    return response.json()
+    body: dict[str, Any] = response.json()
+    return body
 
 
 def _key_value(item: str) -> tuple[str, str]:

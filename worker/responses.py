@@ -192,7 +192,12 @@ def _completion_logprobs(
     for token in tokens:
         text_offset.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 def _chat_logprobs(completion: CompletionOutput, k: int, token_bytes: TokenBytes) -> list[dict[str, Any]]:

@@ -36,8 +36,8 @@ from jobs.schemas import CHAT_COMPLETIONS
 from jobs.status import BatchStatus
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.outputs import RequestOutput
-from worker.prefix_grouping import order_by_shared_prefix
 from worker.engine.sampling_params import SamplingParams
+from worker.prefix_grouping import order_by_shared_prefix
 from worker.request_mapping import MappedRequest, map_request
 from worker.responses import build_body, context_length_message, new_request_id
 
@@ -217,7 +217,7 @@ def _stream(
         while in_flight:
             try:
                 outputs = engine.step()
-            except Exception as exc:  # noqa: BLE001 - an engine fault fails the lines in flight, not the batch
+            except Exception as exc:
                 logger.exception("batch %s: engine step failed; failing %d lines in flight", batch_id, len(in_flight))
                 for request_id in list(in_flight):
                     sink.add(_server_error(request_id, f"the engine failed while running this request: {exc}"))
@@ -274,7 +274,7 @@ def _abort(engine: Engine, in_flight: dict[str, MappedRequest]) -> None:
     for request_id in list(in_flight):
         try:
             engine.abort_request(request_id)
-        except Exception:  # noqa: BLE001 - a broken engine must not hide the error that broke it
+        except Exception:
             logger.exception("could not abort %s", request_id)
     in_flight.clear()
 
@@ -293,7 +293,7 @@ def _finalize(batch_id: str, database_url: str | None, *, now: int) -> BatchStat
 def _completed(output: RequestOutput, request: MappedRequest, *, model_name: str, tokenizer: Any) -> LineResult:
     try:
         body = build_body(output, request, model=model_name, tokenizer=tokenizer)
-    except Exception as exc:  # noqa: BLE001 - a body that cannot be built fails its own line only
+    except Exception as exc:
         logger.exception("could not build the response body of %s", output.request_id)
         return _server_error(output.request_id, f"could not build the response body: {exc}")
     usage = body["usage"]
@@ -308,7 +308,9 @@ def _completed(output: RequestOutput, request: MappedRequest, *, model_name: str
 
 def _rejected(request_id: str, message: str, *, param: str | None, code: str | None = None) -> LineResult:
     body = error_envelope(message, type="invalid_request_error", param=param, code=code)
-    return LineResult(request_id=request_id, response={"status_code": 400, "request_id": new_request_id(), "body": body})
+    return LineResult(
+        request_id=request_id, response={"status_code": 400, "request_id": new_request_id(), "body": body}
+    )
 
 
 def _context_length_result(request_id: str, endpoint: str, exc: PromptTooLongError) -> LineResult:
@@ -322,4 +324,6 @@ def _context_length_result(request_id: str, endpoint: str, exc: PromptTooLongErr
 
 def _server_error(request_id: str, message: str) -> LineResult:
     body = error_envelope(message, type="server_error", param=None, code="engine_error")
-    return LineResult(request_id=request_id, response={"status_code": 500, "request_id": new_request_id(), "body": body})
+    return LineResult(
+        request_id=request_id, response={"status_code": 500, "request_id": new_request_id(), "body": body}
+    )

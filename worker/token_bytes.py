@@ -29,7 +29,7 @@ class TokenStore(Protocol):
 
 @cache
 def _byte_of_char() -> dict[str, int]:
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+    return {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 
 
 class TokenBytes:

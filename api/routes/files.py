@@ -49,7 +49,9 @@ def create_file(
 ) -> FileObject:
     """Upload a batch input file (multipart ``file`` + ``purpose="batch"``)."""
     if purpose != INPUT_PURPOSE:
-        raise InvalidRequest(f"purpose must be 'batch' (this service only runs batches), got {purpose!r}", param="purpose")
+        raise InvalidRequest(
+            f"purpose must be 'batch' (this service only runs batches), got {purpose!r}", param="purpose"
+        )
     return FileObject.from_row(store_upload(session, settings, file))
 
 

@@ -19,5 +19,7 @@ def health(settings: SettingsDep) -> JSONResponse:
         with get_engine(settings.database_url).connect() as connection:
             connection.execute(text("SELECT 1"))
     except SQLAlchemyError as exc:
-        return JSONResponse(status_code=503, content={"status": "unavailable", "database": str(exc.orig or exc)})
+        return JSONResponse(
+            status_code=503, content={"status": "unavailable", "database": str(getattr(exc, "orig", None) or exc)}
+        )
     return JSONResponse(content={"status": "ok", "database": "ok", "model": settings.served_model_name})

@@ -60,20 +60,22 @@ class DatabaseCollector:
     def _families(self) -> list[Metric]:
         with get_engine(self.database_url).connect() as connection:
             by_status = dict(connection.execute(select(Batch.status, func.count()).group_by(Batch.status)).all())
-            completed, failed, input_tokens, output_tokens, cached_tokens = connection.execute(
-                select(
-                    *(
-                        func.coalesce(func.sum(column), 0)
-                        for column in (
-                            Batch.completed_requests,
-                            Batch.failed_requests,
-                            Batch.input_tokens,
-                            Batch.output_tokens,
-                            Batch.cached_tokens,
+            completed, failed, input_tokens, output_tokens, cached_tokens = tuple(
+                connection.execute(
+                    select(
+                        *(
+                            func.coalesce(func.sum(column), 0)
+                            for column in (
+                                Batch.completed_requests,
+                                Batch.failed_requests,
+                                Batch.input_tokens,
+                                Batch.output_tokens,
+                                Batch.cached_tokens,
+                            )
                         )
                     )
-                )
-            ).one()
+                ).one()
+            )
             files = connection.execute(
                 select(File.purpose, func.count(), func.coalesce(func.sum(File.num_bytes), 0)).group_by(File.purpose)
             ).all()

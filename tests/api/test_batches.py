@@ -12,9 +12,28 @@ from jobs.repository import claim_batch
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, completion_line, jsonl, queued_tasks
 
 BATCH_KEYS = {
-    "id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
-    "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
-    "expired_at", "cancelling_at", "cancelled_at", "request_counts", "metadata", "model", "usage",
+    "id",
+    "object",
+    "endpoint",
+    "errors",
+    "input_file_id",
+    "completion_window",
+    "status",
+    "output_file_id",
+    "error_file_id",
+    "created_at",
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+    "request_counts",
+    "metadata",
+    "model",
+    "usage",
 }
 
 
@@ -41,13 +60,26 @@ def test_create_returns_validating_batch_then_validation_starts_it(client: Any, 
     assert (created["endpoint"], created["input_file_id"], created["completion_window"]) == (CHAT, file_id, "24h")
     assert created["expires_at"] == created["created_at"] + 24 * 3600
     assert created["metadata"] == {"run": "nightly"}
-    for key in ("errors", "output_file_id", "error_file_id", "in_progress_at", "finalizing_at", "completed_at",
-                "failed_at", "expired_at", "cancelling_at", "cancelled_at"):
+    for key in (
+        "errors",
+        "output_file_id",
+        "error_file_id",
+        "in_progress_at",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+    ):
         assert created[key] is None, key
     assert created["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
     assert created["usage"] == {
-        "input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
-        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0,
+        "input_tokens": 0,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 0,
     }
 
     batch = client.get(f"/v1/batches/{created['id']}").json()
@@ -64,7 +96,10 @@ def test_bad_input_file_fails_the_batch_with_line_numbered_errors(client: Any, s
     assert batch["status"] == "failed" and batch["failed_at"] is not None
     assert batch["errors"]["object"] == "list"
     assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == [
-        (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "invalid_url"), (5, "model_not_found")
+        (2, "invalid_json"),
+        (3, "duplicate_custom_id"),
+        (4, "invalid_url"),
+        (5, "model_not_found"),
     ]
     assert all(set(e) == {"code", "message", "param", "line"} for e in batch["errors"]["data"])
     assert batch["request_counts"]["total"] == 0
@@ -80,7 +115,10 @@ def test_a_body_the_endpoint_rejects_does_not_fail_the_batch(client: Any) -> Non
 
 def test_completions_batch_and_deleted_input_file(client: Any) -> None:
     file_id = _upload(client, [completion_line("a", [1, 2, 3])])
-    assert client.get(f"/v1/batches/{_create(client, file_id, COMPLETIONS).json()['id']}").json()["status"] == "in_progress"
+    assert (
+        client.get(f"/v1/batches/{_create(client, file_id, COMPLETIONS).json()['id']}").json()["status"]
+        == "in_progress"
+    )
     doomed = _upload(client, [chat_line("a")])
     assert client.delete(f"/v1/files/{doomed}").status_code == 200
     response = _create(client, doomed)

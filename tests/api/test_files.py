@@ -36,7 +36,12 @@ def test_upload_retrieve_content_list_delete(client: Any) -> None:
     missing = client.get(f"/v1/files/{body['id']}")
     assert missing.status_code == 404
     assert missing.json() == {
-        "error": {"message": f"no file with id {body['id']!r}", "type": "invalid_request_error", "param": None, "code": "file_not_found"}
+        "error": {
+            "message": f"no file with id {body['id']!r}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "file_not_found",
+        }
     }
     assert client.get(f"/v1/files/{body['id']}/content").status_code == 404
     assert client.delete(f"/v1/files/{body['id']}").status_code == 404

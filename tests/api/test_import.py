@@ -15,5 +15,5 @@ def test_api_main_does_not_import_torch_or_worker() -> None:
         "print(loaded)\n"
         "sys.exit(1 if loaded else 0)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, f"api loaded {result.stdout.strip()} {result.stderr[-2000:]}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-
 from jobs.config import BUILTIN_MODEL, Settings
 from jobs.queue import RUN_BATCH
 from tests.helpers.service import CHAT, api_client, chat_line, jsonl, queued_tasks

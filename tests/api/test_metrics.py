@@ -50,9 +50,14 @@ def test_metrics_follow_batches_lines_files_and_requests(client: Any, service_se
     assert client.get("/no/such/route").status_code == 404
     after = _scrape(client)
 
-    assert _value(after, "batchinfer_batches", status="in_progress") == _value(before, "batchinfer_batches", status="in_progress") + 1
+    assert (
+        _value(after, "batchinfer_batches", status="in_progress")
+        == _value(before, "batchinfer_batches", status="in_progress") + 1
+    )
     assert _value(after, "batchinfer_files", purpose="batch") == _value(before, "batchinfer_files", purpose="batch") + 1
-    assert _value(after, "batchinfer_file_bytes", purpose="batch") == _value(before, "batchinfer_file_bytes", purpose="batch") + len(data)
+    assert _value(after, "batchinfer_file_bytes", purpose="batch") == _value(
+        before, "batchinfer_file_bytes", purpose="batch"
+    ) + len(data)
     assert _http(after, "POST", "/v1/batches", 200) == _http(before, "POST", "/v1/batches", 200) + 1
     assert _http(after, "POST", "/v1/files", 200) == _http(before, "POST", "/v1/files", 200) + 1
     assert _http(after, "GET", "/v1/batches/{batch_id}", 404) == _http(before, "GET", "/v1/batches/{batch_id}", 404) + 1
@@ -69,8 +74,14 @@ def test_metrics_follow_batches_lines_files_and_requests(client: Any, service_se
     for state, delta in (("completed", 1), ("failed", 1)):
         name = "batchinfer_batch_requests_total"
         assert _value(lines, name, state=state) == _value(after, name, state=state) + delta
-    assert _value(lines, "batchinfer_tokens_total", kind="input") == _value(after, "batchinfer_tokens_total", kind="input") + 7
-    assert _value(lines, "batchinfer_tokens_total", kind="output") == _value(after, "batchinfer_tokens_total", kind="output") + 5
+    assert (
+        _value(lines, "batchinfer_tokens_total", kind="input")
+        == _value(after, "batchinfer_tokens_total", kind="input") + 7
+    )
+    assert (
+        _value(lines, "batchinfer_tokens_total", kind="output")
+        == _value(after, "batchinfer_tokens_total", kind="output") + 5
+    )
 
 
 def test_metrics_report_an_unreachable_database_instead_of_failing(sqlite_settings: Settings, tmp_path: Path) -> None:

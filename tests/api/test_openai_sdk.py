@@ -40,11 +40,20 @@ def test_sdk_upload_create_retrieve_run_download(sdk: openai.OpenAI, service_set
     with session_scope() as session:
         assert claim_batch(session, batch_id=batch.id)
         for row in pending_requests(session, batch_id=batch.id):
-            body = {"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": "ok"}}],
-                    "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
-            record_result(session, request_id=row.id, response={"status_code": 200, "request_id": f"r-{row.id}", "body": body},
-                          error=None, prompt_tokens=7, completion_tokens=2, cached_tokens=3)
+            body = {
+                "object": "chat.completion",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+            }
+            record_result(
+                session,
+                request_id=row.id,
+                response={"status_code": 200, "request_id": f"r-{row.id}", "body": body},
+                error=None,
+                prompt_tokens=7,
+                completion_tokens=2,
+                cached_tokens=3,
+            )
         finalize_batch(session, batch_id=batch.id)
 
     done = sdk.batches.retrieve(batch.id)
@@ -112,7 +121,9 @@ def test_sdk_over_real_http_server(service_settings: Settings) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(service_settings), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service_settings), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from sqlalchemy.orm import Session
 
 from jobs.config import Settings
@@ -29,7 +28,7 @@ NUM_ROUNDS = 200
 
 
 @pytest.fixture
-def base_url(postgres_url: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:  # noqa: F811
+def base_url(postgres_url: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     settings: Settings = configure_service(monkeypatch, tmp_path / "data", database_url=postgres_url)
     with serve_http(settings) as url:
         yield url
@@ -46,7 +45,9 @@ def test_every_write_is_visible_to_the_next_request(base_url: str) -> None:
             fetched = client.get(f"/v1/files/{file_id}")
             assert fetched.status_code == 200, f"round {round_idx}: {fetched.text}"
 
-            created = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"})
+            created = client.post(
+                "/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+            )
             assert created.status_code == 200, f"round {round_idx}: {created.text}"
             batch_id = created.json()["id"]
             fetched = client.get(f"/v1/batches/{batch_id}")
@@ -56,9 +57,13 @@ def test_every_write_is_visible_to_the_next_request(base_url: str) -> None:
             assert cancelled.status_code == 200, f"round {round_idx}: {cancelled.text}"
             assert cancelled.json()["status"] in ("cancelling", "cancelled")
             status = client.get(f"/v1/batches/{batch_id}").json()["status"]
-            assert status in ("cancelling", "cancelled"), f"round {round_idx}: cancel said cancelling, GET says {status}"
+            assert status in ("cancelling", "cancelled"), (
+                f"round {round_idx}: cancel said cancelling, GET says {status}"
+            )
 
-            schedule = client.post("/v1/schedules", json={"cron": "0 3 * * *", "input_file_id": file_id, "endpoint": CHAT})
+            schedule = client.post(
+                "/v1/schedules", json={"cron": "0 3 * * *", "input_file_id": file_id, "endpoint": CHAT}
+            )
             assert schedule.status_code == 200, f"round {round_idx}: {schedule.text}"
             fetched = client.get(f"/v1/schedules/{schedule.json()['id']}")
             assert fetched.status_code == 200, f"round {round_idx}: {fetched.text}"
@@ -70,6 +75,8 @@ def test_a_failed_commit_is_an_error_response(sqlite_settings: Settings, monkeyp
 
     with serve_http(sqlite_settings) as url, httpx.Client(base_url=url, timeout=30) as client:
         monkeypatch.setattr(Session, "commit", fail)
-        response = client.post("/v1/files", files={"file": ("in.jsonl", jsonl([chat_line("a")]))}, data={"purpose": "batch"})
+        response = client.post(
+            "/v1/files", files={"file": ("in.jsonl", jsonl([chat_line("a")]))}, data={"purpose": "batch"}
+        )
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error"

@@ -12,6 +12,7 @@ import os
 import random
 
 import pytest
+
 from examples.humaneval import MAX_TOKENS, STOP, build_lines, load_problems
 from jobs.config import BUILTIN_MODEL
 from tests.e2e.processes import child_env, cli, free_port, running, wait_for_batch, wait_for_health
@@ -37,7 +38,7 @@ def redis_url():
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, postgres_url, redis_url):  # noqa: F811
+def service(tmp_path_factory, postgres_url, redis_url):
     """Base URL of a running API plus a running worker; yields ``(base_url, log_paths)``."""
     from openai import OpenAI
 
@@ -45,8 +46,10 @@ def service(tmp_path_factory, postgres_url, redis_url):  # noqa: F811
     port = free_port()
     env = child_env(data_dir=str(data_dir), database_url=postgres_url, broker_url=redis_url)
     api_log, worker_log = data_dir / "api.log", data_dir / "worker.log"
-    with running(cli("api", "--host", "127.0.0.1", "--port", str(port)), env, api_log) as api, \
-            running(cli("worker", "--loglevel", "INFO"), env, worker_log):
+    with (
+        running(cli("api", "--host", "127.0.0.1", "--port", str(port)), env, api_log) as api,
+        running(cli("worker", "--loglevel", "INFO"), env, worker_log),
+    ):
         base_url = f"http://127.0.0.1:{port}"
         wait_for_health(base_url, api, api_log)
         client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -79,12 +82,24 @@ def test_prompt_longer_than_context_fails_alone(service, served_tokenizer):
     num_long_tokens = len(served_tokenizer.encode(long_prompt))
     assert num_long_tokens > CONTEXT_LEN
     lines = [
-        {"custom_id": "before", "method": "POST", "url": "/v1/completions",
-         "body": {"model": BUILTIN_MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}},
-        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
-         "body": {"model": BUILTIN_MODEL, "prompt": long_prompt, "max_tokens": 8}},
-        {"custom_id": "after", "method": "POST", "url": "/v1/completions",
-         "body": {"model": BUILTIN_MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}},
+        {
+            "custom_id": "before",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": BUILTIN_MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        },
+        {
+            "custom_id": "too-long",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": BUILTIN_MODEL, "prompt": long_prompt, "max_tokens": 8},
+        },
+        {
+            "custom_id": "after",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": BUILTIN_MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0},
+        },
     ]
 
     batch = _run(client, logs, lines, "/v1/completions", timeout_s=300)

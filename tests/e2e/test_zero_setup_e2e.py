@@ -21,11 +21,26 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
     env = child_env(data_dir=str(data_dir))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     lines = [
-        {"custom_id": "france", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": BUILTIN_MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}},
-        {"custom_id": "two-samples", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": BUILTIN_MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
-                  "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}},
+        {
+            "custom_id": "france",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": BUILTIN_MODEL, "messages": messages, "max_tokens": 12, "temperature": 0},
+        },
+        {
+            "custom_id": "two-samples",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": BUILTIN_MODEL,
+                "messages": [{"role": "user", "content": "Say hi."}],
+                "max_tokens": 4,
+                "n": 2,
+                "seed": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        },
     ]
     input_path = tmp_path / "job.jsonl"
     input_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -34,10 +49,26 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
 
     with running(cli("serve", "--host", "127.0.0.1", "--port", str(port)), env, serve_log) as serve:
         wait_for_health(base_url, serve, serve_log, timeout_s=180)
-        submit = subprocess.run(
-            cli("submit", str(input_path), "--endpoint", "/v1/chat/completions", "--base-url", base_url,
-                "--output", str(output_path), "--poll-interval", "1", "--metadata", "suite=e2e"),
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        submit = subprocess.run(  # noqa: PLW1510 (the exit code is asserted below)
+            cli(
+                "submit",
+                str(input_path),
+                "--endpoint",
+                "/v1/chat/completions",
+                "--base-url",
+                base_url,
+                "--output",
+                str(output_path),
+                "--poll-interval",
+                "1",
+                "--metadata",
+                "suite=e2e",
+            ),
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert submit.returncode == 0, f"{submit.stderr}\n--- serve log\n{serve_log.read_text()[-4000:]}"
         serve.send_signal(signal.SIGINT)
@@ -53,7 +84,9 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
     france = output["france"]["response"]["body"]
     assert france["object"] == "chat.completion"
     assert "Paris" in france["choices"][0]["message"]["content"]
-    prompt_ids = served_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt_ids = served_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     assert france["usage"]["prompt_tokens"] == len(prompt_ids)
 
     samples = output["two-samples"]["response"]["body"]

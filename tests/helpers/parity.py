@@ -1,4 +1,5 @@
-"""Greedy parity against a reference, with the near-tie rule of docs/engine.md, "Correctness testing" (vLLM's ``check_logprobs_close`` idea).
+"""Greedy parity against a reference, with the near-tie rule (docs/engine.md, "Correctness testing"; vLLM's
+``check_logprobs_close`` idea).
 
 fp32 matmuls over different batch shapes may sum in different orders, so two correct engines can part
 ways at a near-tie. The rule: the token ids must be equal, or the FIRST divergence must sit where the
@@ -47,10 +48,7 @@ def top_two_from_logits(logits: torch.Tensor) -> list[TopTwo]:
     """``logits: [num_positions, vocab_size]`` (raw, any float dtype) -> one :class:`TopTwo` per row."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = logprobs.topk(2, dim=-1)
-    return [
-        TopTwo(float(v[0]), float(v[1]), int(i[0]), int(i[1]))
-        for v, i in zip(values.tolist(), ids.tolist())
-    ]
+    return [TopTwo(float(v[0]), float(v[1]), int(i[0]), int(i[1])) for v, i in zip(values.tolist(), ids.tolist())]
 
 
 def assert_greedy_close(
@@ -127,9 +125,7 @@ def hf_greedy_reference(
         return_dict_in_generate=True,
     )
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=hf_model.device)
-    out = hf_model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-    )
+    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config)
     token_ids = out.sequences[0, input_ids.shape[1] :].tolist()
     top2 = top_two_from_logits(torch.cat(out.logits, dim=0))[: len(token_ids)]
     for pos, (token_id, top) in enumerate(zip(token_ids, top2)):

@@ -45,9 +45,7 @@ from jobs.config import BUILTIN_MODEL, Settings, get_settings
 from jobs.db import dispose_engines, get_engine, upgrade_database
 from jobs.queue import celery_app, configure_celery
 
-POSTGRES_ADMIN_URL = os.environ.get(
-    "BATCHINFER_TEST_POSTGRES_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-)
+POSTGRES_ADMIN_URL = os.environ.get("BATCHINFER_TEST_POSTGRES_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres")
 REDIS_TEST_URL = "redis://127.0.0.1:6379/15"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -86,8 +84,13 @@ def _admin_connect() -> Any:
 
     url = make_url(POSTGRES_ADMIN_URL)
     return psycopg.connect(
-        host=url.host, port=url.port or 5432, user=url.username, password=url.password,
-        dbname=url.database or "postgres", autocommit=True, connect_timeout=3,
+        host=url.host,
+        port=url.port or 5432,
+        user=url.username,
+        password=url.password,
+        dbname=url.database or "postgres",
+        autocommit=True,
+        connect_timeout=3,
     )
 
 
@@ -119,7 +122,9 @@ def _teardown() -> None:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def service_settings(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+def service_settings(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Settings]:
     """Settings on SQLite or on PostgreSQL (see the module docstring)."""
     database_url = None
     if request.param == "postgres":
@@ -228,9 +233,16 @@ def chat_line(custom_id: str, content: str = "Say hi.", *, model: str = BUILTIN_
     }
 
 
-def completion_line(custom_id: str, prompt: str | list[int] = "Once upon a time", *, model: str = BUILTIN_MODEL, **body: Any) -> dict[str, Any]:
+def completion_line(
+    custom_id: str, prompt: str | list[int] = "Once upon a time", *, model: str = BUILTIN_MODEL, **body: Any
+) -> dict[str, Any]:
     """One ``/v1/completions`` input line."""
-    return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS, "body": {"model": model, "prompt": prompt, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": model, "prompt": prompt, **body},
+    }
 
 
 def jsonl(lines: list[dict[str, Any] | str]) -> bytes:

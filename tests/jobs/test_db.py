@@ -30,11 +30,10 @@ def test_session_scope_commits_or_rolls_back(tmp_path: Path) -> None:
     try:
         with session_scope(url) as session:
             session.add(File(id="file-kept", **row))
-        with pytest.raises(RuntimeError):
-            with session_scope(url) as session:
-                session.add(File(id="file-dropped", **row))
-                session.flush()
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError), session_scope(url) as session:
+            session.add(File(id="file-dropped", **row))
+            session.flush()
+            raise RuntimeError("boom")
         with session_scope(url) as session:
             assert list(session.scalars(select(File.id))) == ["file-kept"]
     finally:

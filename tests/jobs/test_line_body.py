@@ -75,9 +75,21 @@ def test_chat_body_out_of_range_or_unknown_field_names_the_field(fields: dict[st
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"prompt": ""}, "prompt", "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
-        ({"prompt": []}, "prompt", "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
-        ({"prompt": [1, -1]}, "prompt", "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)"),
+        (
+            {"prompt": ""},
+            "prompt",
+            "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)",
+        ),
+        (
+            {"prompt": []},
+            "prompt",
+            "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)",
+        ),
+        (
+            {"prompt": [1, -1]},
+            "prompt",
+            "prompt: must be a non-empty string or a non-empty list of token ids (integers >= 0)",
+        ),
         ({"prompt": ["a", "b"]}, "prompt", "put each prompt on its own line"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens: must be greater than or equal to 1"),
         ({"temperature": -1}, "temperature", "temperature: must be greater than or equal to 0"),
@@ -120,26 +132,66 @@ def test_missing_model_and_unknown_endpoint() -> None:
 
 def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
     body = _chat(
-        max_tokens=8, max_completion_tokens=6, temperature=0.7, top_p=0.9, n=2, stop=["\n", "END"], seed=3,
-        logprobs=True, top_logprobs=20, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"42": -100, "7": 100},
-        user="u1", stream=False, top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=2, ignore_eos=True,
-        stop_token_ids=[2], include_stop_str_in_output=True, skip_special_tokens=False,
-        use_beam_search=False, length_penalty=1.0, early_stopping=False,
+        max_tokens=8,
+        max_completion_tokens=6,
+        temperature=0.7,
+        top_p=0.9,
+        n=2,
+        stop=["\n", "END"],
+        seed=3,
+        logprobs=True,
+        top_logprobs=20,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={"42": -100, "7": 100},
+        user="u1",
+        stream=False,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=[2],
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        use_beam_search=False,
+        length_penalty=1.0,
+        early_stopping=False,
     )
     body["messages"] = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}], "name": "ann"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}],
+            "name": "ann",
+        },
         {"role": "assistant", "content": None},
     ]
     parsed = parse_body(CHAT_COMPLETIONS, body)
     assert parsed.conversation() == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": ""},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": ""},
     ]
     assert parsed.sampling_kwargs() == {
-        "max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "n": 2, "stop": ["\n", "END"], "seed": 3, "logprobs": 20,
-        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {42: -100.0, 7: 100.0}, "top_k": 40,
-        "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [2],
-        "include_stop_str_in_output": True, "skip_special_tokens": False,
+        "max_tokens": 6,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "n": 2,
+        "stop": ["\n", "END"],
+        "seed": 3,
+        "logprobs": 20,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {42: -100.0, 7: 100.0},
+        "top_k": 40,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [2],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
     }
 
 
@@ -149,8 +201,10 @@ def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
         ({}, {"n": 1, "max_tokens": 16}),
         ({"prompt": ["Once"], "stop": ""}, {"n": 1, "max_tokens": 16, "stop": []}),
         ({"prompt": [1, 2, 3], "logprobs": 0}, {"n": 1, "max_tokens": 16, "logprobs": 0}),
-        ({"echo": True, "logprobs": 5, "max_tokens": 4, "stop": "\n"},
-         {"n": 1, "max_tokens": 4, "stop": ["\n"], "logprobs": 5, "prompt_logprobs": 5}),
+        (
+            {"echo": True, "logprobs": 5, "max_tokens": 4, "stop": "\n"},
+            {"n": 1, "max_tokens": 4, "stop": ["\n"], "logprobs": 5, "prompt_logprobs": 5},
+        ),
     ],
 )
 def test_completion_sampling_kwargs(fields: dict[str, Any], expected: dict[str, Any]) -> None:

@@ -49,9 +49,14 @@ def _ok(request_id: str, tokens: int = 3) -> dict[str, Any]:
 
 def _new_batch(session: Session, settings: Settings, num_lines: int = NUM_LINES) -> Batch:
     lines = [chat_line(f"line-{idx}") for idx in range(num_lines)]
-    file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir)
+    file = write_file(
+        session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
+    )
     batch = create_batch(session, input_file_id=file.id, endpoint=CHAT, metadata={"k": "v"}, now=T0)
-    validated = [ValidatedLine(line_number=idx + 1, custom_id=line["custom_id"], body=line["body"]) for idx, line in enumerate(lines)]
+    validated = [
+        ValidatedLine(line_number=idx + 1, custom_id=line["custom_id"], body=line["body"])
+        for idx, line in enumerate(lines)
+    ]
     return apply_validation(session, batch_id=batch.id, lines=validated, errors=[], model="m", now=T0 + 1)
 
 
@@ -91,7 +96,9 @@ def test_migrations_match_models(service_settings: Settings) -> None:
 
 def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir)
+        file = write_file(
+            session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
+        )
         cases = [
             ({"input_file_id": "file-nope", "endpoint": CHAT}, "input_file_id"),
             ({"input_file_id": file.id, "endpoint": "/v1/embeddings"}, "endpoint"),
@@ -104,13 +111,17 @@ def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None
             with pytest.raises(InvalidRequest) as info:
                 create_batch(session, **kwargs)
             assert info.value.param == param
-        batch = create_batch(session, input_file_id=file.id, endpoint=CHAT, metadata={str(i): "v" for i in range(16)}, now=T0)
+        batch = create_batch(
+            session, input_file_id=file.id, endpoint=CHAT, metadata={str(i): "v" for i in range(16)}, now=T0
+        )
         assert batch.status == "validating" and batch.expires_at == T0 + 24 * 3600
 
 
 def test_failed_validation_stores_errors_and_no_lines(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(session, chunks=[b"x\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir)
+        file = write_file(
+            session, chunks=[b"x\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
+        )
         batch = create_batch(session, input_file_id=file.id, endpoint=CHAT, now=T0)
         errors = [LineError(code="invalid_json", message="bad", param=None, line=1)]
         batch = apply_validation(session, batch_id=batch.id, lines=[], errors=errors, model="m", now=T0 + 2)
@@ -131,16 +142,31 @@ def test_completed_batch_every_line_in_exactly_one_file(service_settings: Settin
         pending = pending_requests(session, batch_id=batch_id)
         assert [row.line_number for row in pending] == list(range(1, NUM_LINES + 1))
         for row in pending[:4]:
-            record_result(session, request_id=row.id, response=_ok(row.id), error=None,
-                          prompt_tokens=10, completion_tokens=5, cached_tokens=4)
-        too_long = {"status_code": 400, "request_id": "r", "body": {"error": {"message": "too long", "code": "context_length_exceeded"}}}
-        assert record_result(session, request_id=pending[4].id, response=too_long, error=None, prompt_tokens=0).value == "failed"
-        record_result(session, request_id=pending[5].id, response=None, error={"code": "internal_error", "message": "boom"})
+            record_result(
+                session,
+                request_id=row.id,
+                response=_ok(row.id),
+                error=None,
+                prompt_tokens=10,
+                completion_tokens=5,
+                cached_tokens=4,
+            )
+        too_long = {
+            "status_code": 400,
+            "request_id": "r",
+            "body": {"error": {"message": "too long", "code": "context_length_exceeded"}},
+        }
+        assert (
+            record_result(session, request_id=pending[4].id, response=too_long, error=None, prompt_tokens=0).value
+            == "failed"
+        )
+        record_result(
+            session, request_id=pending[5].id, response=None, error={"code": "internal_error", "message": "boom"}
+        )
         with pytest.raises(RequestAlreadyRecorded):
             record_result(session, request_id=pending[0].id, response=_ok("x"), error=None)
-    with session_scope() as session:
-        with pytest.raises(NotFound):
-            record_result(session, request_id="batch_req_nope", response=_ok("x"), error=None)
+    with session_scope() as session, pytest.raises(NotFound):
+        record_result(session, request_id="batch_req_nope", response=_ok("x"), error=None)
     with session_scope() as session:
         batch = finalize_batch(session, batch_id=batch_id, now=T0 + 50)
         assert batch.status == "completed"
@@ -164,7 +190,9 @@ def test_cancel_after_claim_then_finalize_keeps_finished_lines(service_settings:
         batch_id = _new_batch(session, service_settings).id
         assert claim_batch(session, batch_id=batch_id)
         for row in pending_requests(session, batch_id=batch_id)[:2]:
-            record_result(session, request_id=row.id, response=_ok(row.id), error=None, prompt_tokens=1, completion_tokens=1)
+            record_result(
+                session, request_id=row.id, response=_ok(row.id), error=None, prompt_tokens=1, completion_tokens=1
+            )
     with session_scope() as session:
         batch = cancel_batch(session, batch_id=batch_id, now=T0 + 10)
         assert batch.status == "cancelling" and batch.cancelling_at == T0 + 10
@@ -195,14 +223,21 @@ def test_cancel_before_any_worker_claims_finalizes_at_once(service_settings: Set
 
 def test_cancel_while_validating_ends_cancelled_when_validation_lands(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir)
+        file = write_file(
+            session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
+        )
         batch_id = create_batch(session, input_file_id=file.id, endpoint=CHAT, now=T0).id
     with session_scope() as session:
         assert cancel_batch(session, batch_id=batch_id, now=T0 + 1).status == "cancelling"
     with session_scope() as session:
         line = chat_line("line-0")
         batch = apply_validation(
-            session, batch_id=batch_id, lines=[ValidatedLine(1, "line-0", line["body"])], errors=[], model="m", now=T0 + 2
+            session,
+            batch_id=batch_id,
+            lines=[ValidatedLine(1, "line-0", line["body"])],
+            errors=[],
+            model="m",
+            now=T0 + 2,
         )
         assert batch.status == "cancelled" and batch.in_progress_at is None
         _, errors = _assert_each_line_exactly_once(service_settings, session, batch)
@@ -248,7 +283,9 @@ def test_get_batch_and_status_of_unknown_id_raise_not_found(service_settings: Se
 
 def test_mark_in_progress_only_from_validating(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir)
+        file = write_file(
+            session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
+        )
         batch_id = create_batch(session, input_file_id=file.id, endpoint=CHAT, now=T0).id
         batch = mark_in_progress(session, batch_id=batch_id, now=T0 + 3)
         assert batch.status == "in_progress" and batch.in_progress_at == T0 + 3

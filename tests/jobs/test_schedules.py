@@ -58,7 +58,9 @@ def settings(service_settings: Settings) -> Iterator[Settings]:
 
 def _input_file_id(session: Session, settings: Settings, num_lines: int = 2) -> str:
     lines = [chat_line(f"q-{idx}") for idx in range(num_lines)]
-    file = write_file(session, chunks=[jsonl(lines)], filename="eval.jsonl", purpose="batch", files_dir=settings.files_dir)
+    file = write_file(
+        session, chunks=[jsonl(lines)], filename="eval.jsonl", purpose="batch", files_dir=settings.files_dir
+    )
     return file.id
 
 
@@ -95,7 +97,9 @@ def test_bad_cron_is_refused_naming_the_field(cron: str) -> None:
 def test_create_schedule_checks_what_each_batch_will_need(settings: Settings) -> None:
     with session_scope() as session:
         file_id = _input_file_id(session, settings)
-        output = write_file(session, chunks=[b"{}\n"], filename="o.jsonl", purpose="batch_output", files_dir=settings.files_dir)
+        output = write_file(
+            session, chunks=[b"{}\n"], filename="o.jsonl", purpose="batch_output", files_dir=settings.files_dir
+        )
         cases = [
             ({"cron": "0 * * *"}, "cron"),
             ({"input_file_id": "file-nope"}, "input_file_id"),
@@ -134,7 +138,12 @@ def test_tick_creates_one_batch_per_due_schedule_and_advances(settings: Settings
         for run in runs:
             batch = get_batch(session, batch_id=run.batch_id)
             assert batch.status == BatchStatus.IN_PROGRESS
-            assert (batch.input_file_id, batch.endpoint, batch.created_at, batch.total_requests) == (file_id, CHAT, T0, 3)
+            assert (batch.input_file_id, batch.endpoint, batch.created_at, batch.total_requests) == (
+                file_id,
+                CHAT,
+                T0,
+                3,
+            )
         assert get_batch(session, batch_id=runs[1].batch_id).metadata_ == {"suite": "smoke", "schedule_id": hourly}
         assert get_batch(session, batch_id=runs[0].batch_id).metadata_ == {"schedule_id": five_min}
         expected = {hourly: (T0 + HOUR_S, T0), half_past: (T0 + 1800, None), five_min: (T0 + 300, T0)}
@@ -176,7 +185,9 @@ def test_beat_sends_the_tick_and_the_task_runs_without_the_engine(settings: Sett
     task = celery_app.tasks[TICK_SCHEDULES]
     with session_scope() as session:
         file_id = _input_file_id(session, settings)
-        schedule_id = create_schedule(session, cron="* * * * *", input_file_id=file_id, endpoint=CHAT, now=now_s() - 120).id
+        schedule_id = create_schedule(
+            session, cron="* * * * *", input_file_id=file_id, endpoint=CHAT, now=now_s() - 120
+        ).id
 
     [batch_id] = task.apply().get()
 
@@ -188,7 +199,7 @@ def test_beat_sends_the_tick_and_the_task_runs_without_the_engine(settings: Sett
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker', 'kernels', 'transformers'))\n"
         "sys.exit(1 if loaded else 0)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
 
@@ -243,7 +254,7 @@ def test_concurrent_ticks_fire_each_due_schedule_exactly_once(pg_settings: Setti
         try:
             barrier.wait(timeout=30)
             runs.extend(run_due_schedules(now=T0))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
+        except BaseException as exc:
             failures.append(exc)
 
     threads = [threading.Thread(target=tick) for _ in range(num_ticks)]

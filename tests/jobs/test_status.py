@@ -28,7 +28,10 @@ def test_allowed_transitions_are_exactly_the_contract_lifecycle() -> None:
     allowed = {(old.value, new.value) for old, news in ALLOWED_TRANSITIONS.items() for new in news}
     assert allowed == _CONTRACT_MOVES
     assert {s for s in BatchStatus if s.is_terminal} == {
-        BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED
+        BatchStatus.FAILED,
+        BatchStatus.COMPLETED,
+        BatchStatus.EXPIRED,
+        BatchStatus.CANCELLED,
     }
 
 

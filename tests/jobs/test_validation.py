@@ -16,8 +16,10 @@ from jobs.validation import validate_batch_file
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, jsonl
 
 
-def _validate(data: bytes, endpoint: str = CHAT, *, max_lines: int = 100, max_bytes: int = 1 << 20):  # type: ignore[no-untyped-def]
-    return validate_batch_file(data, endpoint=endpoint, model_names={BUILTIN_MODEL}, max_lines=max_lines, max_bytes=max_bytes)
+def _validate(data: bytes, endpoint: str = CHAT, *, max_lines: int = 100, max_bytes: int = 1 << 20):
+    return validate_batch_file(
+        data, endpoint=endpoint, model_names={BUILTIN_MODEL}, max_lines=max_lines, max_bytes=max_bytes
+    )
 
 
 def _with_body(custom_id: str, **fields: Any) -> dict[str, Any]:
@@ -40,24 +42,24 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
     missing_id = chat_line("x")
     del missing_id["custom_id"]
     lines: list[dict[str, Any] | str] = [
-        chat_line("ok-1"),                                       # 1
-        '{"custom_id": "broken", "method": "POST"',              # 2 invalid_json
-        missing_id,                                              # 3 missing_custom_id
-        chat_line("ok-1"),                                       # 4 duplicate_custom_id
-        {**chat_line("get"), "method": "GET"},                   # 5 invalid_method
-        {**chat_line("wrong-url"), "url": COMPLETIONS},          # 6 invalid_url
-        _with_body("streaming", stream=True),                    # 7 body rejected later, per line
-        _with_body("other-model", model="gpt-4o"),               # 8 model_not_found
-        bad_body,                                                # 9 body rejected later, per line
-        "",                                                      # 10 blank: skipped, still counted
-        chat_line("ok-2"),                                       # 11
-        no_body,                                                 # 12 invalid_body
-        '[1, 2]',                                                # 13 invalid_json (not an object)
-        {**chat_line("extra"), "priority": 1},                   # 14 invalid_line
-        {**chat_line("x"), "custom_id": 7},                      # 15 missing_custom_id (not a string)
+        chat_line("ok-1"),  # 1
+        '{"custom_id": "broken", "method": "POST"',  # 2 invalid_json
+        missing_id,  # 3 missing_custom_id
+        chat_line("ok-1"),  # 4 duplicate_custom_id
+        {**chat_line("get"), "method": "GET"},  # 5 invalid_method
+        {**chat_line("wrong-url"), "url": COMPLETIONS},  # 6 invalid_url
+        _with_body("streaming", stream=True),  # 7 body rejected later, per line
+        _with_body("other-model", model="gpt-4o"),  # 8 model_not_found
+        bad_body,  # 9 body rejected later, per line
+        "",  # 10 blank: skipped, still counted
+        chat_line("ok-2"),  # 11
+        no_body,  # 12 invalid_body
+        "[1, 2]",  # 13 invalid_json (not an object)
+        {**chat_line("extra"), "priority": 1},  # 14 invalid_line
+        {**chat_line("x"), "custom_id": 7},  # 15 missing_custom_id (not a string)
     ]
     data = jsonl(lines)
-    bad_utf8 = b'{"custom_id": "\xff\xfe", "method": "POST"}\n'     # 16 invalid_encoding
+    bad_utf8 = b'{"custom_id": "\xff\xfe", "method": "POST"}\n'  # 16 invalid_encoding
     result = _validate(data + bad_utf8 + jsonl([chat_line("ok-3")]))
 
     assert not result.ok
@@ -97,7 +99,9 @@ def test_empty_file_is_one_whole_file_error(data: bytes, code: str) -> None:
 
 
 def test_non_utf8_file_reports_each_bad_line() -> None:
-    latin1 = json.dumps(chat_line("café"), ensure_ascii=False).encode("utf-8").replace("é".encode(), "é".encode("latin-1"))
+    latin1 = (
+        json.dumps(chat_line("café"), ensure_ascii=False).encode("utf-8").replace("é".encode(), "é".encode("latin-1"))
+    )
     result = _validate(jsonl([chat_line("a")]) + latin1 + b"\n" + latin1.replace(b"caf", b"tea") + b"\n")
     assert [(e.code, e.line) for e in result.errors] == [("invalid_encoding", 2), ("invalid_encoding", 3)]
     assert "UTF-8" in result.errors[0].message
@@ -125,7 +129,9 @@ def test_byte_limit() -> None:
     assert [(e.code, e.line) for e in result.errors] == [("file_too_large", None)]
 
 
-@pytest.mark.parametrize(("line", "kind"), [(b"null", "null"), (b"[1]", "an array"), (b'"x"', "a string"), (b"3", "a number")])
+@pytest.mark.parametrize(
+    ("line", "kind"), [(b"null", "null"), (b"[1]", "an array"), (b'"x"', "a string"), (b"3", "a number")]
+)
 def test_a_line_that_is_not_an_object_names_its_json_type(line: bytes, kind: str) -> None:
     result = _validate(line + b"\n")
 
@@ -135,8 +141,11 @@ def test_a_line_that_is_not_an_object_names_its_json_type(line: bytes, kind: str
 
 
 def test_nan_is_not_json() -> None:
-    result = _validate(b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
-                       + BUILTIN_MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}}\n')
+    result = _validate(
+        b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
+        + BUILTIN_MODEL.encode()
+        + b'", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}}\n'
+    )
     assert [e.code for e in result.errors] == ["invalid_json"]
 
 

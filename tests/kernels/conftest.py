@@ -17,4 +17,6 @@ def cpu_kernels(monkeypatch):
     monkeypatch.delenv(cpu_extension.DISABLE_ENV, raising=False)
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on PATH: the kernels cannot be built here")
-    assert cpu_extension.cpu_kernels_available(), "a C++ compiler is present but the kernels failed to build (see the log)"
+    assert cpu_extension.cpu_kernels_available(), (
+        "a C++ compiler is present but the kernels failed to build (see the log)"
+    )

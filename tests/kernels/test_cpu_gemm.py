@@ -8,7 +8,6 @@ from torch.nn import functional as F
 
 from kernels.cpu_gemm import PANEL_WIDTH, linear_packed, pack_linear_weight
 
-
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 

@@ -72,7 +72,9 @@ def live_api(data_dir):
 
     cli.main(["db", "upgrade"])
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(get_settings()), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(get_settings()), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -86,12 +88,27 @@ def live_api(data_dir):
 
 @pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
 def test_submit_posts_the_file_and_prints_the_batch(live_api, tmp_path, capsys, suffix):
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-            "body": {"model": BUILTIN_MODEL, "prompt": "Hello", "max_tokens": 2}}
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": BUILTIN_MODEL, "prompt": "Hello", "max_tokens": 2},
+    }
     path = tmp_path / "job.jsonl"
     path.write_text(json.dumps(line) + "\n")
 
-    code = cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", live_api + suffix, "--metadata", "team=evals"])
+    code = cli.main(
+        [
+            "submit",
+            str(path),
+            "--endpoint",
+            "/v1/completions",
+            "--base-url",
+            live_api + suffix,
+            "--metadata",
+            "team=evals",
+        ]
+    )
 
     assert code == 0
     batch = json.loads(capsys.readouterr().out)
@@ -104,11 +121,26 @@ def test_submit_reports_http_errors(live_api, tmp_path):
     path = tmp_path / "job.jsonl"
     path.write_text("{}\n")
     with pytest.raises(SystemExit, match="HTTP 4"):
-        cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", live_api, "--metadata", "x=" + "v" * 600])
+        cli.main(
+            [
+                "submit",
+                str(path),
+                "--endpoint",
+                "/v1/completions",
+                "--base-url",
+                live_api,
+                "--metadata",
+                "x=" + "v" * 600,
+            ]
+        )
 
 
 def test_stop_children_terminates_then_kills(monkeypatch):
-    ignores_term = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"]
+    ignores_term = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)",
+    ]
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stubborn = subprocess.Popen(ignores_term, stdout=subprocess.PIPE)
     stubborn.stdout.readline()

@@ -65,17 +65,26 @@ def test_chat_prompt_is_the_models_chat_template(served_tokenizer):
     expected = served_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert mapped.prompt == expected
     assert mapped.prompt.endswith("<|im_start|>assistant\n")
-    expected_ids = served_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    expected_ids = served_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     assert mapped.prompt_token_ids == list(expected_ids)
     assert mapped.prompt_token_ids.count(served_tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
     assert mapped.params.max_tokens is None  # chat: up to the context limit
 
 
 def test_chat_text_parts_equal_plain_content(served_tokenizer):
-    plain = map_request(CHAT_COMPLETIONS, {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}, served_tokenizer)
+    plain = map_request(
+        CHAT_COMPLETIONS, {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}, served_tokenizer
+    )
     parts = map_request(
         CHAT_COMPLETIONS,
-        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]},
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
+            ],
+        },
         served_tokenizer,
     )
     assert parts.prompt_token_ids == plain.prompt_token_ids
@@ -94,7 +103,9 @@ def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
     assert params.max_tokens == 9
     assert params.logprobs == 3
     assert params.prompt_logprobs is None
-    no_top = map_request(CHAT_COMPLETIONS, {"model": "m", "messages": body["messages"], "logprobs": True}, served_tokenizer)
+    no_top = map_request(
+        CHAT_COMPLETIONS, {"model": "m", "messages": body["messages"], "logprobs": True}, served_tokenizer
+    )
     assert no_top.params.logprobs == 0
 
 
@@ -137,7 +148,8 @@ def test_request_mapping_holds_no_body_rule():
     source = Path(request_mapping.__file__).read_text()
     tree = ast.parse(source)
     numbers = [
-        node.value for node in ast.walk(tree)
+        node.value
+        for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool)
     ]
     assert numbers == []
@@ -158,13 +170,39 @@ _ANY_VALUE = st.one_of(
     st.dictionaries(st.sampled_from(["0", "42", "x"]), st.floats(-150, 150, allow_nan=False), max_size=2),
 )
 _OPTIONAL_FIELDS = [
-    "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-    "frequency_penalty", "logit_bias", "stream", "user", "top_k", "min_p", "repetition_penalty", "min_tokens",
-    "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search",
-    "length_penalty", "early_stopping", "echo", "logprobs", "top_logprobs", "suffix",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "suffix",
 ]
 _MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "robot"]), "content": st.one_of(st.text("hi", max_size=3), st.none(), st.integers())}
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "robot"]),
+        "content": st.one_of(st.text("hi", max_size=3), st.none(), st.integers()),
+    }
 )
 _EXTRA_FIELDS = st.dictionaries(st.sampled_from(_OPTIONAL_FIELDS), _ANY_VALUE, max_size=3)
 _BODIES = st.one_of(
@@ -178,7 +216,11 @@ _BODIES = st.one_of(
     ),
     st.tuples(
         st.just(CHAT_COMPLETIONS),
-        st.builds(lambda messages, extra: {"model": "m", "messages": messages, **extra}, st.lists(_MESSAGE, max_size=2), _EXTRA_FIELDS),
+        st.builds(
+            lambda messages, extra: {"model": "m", "messages": messages, **extra},
+            st.lists(_MESSAGE, max_size=2),
+            _EXTRA_FIELDS,
+        ),
     ),
 )
 

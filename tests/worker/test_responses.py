@@ -34,7 +34,11 @@ def test_text_completion_body_shape_and_usage(served_tokenizer):
     out = _output(
         served_tokenizer,
         mapped.prompt_token_ids,
-        [CompletionOutput(index=0, text="    return a + b", token_ids=text_ids, finish_reason="stop", stop_reason="\ndef ")],
+        [
+            CompletionOutput(
+                index=0, text="    return a + b", token_ids=text_ids, finish_reason="stop", stop_reason="\ndef "
+            )
+        ],
         cached=4,
     )
     body = build_body(out, mapped, model=BUILTIN_MODEL, tokenizer=served_tokenizer, created=123)
@@ -79,7 +83,11 @@ def test_completion_logprobs_have_k_plus_sampled_and_offsets(served_tokenizer):
         _position(tok, a, {c: -0.5}, chosen_logprob=-1.0),  # sampled token is not the top one
         _position(tok, b, {}, chosen_logprob=float("-inf")),
     ]
-    out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, " world!", [a, b], logprobs=positions, finish_reason="length")])
+    out = _output(
+        tok,
+        mapped.prompt_token_ids,
+        [CompletionOutput(0, " world!", [a, b], logprobs=positions, finish_reason="length")],
+    )
     logprobs = build_body(out, mapped, model="m", tokenizer=tok)["choices"][0]["logprobs"]
     assert logprobs["tokens"] == [" world", "!"]
     assert logprobs["token_logprobs"] == [-1.0, -9999.0]
@@ -90,7 +98,9 @@ def test_completion_logprobs_have_k_plus_sampled_and_offsets(served_tokenizer):
 
 def test_completion_echo_prepends_prompt_text_and_prompt_logprobs(served_tokenizer):
     tok = served_tokenizer
-    mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "Hello world", "echo": True, "logprobs": 0, "max_tokens": 1}, tok)
+    mapped = map_request(
+        COMPLETIONS, {"model": "m", "prompt": "Hello world", "echo": True, "logprobs": 0, "max_tokens": 1}, tok
+    )
     p0, p1 = mapped.prompt_token_ids
     gen = tok.encode("!")[0]
     prompt_logprobs = [None, _position(tok, p1, {}, chosen_logprob=-2.0)]
@@ -110,7 +120,12 @@ def test_completion_echo_prepends_prompt_text_and_prompt_logprobs(served_tokeniz
 
 def test_chat_completion_body_with_top_logprobs(served_tokenizer):
     tok = served_tokenizer
-    body_in = {"model": "m", "messages": [{"role": "user", "content": "Capital of France?"}], "logprobs": True, "top_logprobs": 2}
+    body_in = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Capital of France?"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     mapped = map_request(CHAT_COMPLETIONS, body_in, tok)
     paris, lyon, nice = tok.encode("Paris")[0], tok.encode("Lyon")[0], tok.encode("Nice")[0]
     position = _position(tok, paris, {lyon: -3.0, nice: -4.0}, chosen_logprob=-0.01)
@@ -139,13 +154,23 @@ def test_openai_sdk_parses_the_bodies(served_tokenizer):
     tok = served_tokenizer
     mapped = map_request(COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 1}, tok)
     gen = tok.encode("y")[0]
-    out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, "y", [gen], logprobs=[_position(tok, gen, {}, -0.2)], finish_reason="stop")])
+    out = _output(
+        tok,
+        mapped.prompt_token_ids,
+        [CompletionOutput(0, "y", [gen], logprobs=[_position(tok, gen, {}, -0.2)], finish_reason="stop")],
+    )
     completion = Completion.model_validate(build_body(out, mapped, model="m", tokenizer=tok))
     assert completion.choices[0].logprobs.tokens == ["y"]
     assert completion.usage.prompt_tokens_details.cached_tokens == 0
 
-    mapped = map_request(CHAT_COMPLETIONS, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, tok)
-    out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, "y", [gen], logprobs=[_position(tok, gen, {}, -0.2)], finish_reason="length")])
+    mapped = map_request(
+        CHAT_COMPLETIONS, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, tok
+    )
+    out = _output(
+        tok,
+        mapped.prompt_token_ids,
+        [CompletionOutput(0, "y", [gen], logprobs=[_position(tok, gen, {}, -0.2)], finish_reason="length")],
+    )
     chat = ChatCompletion.model_validate(build_body(out, mapped, model="m", tokenizer=tok))
     assert chat.choices[0].message.content == "y"
     assert chat.choices[0].logprobs.content[0].top_logprobs == []
@@ -157,7 +182,12 @@ def test_usage_and_error_bodies():
     message = context_length_message(9000, 8192)
     assert "9000" in message and "8192" in message
     assert error_envelope(message, param="prompt", code="context_length_exceeded") == {
-        "error": {"message": message, "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
     }
 
 
@@ -171,7 +201,9 @@ def test_chat_logprob_bytes_join_into_the_text_across_split_characters(served_to
     positions = [_position(tok, token_id, {}, -0.5) for token_id in token_ids]
     body_in = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1}
     mapped = map_request(CHAT_COMPLETIONS, body_in, tok)
-    out = _output(tok, mapped.prompt_token_ids, [CompletionOutput(0, text, token_ids, logprobs=positions, finish_reason="length")])
+    out = _output(
+        tok, mapped.prompt_token_ids, [CompletionOutput(0, text, token_ids, logprobs=positions, finish_reason="length")]
+    )
 
     content = build_body(out, mapped, model="m", tokenizer=tok)["choices"][0]["logprobs"]["content"]
 

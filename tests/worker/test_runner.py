@@ -39,7 +39,9 @@ class _Request:
 class StandInEngine:
     """Emits token ``token_id + sample index`` once per step for each running request until its limit."""
 
-    def __init__(self, tokenizer, *, max_model_len: int = 64, max_num_seqs: int = 4, on_step: Callable[[int], None] | None = None):
+    def __init__(
+        self, tokenizer, *, max_model_len: int = 64, max_num_seqs: int = 4, on_step: Callable[[int], None] | None = None
+    ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -94,9 +96,13 @@ class StandInEngine:
             if request.params.logprobs is not None:
                 logprobs = [{t: Logprob(-0.5, self.tokenizer.decode([t]))} for t in sample]
             outputs.append(
-                CompletionOutput(idx, self.tokenizer.decode(sample), list(sample), logprobs=logprobs, finish_reason="length")
+                CompletionOutput(
+                    idx, self.tokenizer.decode(sample), list(sample), logprobs=logprobs, finish_reason="length"
+                )
             )
-        return RequestOutput(request.request_id, None, request.prompt_token_ids, outputs, finished=True, num_cached_tokens=0)
+        return RequestOutput(
+            request.request_id, None, request.prompt_token_ids, outputs, finished=True, num_cached_tokens=0
+        )
 
 
 @pytest.fixture
@@ -115,9 +121,14 @@ def make_batch(bodies: list[dict], endpoint: str = "/v1/completions") -> str:
     """An in-progress batch whose lines are ``bodies`` (custom_id ``line-N``), as the API leaves it."""
     settings = get_settings()
     lines = [ValidatedLine(n, f"line-{n}", body) for n, body in enumerate(bodies, start=1)]
-    raw = "".join(json.dumps({"custom_id": l.custom_id, "method": "POST", "url": endpoint, "body": l.body}) + "\n" for l in lines)
+    raw = "".join(
+        json.dumps({"custom_id": line.custom_id, "method": "POST", "url": endpoint, "body": line.body}) + "\n"
+        for line in lines
+    )
     with session_scope() as session:
-        file = write_file(session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir)
+        file = write_file(
+            session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
+        )
         batch = repository.create_batch(session, input_file_id=file.id, endpoint=endpoint)
         repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=BUILTIN_MODEL)
         return batch.id
@@ -175,7 +186,9 @@ def test_request_counts_move_while_the_batch_runs(service, served_tokenizer):
         with session_scope() as session:
             seen.append(repository.get_batch(session, batch_id=batch_id).completed_requests)
 
-    runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer, on_step=look), commit_every=2, check_every_steps=1)
+    runner.run_batch(
+        batch_id, engine=StandInEngine(served_tokenizer, on_step=look), commit_every=2, check_every_steps=1
+    )
 
     assert any(0 < count < 12 for count in seen), seen
     assert seen == sorted(seen)
@@ -214,13 +227,21 @@ def test_too_long_and_invalid_lines_fail_alone(service, served_tokenizer):
     ("bad_fields", "param"),
     [({"prompt": ""}, "prompt"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature")],
 )
-def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(service, served_tokenizer, monkeypatch, bad_fields, param):
+def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
+    service, served_tokenizer, monkeypatch, bad_fields, param
+):
     """The file passes validation (its structure is fine); the worker's parse of the middle body fails,
     so that line is a 400 in the error file, named by ``param`` in plain words, and its neighbours run."""
-    lines = [completion_line("first", max_tokens=2), completion_line("middle", **bad_fields), completion_line("last", max_tokens=2)]
+    lines = [
+        completion_line("first", max_tokens=2),
+        completion_line("middle", **bad_fields),
+        completion_line("last", max_tokens=2),
+    ]
     settings = get_settings()
     with session_scope() as session:
-        file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir)
+        file = write_file(
+            session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
+        )
         batch_id = repository.create_batch(session, input_file_id=file.id, endpoint="/v1/completions").id
     monkeypatch.setattr(intake, "enqueue_batch", lambda *args, **kwargs: None)
     assert intake.validate_and_start(batch_id, settings=settings) == BatchStatus.IN_PROGRESS
@@ -238,7 +259,9 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(service, served
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
     assert error["message"].startswith(f"{param}: must be ")
     with session_scope() as session:
-        envelopes = file_path(get_file(session, file_id=batch.error_file_id), settings.files_dir).read_text().splitlines()
+        envelopes = (
+            file_path(get_file(session, file_id=batch.error_file_id), settings.files_dir).read_text().splitlines()
+        )
     assert len(envelopes) == 1
 
 
@@ -278,7 +301,7 @@ def test_expiry_stops_the_run_and_keeps_finished(service, served_tokenizer):
 
     assert status == BatchStatus.EXPIRED
     assert not engine.has_unfinished_requests()
-    batch, output, errors = read_results(batch_id)
+    _, output, errors = read_results(batch_id)
     assert len(output) == 4 and len(errors) == 8
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
 
@@ -294,7 +317,7 @@ def test_engine_fault_fails_lines_in_flight_but_not_the_batch(service, served_to
     assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
 
     assert not engine.has_unfinished_requests()
-    batch, output, errors = read_results(batch_id)
+    _, output, errors = read_results(batch_id)
     assert len(output) == 4 and len(errors) == 4
     for envelope in errors.values():
         assert envelope["response"]["status_code"] == 500
@@ -302,7 +325,13 @@ def test_engine_fault_fails_lines_in_flight_but_not_the_batch(service, served_to
 
 
 def test_n_choices_and_chat_endpoint(service, served_tokenizer):
-    chat = {"model": BUILTIN_MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2, "logprobs": True}
+    chat = {
+        "model": BUILTIN_MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 3,
+        "max_tokens": 2,
+        "logprobs": True,
+    }
     batch_id = make_batch([chat, dict(chat, n=1)], endpoint="/v1/chat/completions")
 
     assert runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
@@ -366,7 +395,7 @@ def test_token_ids_outside_the_vocabulary_or_an_unreachable_min_tokens_fail_thei
 
     assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
 
-    batch, output, errors = read_results(batch_id)
+    _, output, errors = read_results(batch_id)
     assert set(output) == {"line-1", "line-6", "line-7"}
     assert output["line-6"]["response"]["body"]["usage"]["completion_tokens"] >= 10
     expected = {

@@ -12,16 +12,16 @@ import time
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.config import EngineConfig
-from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.core.kv_cache_manager import KVCacheManager
+from worker.engine.core.request import Request, Sequence
+from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
+from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.output.stop_checker import check_finish
 from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.core.scheduler import Scheduler, SchedulerOutput
-from worker.engine.core.request import Request, Sequence
-from worker.engine.output.stop_checker import check_finish
 from worker.engine.stats import EngineStats
 
 _MAX_IDS_SHOWN = 8  # token ids quoted in an error message
@@ -92,7 +92,9 @@ class LLMEngine:
         for param, token_ids in {"prompt": prompt_token_ids, **params.token_id_fields()}.items():
             bad_ids = sorted({token_id for token_id in token_ids if not 0 <= token_id < vocab_size})
             if bad_ids:
-                shown = ", ".join(map(str, bad_ids[:_MAX_IDS_SHOWN])) + (", ..." if len(bad_ids) > _MAX_IDS_SHOWN else "")
+                shown = ", ".join(map(str, bad_ids[:_MAX_IDS_SHOWN])) + (
+                    ", ..." if len(bad_ids) > _MAX_IDS_SHOWN else ""
+                )
                 raise InvalidParameterError(
                     f"{param} holds {len(bad_ids)} token ids outside the vocabulary [0, {vocab_size}): {shown}", param
                 )
@@ -256,7 +258,11 @@ class LLMEngine:
             )
             if finish is None:
                 continue
-            seq.finish_reason, seq.stop_reason, seq.output_text = finish.finish_reason, finish.stop_reason, finish.output_text
+            seq.finish_reason, seq.stop_reason, seq.output_text = (
+                finish.finish_reason,
+                finish.stop_reason,
+                finish.output_text,
+            )
             if finish.finish_reason == "length":
                 # NOTE: text held back for an incomplete character is emitted (as U+FFFD) at the end.
                 seq.output_text += detokenizer.flush()

@@ -32,7 +32,9 @@ QUESTIONS = [
 def prompts(served_tokenizer):
     return [
         served_tokenizer.encode(
-            served_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            served_tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
         )
         for q in QUESTIONS
     ]
@@ -73,7 +75,7 @@ def test_batch_of_64_with_mixed_prompt_and_output_lengths(served_model_dir, prom
     requests = [(i, lengths[(i + j) % 8]) for j in range(8) for i in range(len(prompts))]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
     outputs = engine.generate([prompts[i] for i, _ in requests], params)
-    for (i, max_tokens), out in zip(requests, outputs):
+    for (_, max_tokens), out in zip(requests, outputs):
         assert len(out.outputs[0].token_ids) == max_tokens
     assert_all_close([references[i] for i, _ in requests], outputs, "mixed")
 

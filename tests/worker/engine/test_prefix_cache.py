@@ -14,11 +14,11 @@ from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
 from tests.helpers.scheduling import run_step, scheduled
 from tests.helpers.tiny_llama import save_tiny_llama
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
-from worker.engine.executor.layers.attention import cascade as cascade_attention
 from worker.engine.core.kv_cache_manager import KVCacheManager
-from worker.prefix_grouping import order_by_shared_prefix
-from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.request import Sequence
+from worker.engine.core.scheduler import Scheduler
+from worker.engine.executor.layers.attention import cascade as cascade_attention
+from worker.prefix_grouping import order_by_shared_prefix
 
 BLOCK_SIZE = 4
 

@@ -14,8 +14,8 @@ the key identifies the whole prefix exactly, not just this block's tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import NewType
 
 BlockId = NewType("BlockId", int)
@@ -173,7 +173,8 @@ class BlockPool:
                 self.free_block_queue.append(block)
 
     def check_invariants(self) -> None:
-        """Assert the pool's own invariants (docs/engine.md, "Invariants"): free + used = total, free blocks have ref 0, cache map consistent."""
+        """Assert the pool's own invariants (docs/engine.md, "Invariants"): free + used = total, free blocks
+        have ref 0, cache map consistent."""
         free = list(self.free_block_queue)
         assert len(free) == self.free_block_queue.num_free_blocks
         assert len({id(b) for b in free}) == len(free), "a block is twice in the free queue"

@@ -10,8 +10,8 @@ tail first, when the sequence finishes or is preempted (``free``).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
-from typing import Sequence as SequenceT
 
 from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, KVCacheBlock, PrefixId
 from worker.engine.core.request import Sequence
@@ -148,7 +148,9 @@ class KVCacheManager:
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-            self._prefix_ids[seq_id].extend(block.prefix_id for block in new_computed_blocks)  # type: ignore[misc]
+            for block in new_computed_blocks:
+                assert block.prefix_id is not None  # a prefix-cache hit is a cached block
+                self._prefix_ids[seq_id].append(block.prefix_id)
         if num_new_blocks > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._num_slots[seq_id] = num_tokens
@@ -187,12 +189,14 @@ class KVCacheManager:
         """
         num_slots = (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * self.block_size
         num_empty = sum(
-            len(self.seq_to_blocks[seq_id]) * self.block_size - seq.num_computed_tokens for seq_id, seq in self._seqs.items()
+            len(self.seq_to_blocks[seq_id]) * self.block_size - seq.num_computed_tokens
+            for seq_id, seq in self._seqs.items()
         )
         return SlotOccupancy(num_tokens_stored=num_slots - num_empty, num_slots=num_slots)
 
     def check_invariants(self) -> None:
-        """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table references, table sizes, cached contents."""
+        """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table
+        references, table sizes, cached contents."""
         self.block_pool.check_invariants()
         references = Counter(id(block) for blocks in self.seq_to_blocks.values() for block in blocks)
         for block in self.block_pool.blocks:
@@ -208,6 +212,8 @@ class KVCacheManager:
                     continue
                 parent = prefix_ids[block_idx - 1] if block_idx else ROOT_PREFIX_ID
                 start = block_idx * block_size
-                assert block.block_hash == (parent, tuple(seq.token_ids[start : start + block_size])), "cached block content"
+                assert block.block_hash == (parent, tuple(seq.token_ids[start : start + block_size])), (
+                    "cached block content"
+                )
                 assert block.prefix_id == prefix_ids[block_idx]
             assert all(block.block_hash is None for block in blocks[len(prefix_ids) :]), "uncomputed block is cached"

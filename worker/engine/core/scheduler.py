@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
-from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.core.block_pool import BlockHash
+from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.core.request import Sequence, SequenceStatus
 
 
@@ -49,7 +49,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
 
 
 @dataclass(slots=True)

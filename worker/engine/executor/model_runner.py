@@ -16,14 +16,14 @@ from itertools import accumulate
 
 import torch
 
-from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
 from worker.engine.config import EngineConfig
+from worker.engine.core.request import Sequence
+from worker.engine.core.scheduler import SchedulerOutput
+from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
-from worker.engine.core.scheduler import SchedulerOutput
-from worker.engine.core.request import Sequence
 
 PromptLogprobEntry = tuple[float, list[tuple[int, float]]]
 
@@ -94,7 +94,9 @@ class ModelRunner:
             )
         # NOTE: zeros, not empty: attention gathers whole blocks and masks, and 0 * NaN would poison a row.
         self.kv_caches = [
-            torch.zeros(2, self.num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device)
+            torch.zeros(
+                2, self.num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device
+            )
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()

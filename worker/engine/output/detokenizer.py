@@ -25,8 +25,15 @@ class IncrementalDetokenizer:
     tokenizers, CJK and emoji included. Special tokens are dropped when ``skip_special_tokens``.
     """
 
-    __slots__ = ("_tokenizer", "_skip_special_tokens", "_special_ids", "_token_ids", "_prefix_offset",
-                 "_read_offset", "_output_text")
+    __slots__ = (
+        "_output_text",
+        "_prefix_offset",
+        "_read_offset",
+        "_skip_special_tokens",
+        "_special_ids",
+        "_token_ids",
+        "_tokenizer",
+    )
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True
@@ -35,7 +42,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._special_ids = frozenset(tokenizer.all_special_ids)
         # Context: the last few prompt tokens, special ones excluded when they would be skipped anyway.
-        context = prompt_token_ids[-(_INITIAL_PREFIX_TOKENS + 2):]
+        context = prompt_token_ids[-(_INITIAL_PREFIX_TOKENS + 2) :]
         if skip_special_tokens:
             context = [t for t in context if t not in self._special_ids]
         self._token_ids: list[int] = list(context)
@@ -53,11 +60,11 @@ class IncrementalDetokenizer:
         if self._skip_special_tokens and token_id in self._special_ids:
             return ""
         self._token_ids.append(token_id)
-        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._token_ids[self._prefix_offset:])
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         self._output_text += delta
@@ -65,9 +72,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Emit text still held back (a trailing incomplete character decodes to U+FFFD); call at finish."""
-        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._token_ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):]
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._token_ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         self._output_text += delta

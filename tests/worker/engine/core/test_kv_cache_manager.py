@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from worker.engine.core.kv_cache_manager import KVCacheManager, SlotOccupancy
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.core.request import Sequence
+from worker.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 # Prompts made of a few block-sized chunks so that prefix hits (and near misses) are common.

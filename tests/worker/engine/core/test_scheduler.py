@@ -5,9 +5,9 @@ from hypothesis import strategies as st
 
 from tests.helpers.scheduling import run_step, scheduled
 from worker.engine.core.kv_cache_manager import KVCacheManager
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.request import Sequence, SequenceStatus
+from worker.engine.core.scheduler import Scheduler
+from worker.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -9,9 +9,13 @@ import torch
 
 from kernels.cpu_extension import DISABLE_ENV
 from kernels.reference import paged_attention_reference
-from worker.engine.executor.layers.attention import cascade as cascade_attention
 from worker.engine.executor.layers.attention import build_attention_metadata, paged_attention_forward
-from worker.engine.executor.layers.attention.cascade import merge_attention_states, num_shared_prefix_blocks, shared_prefix_groups
+from worker.engine.executor.layers.attention import cascade as cascade_attention
+from worker.engine.executor.layers.attention.cascade import (
+    merge_attention_states,
+    num_shared_prefix_blocks,
+    shared_prefix_groups,
+)
 
 BLOCK_SIZE = 8
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64

@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 import transformers
-from torch import nn
 from safetensors.torch import load_file
+from torch import nn
 
 from tests.helpers.parity import TopTwo, assert_greedy_close, hf_greedy_reference, top_two_from_logits
 from tests.helpers.tiny_llama import save_tiny_llama
@@ -163,7 +163,7 @@ def test_top_two_from_logits_are_log_softmax_values():
     top2 = top_two_from_logits(logits)
 
     logprobs = torch.log_softmax(logits, dim=-1)
-    assert [(t.token_id_1, t.token_id_2) for t in top2][0] == (1, 2)
+    assert (top2[0].token_id_1, top2[0].token_id_2) == (1, 2)
     assert {top2[1].token_id_1, top2[1].token_id_2} == {0, 1}
     assert top2[0].logprob_1 == pytest.approx(float(logprobs[0, 1]))
     assert top2[0].logprob_2 == pytest.approx(float(logprobs[0, 2]))
@@ -174,7 +174,7 @@ def test_load_weights_rejects_unknown_and_missing_tensors(tmp_path):
     weights = load_file(path / "model.safetensors")
     model = LlamaForCausalLM(transformers.AutoConfig.from_pretrained(path))
 
-    with pytest.raises(KeyError, match="model.layers.0.self_attn.qq_proj.weight"):
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.self_attn\.qq_proj\.weight"):
         model.load_weights([("model.layers.0.self_attn.qq_proj.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="qkv_proj"):
         model.load_weights((name, t) for name, t in weights.items() if not name.endswith("k_proj.weight"))

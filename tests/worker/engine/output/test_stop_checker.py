@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from worker.engine.output.detokenizer import IncrementalDetokenizer
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.output.stop_checker import FinishState, StopStringMatch, check_finish, find_stop_string
+from worker.engine.sampling_params import SamplingParams
 
 EOS = 2
 MAX_MODEL_LEN = 8192

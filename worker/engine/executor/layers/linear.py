@@ -50,7 +50,11 @@ def pack_linear_layers(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+            if (
+                isinstance(child, nn.Linear)
+                and child.weight.device.type == "cpu"
+                and child.weight.dtype == torch.float32
+            ):
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced

@@ -163,9 +163,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(config, head_size_of(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

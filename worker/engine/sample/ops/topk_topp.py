@@ -96,9 +96,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         logits.index_copy_(0, row_idx, sub)
 
 
-def _top_k_candidates(
-    logits: torch.Tensor, k: torch.Tensor, num_candidates: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_k_candidates(logits: torch.Tensor, k: torch.Tensor, num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``num_candidates`` logits per row, descending, with those below each row's k-th set to ``-inf``.
 
     Returns ``(candidates [R, num_candidates], k-th largest logit [R] or -inf where k == 0)``.

@@ -127,9 +127,7 @@ def paged_attention_forward(
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale)
     kernel = plan.decode_kernel
     if kernel is not None and kernel.token_idx is None:
-        return paged_attention_cpu(
-            query, kv_cache, kernel.query_start_loc, kernel.seq_lens, kernel.block_tables, scale
-        )
+        return paged_attention_cpu(query, kv_cache, kernel.query_start_loc, kernel.seq_lens, kernel.block_tables, scale)
     output = torch.empty_like(query)
     for start, end in plan.fresh_prefills:
         output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale)
