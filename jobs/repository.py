@@ -1,15 +1,16 @@
 """Keyword-only data functions over batches and their lines; the caller owns the transaction.
 
-Public functions (stable names; the worker and the API both call them):
+Public functions (the API, ``jobs.intake``, ``jobs.schedules`` and the worker call them):
 
 | function | who calls it | what it does |
 |---|---|---|
-| ``check_batch_params`` | API | endpoint, completion_window and metadata checks |
-| ``create_batch`` | API | checks file/endpoint/window/metadata, inserts a ``validating`` batch |
+| ``get_batch_input_file`` | API, schedules | the ``batch``-purpose input `File`, or raises |
+| ``check_batch_params`` | API, schedules | endpoint, completion_window and metadata checks |
+| ``create_batch`` | API, schedules | checks file/endpoint/window/metadata, inserts a ``validating`` batch |
 | ``get_batch`` | both | the `Batch`, or raises `NotFound` |
 | ``list_batches`` | API | a page of batches, newest first, after a cursor id |
-| ``apply_validation`` | API (`jobs.intake`) | inserts the lines and moves to ``in_progress``, or to ``failed`` with errors |
-| ``mark_in_progress`` | (from common.md) | ``validating -> in_progress`` alone; `apply_validation` already does it |
+| ``batches_left_validating`` | API start-up (`jobs.intake`) | batches an earlier process accepted but never validated |
+| ``apply_validation`` | `jobs.intake` | inserts the lines and moves to ``in_progress``, or to ``failed`` with errors |
 | ``claim_batch`` | worker, at task start | True when the worker should run the batch's pending lines |
 | ``pending_requests`` | worker | lines not run yet, in line order |
 | ``record_result`` | worker | stores one line's result, bumps request_counts and usage |
@@ -18,9 +19,7 @@ Public functions (stable names; the worker and the API both call them):
 | ``cancel_batch`` | API | ``-> cancelling``; finalizes to ``cancelled`` at once when no worker claimed it |
 | ``finalize_batch`` | worker (and ``cancel_batch``) | writes the output/error files, stamps the terminal status |
 
-Additions beyond `notes/common.md`: ``check_batch_params``, ``create_batch``, ``list_batches``, ``apply_validation``,
-``claim_batch``, ``is_past_expiry``, ``cancel_batch``; `get_batch` raises `NotFound` instead of
-returning None; `finalize_batch` takes an optional ``files_dir``.
+The whole path of a line is in docs/architecture.md.
 
 Worker protocol: ``claim_batch`` -> loop over ``pending_requests`` calling ``record_result`` (commit
 per line or per step), checking ``batch_status`` for ``cancelling`` and ``is_past_expiry`` -> then
@@ -246,18 +245,6 @@ def apply_validation(
     if status == BatchStatus.CANCELLING:
         session.flush()
         return finalize_batch(session, batch_id=batch_id, now=now, files_dir=files_dir)
-    transition(batch, BatchStatus.IN_PROGRESS, now)
-    session.flush()
-    return batch
-
-
-def mark_in_progress(session: Session, *, batch_id: str, now: int | None = None) -> Batch:
-    """``validating -> in_progress`` (stamps ``in_progress_at``).
-
-    Raises:
-        NotFound, IllegalTransition.
-    """
-    batch = get_batch(session, batch_id=batch_id, for_update=True)
     transition(batch, BatchStatus.IN_PROGRESS, now)
     session.flush()
     return batch

@@ -7,7 +7,7 @@ Flow (plain functions; the Celery task in `worker.tasks` only calls `run_batch`)
    vocabulary, a prompt longer than the context) gets a 400 ``response`` with an OpenAI error body
    and counts as failed; its neighbours run.
 3. Order the lines by prompt token ids, so lines sharing a prefix are admitted together and hit the
-   prefix cache (engine.md, "shared-prefix grouping"), and add them ALL to the engine; then step until
+   prefix cache (docs/engine.md, "Prefix caching"), and add them ALL to the engine; then step until
    done. Continuous batching keeps the running batch full; no line waits for another to finish.
 4. Record each finished line in the database as it finishes, committing in small groups so
    ``request_counts`` move while the batch runs.

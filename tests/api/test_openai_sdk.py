@@ -1,4 +1,4 @@
-"""The flow the real ``openai`` SDK drives (contract.md), against the app on SQLite and PostgreSQL."""
+"""The flow the real ``openai`` SDK drives (docs/api.md), against the app on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Repository functions on SQLite and PostgreSQL: validation outcome, results, cancel, expiry, finalize.
 
-The central invariant (contract.md): at every terminal status each input line appears exactly once,
+The central invariant (docs/api.md, "Output and error files"): at every terminal status each input line appears exactly once,
 in exactly one of the output and error files.
 """
 
@@ -30,7 +30,6 @@ from jobs.repository import (
     finalize_batch,
     get_batch,
     is_past_expiry,
-    mark_in_progress,
     pending_requests,
     record_result,
 )
@@ -279,15 +278,3 @@ def test_get_batch_and_status_of_unknown_id_raise_not_found(service_settings: Se
             get_batch(session, batch_id="batch_nope")
         with pytest.raises(NotFound):
             batch_status(session, batch_id="batch_nope")
-
-
-def test_mark_in_progress_only_from_validating(service_settings: Settings) -> None:
-    with session_scope() as session:
-        file = write_file(
-            session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
-        )
-        batch_id = create_batch(session, input_file_id=file.id, endpoint=CHAT, now=T0).id
-        batch = mark_in_progress(session, batch_id=batch_id, now=T0 + 3)
-        assert batch.status == "in_progress" and batch.in_progress_at == T0 + 3
-        with pytest.raises(IllegalTransition):
-            mark_in_progress(session, batch_id=batch_id)
