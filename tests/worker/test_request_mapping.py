@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from jobs.errors import InvalidRequest
 from jobs.line_body import parse_body
-from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody
 from worker.engine import SamplingParams
 from worker.request_mapping import map_request
 
@@ -169,35 +169,10 @@ _ANY_VALUE = st.one_of(
     st.lists(st.text("ab", max_size=2), max_size=5),
     st.dictionaries(st.sampled_from(["0", "42", "x"]), st.floats(-150, 150, allow_nan=False), max_size=2),
 )
-_OPTIONAL_FIELDS = [
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "stream",
-    "user",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "use_beam_search",
-    "length_penalty",
-    "early_stopping",
-    "echo",
-    "logprobs",
-    "top_logprobs",
-    "suffix",
-]
+# Every optional field either schema knows, and "suffix", which neither does (an unknown field).
+_OPTIONAL_FIELDS = sorted(
+    (set(ChatCompletionBody.model_fields) | set(CompletionBody.model_fields)) - {"model", "messages", "prompt"}
+) + ["suffix"]
 _MESSAGE = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["user", "system", "assistant", "robot"]),
