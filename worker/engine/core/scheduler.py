@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
+from worker.engine.core.block_pool import BlockHash, BlockId
 from worker.engine.core.kv_cache_manager import KVCacheManager
-from worker.engine.core.block_pool import BlockHash
 from worker.engine.core.request import Sequence, SequenceStatus
 
 
@@ -38,13 +38,15 @@ class SchedulerOutput:
     """What to compute this step: ``seqs[i]`` gets its next ``num_scheduled_tokens[i]`` tokens.
 
     Sequences appear in batch order (the runner lays out tokens the same way). ``preempted_seqs`` were
-    moved back to waiting during this step's scheduling.
+    moved back to waiting during this step's scheduling. ``blocks_to_copy`` are the copy-on-write block
+    copies ``(src, dst)`` (physical block ids) the runner executes before the forward pass.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     preempted_seqs: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -121,6 +123,7 @@ class Scheduler:
             budget = self._admit(out, budget)
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.blocks_to_copy = kv.take_blocks_to_copy()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:

@@ -11,19 +11,20 @@ the Python work per step grows with the number of sequences, not of tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
-from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
 from worker.engine.config import EngineConfig
+from worker.engine.core.request import Sequence
+from worker.engine.core.scheduler import SchedulerOutput
+from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
-from worker.engine.core.scheduler import SchedulerOutput
-from worker.engine.core.request import Sequence
 
 PromptLogprobEntry = tuple[float, list[tuple[int, float]]]
 
@@ -57,6 +58,24 @@ def kv_cache_bytes_per_block(
 ) -> int:
     """Bytes one block takes across all layers, K and V: ``2 * layers * block_size * kv_heads * head_size * itemsize``."""
     return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[int, int]]) -> None:
+    """Execute copy-on-write block copies in every layer's cache: block ``dst`` becomes block ``src``.
+
+    Args:
+        kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor per layer (mutated).
+        blocks_to_copy: ``(src, dst)`` physical block ids; every ``dst`` distinct. All copies read the
+            caches as they were before the call (one gather, then one ``index_copy_`` per layer), as
+            vLLM's ``copy_blocks`` (Kwon et al. 2023, section 4.4).
+    """
+    if not blocks_to_copy:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=device)
+    for kv_cache in kv_caches:
+        kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -154,6 +173,7 @@ class ModelRunner:
 
         device = self.device
         start_s = time.perf_counter()
+        copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
         hidden_states = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             attn_metadata.positions,
