@@ -12,16 +12,16 @@ import time
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.config import EngineConfig
-from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.core.kv_cache_manager import KVCacheManager
+from worker.engine.core.request import Request, Sequence, SequenceStatus
+from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
+from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
+from worker.engine.output.stop_checker import check_finish
 from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.core.scheduler import Scheduler, SchedulerOutput
-from worker.engine.core.request import Request, Sequence
-from worker.engine.output.stop_checker import check_finish
 from worker.engine.stats import EngineStats
 
 
@@ -104,14 +104,17 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
             )
-            for index in range(params.n)
+            for index in range(params.num_branches)
         ]
         request = Request(request_id, text, prompt_token_ids, params, seqs)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
-        for seq in seqs:
-            self.scheduler.add_seq(seq)
+        # Only the first branch prefills; the others are forked off it when its prompt is computed.
+        seqs[0].pending_forks = seqs[1:]
+        for seq in seqs[1:]:
+            seq.status = SequenceStatus.FORK_PENDING
+        self.scheduler.add_seq(seqs[0])
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks; unknown or finished ids are ignored."""
@@ -246,7 +249,11 @@ class LLMEngine:
             )
             if finish is None:
                 continue
-            seq.finish_reason, seq.stop_reason, seq.output_text = finish.finish_reason, finish.stop_reason, finish.output_text
+            seq.finish_reason, seq.stop_reason, seq.output_text = (
+                finish.finish_reason,
+                finish.stop_reason,
+                finish.output_text,
+            )
             if finish.finish_reason == "length":
                 # NOTE: text held back for an incomplete character is emitted (as U+FFFD) at the end.
                 seq.output_text += detokenizer.flush()
@@ -272,17 +279,26 @@ class LLMEngine:
                 recorded.append(entry)
 
     def _request_output(self, request: Request) -> RequestOutput:
+        """The request's ``n`` choices, index order: the branches themselves; the ``n`` of ``best_of`` with the
+        highest cumulative logprob (ties: lower sample index); or greedy's one branch ``n`` times."""
+        params = request.params
+        if len(request.seqs) == 1:
+            chosen = request.seqs * params.n
+        elif len(request.seqs) == params.n:
+            chosen = request.seqs
+        else:
+            chosen = sorted(request.seqs, key=lambda seq: (-seq.cumulative_logprob, seq.sample_index))[: params.n]
         outputs = [
             CompletionOutput(
-                index=seq.sample_index,
+                index=index,
                 text=seq.output_text,
                 token_ids=list(seq.output_token_ids),
-                cumulative_logprob=None if seq.params.logprobs is None else seq.cumulative_logprob,
-                logprobs=seq.logprobs,
+                cumulative_logprob=None if params.logprobs is None else seq.cumulative_logprob,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )
-            for seq in request.seqs
+            for index, seq in enumerate(chosen)
         ]
         return RequestOutput(
             request_id=request.request_id,

@@ -1,9 +1,11 @@
 """Requests and their sequences: the token streams the scheduler moves between queues (pure Python).
 
 A :class:`Request` is one prompt plus its :class:`~worker.engine.sampling_params.SamplingParams`; it owns
-``n`` :class:`Sequence` objects, one per sample. For now the samples share nothing (each prefills the
-prompt itself; the copy-on-write fork of engine.md comes later), so the scheduler and the KV cache
-manager only ever see sequences. The request finishes when all its sequences do.
+one :class:`Sequence` per branch (``n`` samples, or ``best_of`` of them; one for greedy, whose samples
+are all the same). Only the first branch prefills the prompt; the others wait in its ``pending_forks``
+and are forked off it (sharing its KV blocks, copy-on-write) when its prefill completes, each then
+sampling its own first token from the same logits (vLLM V0's parallel sampling). The scheduler and the
+KV cache manager only ever see sequences. The request finishes when all its sequences do.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is: the waiting queue, the running batch, back in waiting after preemption, or done."""
+    """Where a sequence is: the waiting queue, the running batch, back in waiting after preemption, or done;
+    ``FORK_PENDING``: in no queue, waiting to be forked off its request's first branch."""
 
+    FORK_PENDING = enum.auto()
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -37,6 +41,7 @@ class Sequence:
     the prompt while prefilling, then one per decode step; after preemption it restarts at 0 and the
     generated tokens are recomputed as if they were prompt). ``output_text`` is set at finish (stop
     handling applied). ``num_cached_tokens`` is how many prompt tokens the prefix cache supplied at first admission.
+    ``pending_forks`` are the request's other branches, forked off this sequence once its prompt is computed.
     """
 
     seq_id: int
@@ -55,6 +60,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
+    pending_forks: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

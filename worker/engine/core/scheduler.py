@@ -15,7 +15,12 @@ num_computed_tokens`` tokens left to compute. Each step spends a budget of ``max
    waiting sequences, preempted ones go first, then the longest cached prefix, then first come, first
    served; a sequence passed over while at the head of the queue goes first in the next step, so none
    starves.
-4. Shared-prefix hold (beyond vLLM): a waiting sequence whose next uncached full block is the very block
+4. Forks (parallel sampling, Kwon et al. 2023, section 4.4): a scheduled sequence whose prompt
+   completes this step and that has ``pending_forks`` is listed in ``SchedulerOutput.forks``; once the
+   step ran (``update_from_output``) each pending branch gets its block table by reference and joins
+   the running batch, and samples its first token from the same logits row. A sequence with pending
+   forks counts ``1 + len(pending_forks)`` against ``max_num_seqs`` at admission (unless nothing runs).
+5. Shared-prefix hold (beyond vLLM): a waiting sequence whose next uncached full block is the very block
    a running sequence (or one admitted earlier in this step) is about to compute is held back: once
    that block is computed it is a cache hit, instead of every sibling prefilling the shared prefix in
    the same batch. The hold lasts at most until the owner's prefill has passed the shared blocks.
@@ -40,6 +45,8 @@ class SchedulerOutput:
     Sequences appear in batch order (the runner lays out tokens the same way). ``preempted_seqs`` were
     moved back to waiting during this step's scheduling. ``blocks_to_copy`` are the copy-on-write block
     copies ``(src, dst)`` (physical block ids) the runner executes before the forward pass.
+    ``forks`` pairs each scheduled sequence whose prompt completes this step with the branches forked
+    off it after the forward pass; they sample from its logits row.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -47,11 +54,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_seqs: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
 
 
 @dataclass(slots=True)
@@ -124,6 +131,11 @@ class Scheduler:
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.blocks_to_copy = kv.take_blocks_to_copy()
+        out.forks = [
+            (seq, [child for child in seq.pending_forks if child.status is SequenceStatus.FORK_PENDING])
+            for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens, strict=True)
+            if seq.pending_forks and seq.num_computed_tokens + num_tokens == seq.num_tokens
+        ]
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
@@ -147,6 +159,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             seq = window[index]
+            if self.running and len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
+                continue
             # Lookups again: admitting the sequences ranked before may have evicted blocks.
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(seq)
             next_hash = kv.next_block_hash(seq, computed_blocks)
@@ -184,11 +198,19 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """Mark the scheduled tokens computed (the forward pass ran) and offer full blocks to the prefix cache."""
+        """Mark the scheduled tokens computed (the forward pass ran), offer full blocks to the prefix cache,
+        and fork ``out.forks``' branches off their parents (they join the running batch)."""
         kv = self.kv_cache_manager
-        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += num_tokens
             kv.cache_blocks(seq)
+        for parent, children in out.forks:
+            parent.pending_forks = []
+            for child in children:
+                child.num_computed_tokens = parent.num_computed_tokens
+                kv.fork(parent, child)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
 
     def finish_seqs(self, seqs: Iterable[Sequence]) -> None:
         """Mark ``seqs`` finished (or aborted), wherever they are, and free their blocks at once."""
@@ -198,7 +220,7 @@ class Scheduler:
                 continue
             if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
                 self.waiting.remove(seq)
-            else:
+            elif seq.status is SequenceStatus.RUNNING:
                 done.add(id(seq))
             seq.status = SequenceStatus.FINISHED
             self.kv_cache_manager.free(seq)

@@ -40,7 +40,8 @@ class PromptLogprobsChunk:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Result of one forward pass: ``sampled_seqs[i]`` got row ``i`` of ``sampler_output``.
+    """Result of one forward pass: ``sampled_seqs[i]`` got row ``i`` of ``sampler_output`` (branches forked
+    this step follow the sequences sampled from their own logits).
 
     ``prompt_logprobs`` holds the prompt logprobs computed this step. ``forward_s`` is wall time in the
     model forward and logits, ``sampling_s`` in the sampler and prompt logprobs (seconds).
@@ -113,7 +114,9 @@ class ModelRunner:
             )
         # NOTE: zeros, not empty: attention gathers whole blocks and masks, and 0 * NaN would poison a row.
         self.kv_caches = [
-            torch.zeros(2, self.num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device)
+            torch.zeros(
+                2, self.num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device
+            )
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()
@@ -169,6 +172,14 @@ class ModelRunner:
         cu_query_lens = list(accumulate(query_lens_list, initial=0))
         sampled_seqs = [seq for seq, seq_len in zip(seqs, seq_lens_list) if seq_len == seq.num_tokens]
         logits_rows = [cu_query_lens[i + 1] - 1 for i, seq in enumerate(seqs) if seq_lens_list[i] == seq.num_tokens]
+        # Branches forked off a sequence this step sample from its logits row (sample_rows indexes logits).
+        sample_rows = list(range(len(sampled_seqs)))
+        if scheduler_output.forks:
+            children_of = {id(parent): children for parent, children in scheduler_output.forks}
+            for row, seq in enumerate(list(sampled_seqs)):
+                children = children_of.get(id(seq), [])
+                sampled_seqs.extend(children)
+                sample_rows.extend([row] * len(children))
         prompt_rows, prompt_chunks = self._prompt_logprob_rows(seqs, num_computed_list, query_lens_list, cu_query_lens)
 
         device = self.device
@@ -197,10 +208,14 @@ class ModelRunner:
                 output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
                 eos_token_id=self.eos_token_id,
             )
-            sampler_output = self.sampler(logits[: len(sampled_seqs)], metadata)
+            if len(sample_rows) == len(logits_rows):
+                sample_logits = logits[: len(logits_rows)]
+            else:
+                sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=device))
+            sampler_output = self.sampler(sample_logits, metadata)
 
         prompt_logprobs: list[PromptLogprobsChunk] = []
-        offset = len(sampled_seqs)
+        offset = len(logits_rows)
         for (seq, first_position), rows_of_seq in zip(prompt_chunks, prompt_rows):
             seq_logits = logits[offset : offset + len(rows_of_seq)]
             offset += len(rows_of_seq)

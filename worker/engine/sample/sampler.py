@@ -136,7 +136,7 @@ class Sampler:
                 row_idx = torch.tensor(plan.random_rows, dtype=torch.long, device=logits.device)
                 sampled = processed.argmax(dim=-1).index_copy_(0, row_idx, drawn)
 
-        if all(p.logprobs is None for p in metadata.params):
+        if not any(p.needs_sampled_logprobs for p in metadata.params):
             return SamplerOutput(sampled.tolist(), None, [None] * len(metadata.params))
         raw_lse = torch.logsumexp(logits, dim=-1)
         sampled_logprobs = logits.gather(1, sampled[:, None]).squeeze(1) - raw_lse
