@@ -67,7 +67,7 @@ def run_checked(engine, prompts, params):
 @torch.inference_mode()
 def reference_sample(hf_model, prompt, params, sample_index):
     """Sample branch ``sample_index`` alone: full no-cache forward per token, the engine's sampler and generator."""
-    generator = make_generator(params.seed, sample_index)
+    generator = make_generator(params.seed, sample_index, prompt)
     sampler, output = Sampler(), []
     for _ in range(params.max_tokens):
         logits = hf_model(torch.tensor([prompt + output])).logits[0, -1:].float()

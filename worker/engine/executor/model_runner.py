@@ -132,7 +132,9 @@ class ModelRunner:
             return None
         generator = self._generators.get(seq.seq_id)
         if generator is None:
-            generator = self._generators[seq.seq_id] = make_generator(seq.params.seed, seq.sample_index, self.device)
+            generator = self._generators[seq.seq_id] = make_generator(
+                seq.params.seed, seq.sample_index, seq.prompt_token_ids, self.device
+            )
         return generator
 
     @torch.inference_mode()
