@@ -47,12 +47,19 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.use_beam_search and self.best_of not in (None, self.n):
+            raise ValueError(f"best_of must equal n ({self.n}) with beam search, got {self.best_of}")
+        if self.use_beam_search and self.stop:
+            raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -78,10 +85,11 @@ class SamplingParams:
 
     @property
     def num_branches(self) -> int:
-        """Sequences the engine computes for one request: 1 when greedy, else ``best_of`` (or ``n``)."""
-        return 1 if self.is_greedy else (self.best_of or self.n)
+        """Sequences the engine starts for one request: 1 when greedy or beam search (beams fork as they
+        go), else ``best_of`` (or ``n``)."""
+        return 1 if self.is_greedy or self.use_beam_search else (self.best_of or self.n)
 
     @property
     def needs_sampled_logprobs(self) -> bool:
         """Whether the sampled tokens' logprobs are needed: asked for, or to rank ``best_of`` branches."""
-        return self.logprobs is not None or self.num_branches > self.n
+        return self.logprobs is not None or (not self.use_beam_search and self.num_branches > self.n)

@@ -18,6 +18,7 @@ from worker.engine.outputs import FinishReason, PositionLogprobs
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from worker.engine.core.beam_search import BeamSearchState
     from worker.engine.output.detokenizer import IncrementalDetokenizer
 
 
@@ -79,6 +80,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def fork(self, seq_id: int, sample_index: int) -> Sequence:
+        """A new sequence with this one's tokens, computed count, cumulative logprob and status (a branch)."""
+        child = Sequence(seq_id, self.request_id, sample_index, self.params, self.prompt_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
+
     def append_token(self, token_id: int) -> None:
         """Record one sampled token (its K/V is computed by the next step)."""
         self.token_ids.append(token_id)
@@ -95,6 +106,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    beam_search: BeamSearchState | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -113,6 +113,9 @@ class Scheduler:
         while seq_idx < len(self.running) and budget > 0:
             seq = self.running[seq_idx]
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new_tokens == 0:  # a beam waiting for its siblings' candidates
+                seq_idx += 1
+                continue
             while not kv.allocate_slots(seq, num_new_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -211,6 +214,18 @@ class Scheduler:
                 kv.fork(parent, child)
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Add ``child``, a fork of ``parent`` (``Sequence.fork``) made after a step: a running parent shares
+        its blocks with it (copy-on-write) and it runs; a preempted parent's child waits to recompute too."""
+        if parent.status is SequenceStatus.RUNNING:
+            self.kv_cache_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.PREEMPTED
+            self.waiting.appendleft(child)
 
     def finish_seqs(self, seqs: Iterable[Sequence]) -> None:
         """Mark ``seqs`` finished (or aborted), wherever they are, and free their blocks at once."""

@@ -43,13 +43,17 @@ class ModelRunnerOutput:
     """Result of one forward pass: ``sampled_seqs[i]`` got row ``i`` of ``sampler_output`` (branches forked
     this step follow the sequences sampled from their own logits).
 
-    ``prompt_logprobs`` holds the prompt logprobs computed this step. ``forward_s`` is wall time in the
-    model forward and logits, ``sampling_s`` in the sampler and prompt logprobs (seconds).
+    ``prompt_logprobs`` holds the prompt logprobs computed this step. Beam-search sequences are not
+    sampled: ``beam_seqs[i]`` reports ``beam_candidates[i]``, its ``2 * n`` most likely next tokens as
+    ``(token_id, raw logprob)``, best first. ``forward_s`` is wall time in the model forward and logits,
+    ``sampling_s`` in the sampler and prompt logprobs (seconds).
     """
 
     sampled_seqs: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    beam_seqs: list[Sequence] = field(default_factory=list)
+    beam_candidates: list[list[tuple[int, float]]] = field(default_factory=list)
     forward_s: float = 0.0
     sampling_s: float = 0.0
 
@@ -77,6 +81,16 @@ def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[i
     dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=device)
     for kv_cache in kv_caches:
         kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
+
+
+def _top_candidates(logits: torch.Tensor, num_top: list[int]) -> list[list[tuple[int, float]]]:
+    """Per row the ``num_top[i]`` largest ``log_softmax`` entries of float32 ``logits: [R, vocab_size]`` as
+    ``(token_id, logprob)``, best first (a beam's expansion, as Hugging Face's beam search scores it)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
+    ids: list[list[int]] = top.indices.tolist()
+    values: list[list[float]] = top.values.tolist()
+    return [list(zip(i[:k], v[:k], strict=True)) for i, v, k in zip(ids, values, num_top, strict=True)]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -201,6 +215,17 @@ class ModelRunner:
         self._synchronize()
         sampling_start_s = time.perf_counter()
 
+        beam_seqs: list[Sequence] = []
+        beam_candidates: list[list[tuple[int, float]]] = []
+        if any(seq.params.use_beam_search for seq in sampled_seqs):
+            beam_idx = [i for i, seq in enumerate(sampled_seqs) if seq.params.use_beam_search]
+            beam_seqs = [sampled_seqs[i] for i in beam_idx]
+            beam_logits = logits.index_select(0, torch.tensor([sample_rows[i] for i in beam_idx], device=device))
+            beam_candidates = _top_candidates(beam_logits, [2 * seq.params.n for seq in beam_seqs])
+            kept = [i for i, seq in enumerate(sampled_seqs) if not seq.params.use_beam_search]
+            sampled_seqs = [sampled_seqs[i] for i in kept]
+            sample_rows = [sample_rows[i] for i in kept]
+
         sampler_output = None
         if sampled_seqs:
             metadata = SamplingMetadata(
@@ -210,7 +235,7 @@ class ModelRunner:
                 output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
                 eos_token_id=self.eos_token_id,
             )
-            if len(sample_rows) == len(logits_rows):
+            if sample_rows == list(range(len(logits_rows))):
                 sample_logits = logits[: len(logits_rows)]
             else:
                 sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=device))
@@ -229,6 +254,8 @@ class ModelRunner:
             sampled_seqs,
             sampler_output,
             prompt_logprobs,
+            beam_seqs,
+            beam_candidates,
             forward_s=sampling_start_s - start_s,
             sampling_s=time.perf_counter() - sampling_start_s,
         )
