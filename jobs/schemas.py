@@ -51,9 +51,18 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 # loaded (the engine's add_request), for every field of this type.
 TokenId = Annotated[int, Field(ge=0)]
 
-# vLLM's beam-search options and the values that ask for nothing; any other value is refused
-# until the engine implements beam search.
-_BEAM_SEARCH_NEUTRAL: dict[str, object] = {"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
+# Sampling fields beam search has no use for (it ranks beams by the raw logprobs, as Hugging Face's
+# num_beams with do_sample=False), with the value that asks for nothing; another value is refused.
+_BEAM_SEARCH_NEUTRAL: dict[str, object] = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
 # Body fields that are `SamplingParams` fields of the same name and meaning, copied when set.
 _SAMPLING_FIELDS = frozenset(
     {
@@ -71,6 +80,9 @@ _SAMPLING_FIELDS = frozenset(
         "stop_token_ids",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        "use_beam_search",
+        "length_penalty",
+        "early_stopping",
     }
 )
 
@@ -143,13 +155,6 @@ class _SamplingBody(BaseModel):
             raise ValueError("streaming is not supported in a batch; remove it or set it to false")
         return value
 
-    @field_validator(*_BEAM_SEARCH_NEUTRAL)
-    @classmethod
-    def _no_beam_search_yet(cls, value: bool | float | None, info: ValidationInfo) -> bool | float | None:
-        if value is not None and value != _BEAM_SEARCH_NEUTRAL[str(info.field_name)]:
-            raise ValueError("is not supported yet (beam search is not implemented); remove it")
-        return value
-
     @field_validator("stop")
     @classmethod
     def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -188,6 +193,31 @@ class _SamplingBody(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _beam_search_semantics(self) -> _SamplingBody:
+        """Beam search (``n`` beams) is defined over the raw logprobs with stop token ids, not stop strings;
+        it reports no per-token logprobs. Anything else it would silently ignore is refused, naming the field."""
+        if not self.use_beam_search:
+            return self
+        refused = [name for name, neutral in _BEAM_SEARCH_NEUTRAL.items() if getattr(self, name) not in (None, neutral)]
+        if self.stop:
+            refused.append("stop")
+        if self.logit_bias:
+            refused.append("logit_bias")
+        if self.num_logprobs is not None:
+            refused.append("logprobs")
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of != self.n:
+            refused.append("best_of")
+        if refused:
+            raise PydanticCustomError(
+                "beam_search_conflict",
+                "is not supported with use_beam_search (beam search ranks beams by the raw logprobs and takes "
+                "stop_token_ids, not stop strings; it returns n beams and no logprobs): remove {fields}",
+                {"param": refused[0], "fields": ", ".join(refused)},
+            )
+        return self
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the engine's ``SamplingParams`` (plain values: jobs never imports the engine).
 
@@ -195,6 +225,8 @@ class _SamplingBody(BaseModel):
         the context limit); empty stop strings are dropped; ``logit_bias`` keys become ints.
         """
         kwargs = self.model_dump(include=set(_SAMPLING_FIELDS), exclude_none=True)
+        if self.use_beam_search:
+            kwargs["temperature"] = 0.0  # ignored by beam search; keeps the engine from sampling branches
         kwargs["max_tokens"] = self.effective_max_tokens
         if self.stop is not None:
             kwargs["stop"] = [stop for stop in ([self.stop] if isinstance(self.stop, str) else self.stop) if stop]
@@ -280,10 +312,21 @@ class CompletionBody(_SamplingBody):
     ]
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _best_of_at_least_n(self) -> CompletionBody:
+        if self.best_of is not None and self.best_of < self.n:
+            raise PydanticCustomError(
+                "best_of_below_n",
+                "must be >= n ({n}), got {best_of}",
+                {"param": "best_of", "n": self.n, "best_of": self.best_of},
+            )
+        return self
 
     @property
     def num_logprobs(self) -> int | None:
@@ -306,6 +349,8 @@ class CompletionBody(_SamplingBody):
         kwargs = super().sampling_kwargs()
         if self.echo and self.logprobs is not None:
             kwargs["prompt_logprobs"] = self.logprobs
+        if self.best_of is not None:
+            kwargs["best_of"] = self.best_of
         return kwargs
 
 

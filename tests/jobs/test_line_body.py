@@ -108,19 +108,35 @@ def test_completion_body_errors_are_plain_words(fields: dict[str, Any], param: s
     assert "Input should" not in error.message and "Value error" not in error.message
 
 
+def test_beam_search_options_reach_the_engine() -> None:
+    body = _completion(use_beam_search=True, n=4, length_penalty=0.6, early_stopping=True, temperature=0)
+    kwargs = parse_body(COMPLETIONS, body).sampling_kwargs()
+    assert kwargs["use_beam_search"] and kwargs["n"] == 4
+    assert (kwargs["length_penalty"], kwargs["early_stopping"], kwargs["temperature"]) == (0.6, True, 0.0)
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"use_beam_search": True}, "use_beam_search"),
-        ({"length_penalty": 0.8}, "length_penalty"),
-        ({"early_stopping": True}, "early_stopping"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"top_p": 0.9}, "top_p"),
+        ({"stop": ["\n"]}, "stop"),
+        ({"logit_bias": {"42": 1.0}}, "logit_bias"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"best_of": 5}, "best_of"),
+        ({"presence_penalty": 0.5, "stop": "x"}, "presence_penalty"),
     ],
 )
-def test_beam_search_options_are_refused_until_implemented(fields: dict[str, Any], param: str) -> None:
-    error = _rejection(COMPLETIONS, _completion(**fields))
-    assert error.param == param and "not supported yet" in error.message
-    neutral = {"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
-    assert "use_beam_search" not in parse_body(COMPLETIONS, _completion(**neutral)).sampling_kwargs()
+def test_beam_search_refuses_what_it_would_ignore(fields: dict[str, Any], param: str) -> None:
+    error = _rejection(COMPLETIONS, _completion(use_beam_search=True, n=4, **fields))
+    assert error.param == param and "not supported with use_beam_search" in error.message
+
+
+def test_best_of_must_be_at_least_n() -> None:
+    error = _rejection(COMPLETIONS, _completion(n=3, best_of=2, temperature=0.8))
+    assert error.param == "best_of" and "must be >= n (3)" in error.message
+    assert parse_body(COMPLETIONS, _completion(n=3, best_of=5)).sampling_kwargs()["best_of"] == 5
+    assert _rejection(CHAT_COMPLETIONS, _chat(best_of=2)).param == "best_of"  # completions only, as OpenAI
 
 
 def test_missing_model_and_unknown_endpoint() -> None:
@@ -192,6 +208,9 @@ def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
         "stop_token_ids": [2],
         "include_stop_str_in_output": True,
         "skip_special_tokens": False,
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "early_stopping": False,
     }
 
 

@@ -122,7 +122,7 @@ def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
         (COMPLETIONS, {"prompt": "x", "stop": [1, 2]}, "stop"),
         (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
         (COMPLETIONS, {"prompt": "x", "echo": "yes"}, "echo"),
-        (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        (COMPLETIONS, {"prompt": "x", "use_beam_search": True, "temperature": 0.5}, "temperature"),
         (CHAT_COMPLETIONS, {"messages": []}, "messages"),
         (CHAT_COMPLETIONS, {"messages": [{"content": "no role"}]}, "messages[0].role"),
         (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),

@@ -13,14 +13,15 @@ import time
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from worker.engine.config import EngineConfig
+from worker.engine.core.beam_search import BeamSearchState, Candidate
 from worker.engine.core.kv_cache_manager import KVCacheManager
-from worker.engine.core.request import Request, Sequence
+from worker.engine.core.request import Request, Sequence, SequenceStatus
 from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
 from worker.engine.output.stop_checker import check_finish
-from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from worker.engine.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import EngineStats
 
@@ -76,7 +77,8 @@ class LLMEngine:
         Raises:
             PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
             InvalidParameterError: a token id outside the vocabulary (the prompt's, or in any field
-                `SamplingParams.token_id_fields` lists), or ``min_tokens`` beyond the room the prompt leaves.
+                `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves, or
+                beam search whose beams cannot fit the KV cache side by side.
             ValueError: a duplicate ``request_id`` or an empty prompt.
         """
         if request_id in self.requests:
@@ -107,6 +109,17 @@ class LLMEngine:
                 f"and the context {self.max_model_len}, which leaves room for {room}",
                 "min_tokens",
             )
+        if params.use_beam_search:
+            # NOTE: a preempted beam group is re-admitted all at once and recomputes without sharing
+            # (core/scheduler.py, _admit_beam_group), so its beams must fit the cache side by side.
+            max_len = min(self.max_model_len, len(prompt_token_ids) + (params.max_tokens or self.max_model_len))
+            num_blocks_needed = params.n * -(-max_len // self.config.block_size)
+            if num_blocks_needed > self.model_runner.num_blocks:
+                raise InvalidParameterError(
+                    f"{params.n} beams of up to {max_len} tokens need {num_blocks_needed} KV blocks; the cache "
+                    f"holds {self.model_runner.num_blocks}: lower n or max_tokens",
+                    "n",
+                )
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -116,14 +129,19 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
             )
-            for index in range(params.n)
+            for index in range(params.num_branches)
         ]
         request = Request(request_id, text, prompt_token_ids, params, seqs)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
-        for seq in seqs:
-            self.scheduler.add_seq(seq)
+        if params.use_beam_search:
+            request.beam_search = BeamSearchState(params.n, params.length_penalty, params.early_stopping, [seqs[0]])
+        # Only the first branch prefills; the others are forked off it when its prompt is computed.
+        seqs[0].pending_forks = seqs[1:]
+        for seq in seqs[1:]:
+            seq.status = SequenceStatus.FORK_PENDING
+        self.scheduler.add_seq(seqs[0])
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks; unknown or finished ids are ignored."""
@@ -147,6 +165,7 @@ class LLMEngine:
         runner_output = self.model_runner.execute_model(scheduler_output, block_ids)
         self.scheduler.update_from_output(scheduler_output)
         finished_seqs = self._process_samples(runner_output)
+        finished_seqs += self._process_beams(runner_output.beam_seqs, runner_output.beam_candidates)
         self._record_prompt_logprobs(runner_output)
         self.scheduler.finish_seqs(finished_seqs)
         self.model_runner.free_seqs(finished_seqs)
@@ -269,6 +288,60 @@ class LLMEngine:
             finished.append(seq)
         return finished
 
+    def _process_beams(self, beam_seqs: list[Sequence], beam_candidates: list[list[Candidate]]) -> list[Sequence]:
+        """Report each beam's candidates; run the beam step of every request whose live beams all reported
+        (core/beam_search.py): extend kept beams, fork extra ones, drop the rest. Returns dropped beams."""
+        ready = []
+        for seq, candidates in zip(beam_seqs, beam_candidates, strict=True):
+            state = self.requests[seq.request_id].beam_search
+            assert state is not None
+            if state.report(seq, candidates):
+                ready.append(self.requests[seq.request_id])
+        dropped_seqs: list[Sequence] = []
+        for request in dict.fromkeys(ready):
+            state = request.beam_search
+            assert state is not None
+            stops = {
+                (beam.seq_id, token_id): stop
+                for beam in state.live
+                for token_id, _ in state.candidates[beam.seq_id]
+                if (stop := self._beam_stop(beam, token_id)) is not None
+            }
+            beam_step = state.step(stops)
+            # Forks first, while every parent still ends where its candidates were computed.
+            new_live: list[tuple[Sequence, int, float]] = []
+            continued: set[int] = set()
+            for parent, token_id, logprob in beam_step.kept:
+                beam = parent
+                if id(parent) in continued:
+                    beam = parent.fork(next(self._seq_ids), len(request.seqs))
+                    self.scheduler.fork_seq(parent, beam)
+                    request.seqs.append(beam)
+                continued.add(id(parent))
+                new_live.append((beam, token_id, logprob))
+            for beam, token_id, logprob in new_live:
+                beam.append_token(token_id)
+                beam.cumulative_logprob += logprob
+            self._stats.num_generation_tokens += len(new_live)
+            state.live = [beam for beam, _, _ in new_live]
+            dropped_seqs += beam_step.dropped
+        return dropped_seqs
+
+    def _beam_stop(self, beam: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
+        """Whether appending ``token_id`` ends ``beam``: ``("stop", stop token id, None for EOS)``,
+        ``("length", None)``, or None while it goes on."""
+        params = beam.params
+        if token_id == self.eos_token_id and not params.ignore_eos:
+            return "stop", None
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+        num_output_tokens = len(beam.output_token_ids) + 1
+        if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or (
+            beam.num_prompt_tokens + num_output_tokens >= self.max_model_len
+        ):
+            return "length", None
+        return None
+
     def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         """Append prompt logprobs computed this step (skipping positions recomputed after a preemption)."""
         tokenizer = self.tokenizer
@@ -288,18 +361,59 @@ class LLMEngine:
                 recorded.append(entry)
 
     def _request_output(self, request: Request) -> RequestOutput:
+        """The request's ``n`` choices, index order: the branches themselves; the ``n`` of ``best_of`` with the
+        highest cumulative logprob (ties: lower sample index); or greedy's one branch ``n`` times."""
+        params = request.params
+        if request.beam_search is not None:
+            return self._beam_request_output(request, request.beam_search)
+        if len(request.seqs) == 1:
+            chosen = request.seqs * params.n
+        elif len(request.seqs) == params.n:
+            chosen = request.seqs
+        else:
+            chosen = sorted(request.seqs, key=lambda seq: (-seq.cumulative_logprob, seq.sample_index))[: params.n]
         outputs = [
             CompletionOutput(
-                index=seq.sample_index,
+                index=index,
                 text=seq.output_text,
                 token_ids=list(seq.output_token_ids),
-                cumulative_logprob=None if seq.params.logprobs is None else seq.cumulative_logprob,
-                logprobs=seq.logprobs,
+                cumulative_logprob=None if params.logprobs is None else seq.cumulative_logprob,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )
-            for seq in request.seqs
+            for index, seq in enumerate(chosen)
         ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            prompt_logprobs=request.prompt_logprobs,
+            num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
+        )
+
+    def _beam_request_output(self, request: Request, state: BeamSearchState) -> RequestOutput:
+        """The ``n`` best finished beams, best first; text decoded without a final stop token."""
+        params = request.params
+        outputs = []
+        for index, hyp in enumerate(state.best(params.n)):
+            text_ids = hyp.token_ids
+            if hyp.finish_reason == "stop" and not params.include_stop_str_in_output:
+                text_ids = text_ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
+            assert isinstance(text, str)
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(hyp.token_ids),
+                    cumulative_logprob=None if params.logprobs is None else hyp.cumulative_logprob,
+                    finish_reason=hyp.finish_reason,
+                    stop_reason=hyp.stop_reason,
+                )
+            )
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -17,13 +17,19 @@ class SamplingParams:
     context limit); ``logprobs`` is the number of top alternatives returned per generated token
     (``0`` = only the sampled token's logprob, ``None`` = no logprobs); ``prompt_logprobs`` likewise
     for prompt positions (used by completions ``echo`` + ``logprobs``). ``seed`` seeds a per-sequence
-    generator derived from ``(seed, sample index)``, never from batch position.
+    generator derived from ``(seed, prompt token ids, sample index)``, never from batch position.
+
+    ``n`` samples are returned; ``best_of`` (>= ``n``, default ``n``) branches are sampled and the ``n``
+    with the highest cumulative raw logprob are returned (OpenAI completions' ``best_of``). All branches
+    share the prompt's KV blocks (one prefill, copy-on-write forks). Greedy decoding computes one branch
+    and returns it ``n`` times.
 
     Raises:
         ValueError: on out-of-range values (the message names the field).
     """
 
     n: int = 1
+    best_of: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -42,10 +48,19 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.use_beam_search and self.best_of not in (None, self.n):
+            raise ValueError(f"best_of must equal n ({self.n}) with beam search, got {self.best_of}")
+        if self.use_beam_search and self.stop:
+            raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -75,3 +90,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_branches(self) -> int:
+        """Sequences the engine starts for one request: 1 when greedy or beam search (beams fork as they
+        go), else ``best_of`` (or ``n``)."""
+        return 1 if self.is_greedy or self.use_beam_search else (self.best_of or self.n)
+
+    @property
+    def needs_sampled_logprobs(self) -> bool:
+        """Whether the sampled tokens' logprobs are needed: asked for, or to rank ``best_of`` branches."""
+        return self.logprobs is not None or (not self.use_beam_search and self.num_branches > self.n)

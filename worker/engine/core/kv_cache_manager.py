@@ -5,6 +5,13 @@ vLLM V1's ``KVCacheManager`` (pure Python): a sequence's block table maps logica
 Blocks are allocated as the scheduler hands out tokens (``allocate_slots``), full computed blocks are
 entered into the prefix cache after each step (``cache_blocks``), and everything goes back to the pool,
 tail first, when the sequence finishes or is preempted (``free``).
+
+Copy-on-write forks (Kwon et al. 2023, "PagedAttention", section 4.4): ``fork`` gives a child sequence
+its parent's whole block table by reference count. The first time a sequence is about to write into a
+block it shares (only ever a partially filled last block: full blocks are never written again),
+``allocate_slots`` gives it a fresh block and records the copy ``(src, dst)``; the model runner executes
+the step's recorded copies before its forward pass (``take_blocks_to_copy``). Freeing a branch drops only
+its own references.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
-from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockPool, KVCacheBlock, PrefixId
+from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockId, BlockPool, KVCacheBlock, PrefixId
 from worker.engine.core.request import Sequence
 
 
@@ -53,6 +60,8 @@ class KVCacheManager:
         self._num_slots: dict[int, int] = {}
         # Prefix ids of each sequence's leading blocks that have been offered to the prefix cache.
         self._prefix_ids: dict[int, list[PrefixId]] = {}
+        # Copy-on-write copies recorded since the last take_blocks_to_copy(), in order.
+        self._blocks_to_copy: list[tuple[BlockId, BlockId]] = []
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -127,7 +136,9 @@ class KVCacheManager:
         The table afterwards covers ``seq.num_computed_tokens + len(new_computed_blocks) * block_size +
         num_new_tokens`` tokens. ``new_computed_blocks`` (from :meth:`get_computed_blocks`, only for a
         sequence holding no blocks) are prefix-cache hits: referenced, not recomputed; the caller then
-        advances ``seq.num_computed_tokens`` past them.
+        advances ``seq.num_computed_tokens`` past them. A block the new tokens will be written into that
+        is shared with another sequence (after :meth:`fork`) is replaced by a fresh block and the copy is
+        recorded for :meth:`take_blocks_to_copy` (copy-on-write).
 
         Returns:
             False, changing nothing, when the pool lacks free blocks (the scheduler then preempts).
@@ -137,9 +148,13 @@ class KVCacheManager:
         assert not new_computed_blocks or not blocks, "prefix hits only for a sequence without blocks"
         num_tokens = seq.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, block_size) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
+        shared_idx: list[int] = []
+        if blocks and num_new_tokens > 0:
+            first_written = seq.num_computed_tokens // block_size
+            shared_idx = [i for i in range(first_written, len(blocks)) if blocks[i].ref_cnt > 1]
         # A hit on a free cached block takes it out of the free queue, so it cannot also be a new block.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+        if max(num_new_blocks, 0) + len(shared_idx) > self.block_pool.get_num_free_blocks() - num_free_hits:
             return False
         if blocks is None:
             blocks = self.seq_to_blocks[seq_id] = []
@@ -151,10 +166,49 @@ class KVCacheManager:
             for block in new_computed_blocks:
                 assert block.prefix_id is not None  # a prefix-cache hit is a cached block
                 self._prefix_ids[seq_id].append(block.prefix_id)
+        if shared_idx:
+            for block_idx, fresh in zip(shared_idx, self.block_pool.get_new_blocks(len(shared_idx)), strict=True):
+                shared = blocks[block_idx]
+                self._blocks_to_copy.append((shared.block_id, fresh.block_id))
+                blocks[block_idx] = fresh
+                self.block_pool.free_blocks([shared])
         if num_new_blocks > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._num_slots[seq_id] = num_tokens
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` ``parent``'s block table by reference (one more reference to every block).
+
+        ``child`` must hold no blocks and already equal ``parent`` over the computed tokens (same
+        ``num_computed_tokens``, same leading ``token_ids``); nothing is allocated or copied now, the
+        first write into a shared block copies it (:meth:`allocate_slots`).
+
+        Raises:
+            ValueError: ``child`` already holds blocks, ``parent`` holds none, or they differ in
+                ``num_computed_tokens``.
+        """
+        if child.seq_id in self.seq_to_blocks:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        if parent.seq_id not in self.seq_to_blocks:
+            raise ValueError(f"sequence {parent.seq_id} holds no blocks to fork")
+        if child.num_computed_tokens != parent.num_computed_tokens:
+            raise ValueError("a fork must start with its parent's num_computed_tokens")
+        blocks = self.seq_to_blocks[parent.seq_id]
+        self.block_pool.touch(blocks)
+        self.seq_to_blocks[child.seq_id] = list(blocks)
+        self._seqs[child.seq_id] = child
+        self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
+        self._prefix_ids[child.seq_id] = list(self._prefix_ids[parent.seq_id])
+
+    def take_blocks_to_copy(self) -> list[tuple[BlockId, BlockId]]:
+        """The copy-on-write copies ``(src, dst)`` recorded since the last call, in order (take and reset).
+
+        Every ``dst`` is distinct and still referenced (copies into blocks freed meanwhile are dropped);
+        all copies read the blocks as they were before this step's writes.
+        """
+        blocks_to_copy, self._blocks_to_copy = self._blocks_to_copy, []
+        return blocks_to_copy
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Enter ``seq``'s full blocks whose tokens are all computed into the prefix cache (after a step)."""
@@ -176,6 +230,9 @@ class KVCacheManager:
             return
         del self._seqs[seq.seq_id], self._num_slots[seq.seq_id], self._prefix_ids[seq.seq_id]
         self.block_pool.free_blocks(reversed(blocks))
+        if self._blocks_to_copy:
+            pool_blocks = self.block_pool.blocks
+            self._blocks_to_copy = [(src, dst) for src, dst in self._blocks_to_copy if pool_blocks[dst].ref_cnt > 0]
 
     def get_block_ids(self, seq_id: int) -> list[int]:
         """Physical block ids of ``seq_id``'s block table, in logical order."""
@@ -184,19 +241,25 @@ class KVCacheManager:
     def slot_occupancy(self) -> SlotOccupancy:
         """Tokens stored and slots over the blocks sequences reference now (0 slots when none is used).
 
-        Only a table's last block can be partly empty and shared blocks are always full, so the empty
-        slots are the sum over tables of ``len(blocks) * block_size - num_computed_tokens``.
+        Blocks before a table's ``num_computed_tokens // block_size`` are full; a later block (forks may
+        share one) holds as many tokens as the sharer that computed the most of it.
         """
-        num_slots = (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * self.block_size
-        num_empty = sum(
-            len(self.seq_to_blocks[seq_id]) * self.block_size - seq.num_computed_tokens
-            for seq_id, seq in self._seqs.items()
-        )
+        block_size = self.block_size
+        num_slots = (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * block_size
+        filled: dict[int, int] = {}
+        for seq_id, seq in self._seqs.items():
+            blocks, num_computed = self.seq_to_blocks[seq_id], seq.num_computed_tokens
+            for block_idx in range(num_computed // block_size, len(blocks)):
+                block_id = blocks[block_idx].block_id
+                num_filled = min(max(num_computed - block_idx * block_size, 0), block_size)
+                filled[block_id] = max(filled.get(block_id, 0), num_filled)
+        num_empty = sum(block_size - num_filled for num_filled in filled.values())
         return SlotOccupancy(num_tokens_stored=num_slots - num_empty, num_slots=num_slots)
 
     def check_invariants(self) -> None:
-        """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table
-        references, table sizes, cached contents."""
+        """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table references, table sizes, cached
+        contents; a block about to be written (slots allocated past ``num_computed_tokens``) is not shared;
+        recorded copies go into distinct, referenced blocks."""
         self.block_pool.check_invariants()
         references = Counter(id(block) for blocks in self.seq_to_blocks.values() for block in blocks)
         for block in self.block_pool.blocks:
@@ -217,3 +280,9 @@ class KVCacheManager:
                 )
                 assert block.prefix_id == prefix_ids[block_idx]
             assert all(block.block_hash is None for block in blocks[len(prefix_ids) :]), "uncomputed block is cached"
+            if num_slots > seq.num_computed_tokens:
+                written = blocks[seq.num_computed_tokens // block_size :]
+                assert all(block.ref_cnt == 1 for block in written), "a shared block is about to be written"
+        dsts = [dst for _, dst in self._blocks_to_copy]
+        assert len(set(dsts)) == len(dsts), "two copies into one block"
+        assert all(self.block_pool.blocks[dst].ref_cnt > 0 for dst in dsts), "a copy into a free block"

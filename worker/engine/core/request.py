@@ -1,9 +1,11 @@
 """Requests and their sequences: the token streams the scheduler moves between queues (pure Python).
 
 A :class:`Request` is one prompt plus its :class:`~worker.engine.sampling_params.SamplingParams`; it owns
-``n`` :class:`Sequence` objects, one per sample. For now the samples share nothing (each prefills the
-prompt itself; copy-on-write forks are not built yet, docs/engine.md, "Not built yet"), so the scheduler and the KV cache
-manager only ever see sequences. The request finishes when all its sequences do.
+one :class:`Sequence` per branch (``n`` samples, or ``best_of`` of them; one for greedy, whose samples
+are all the same). Only the first branch prefills the prompt; the others wait in its ``pending_forks``
+and are forked off it (sharing its KV blocks, copy-on-write) when its prefill completes, each then
+sampling its own first token from the same logits (vLLM V0's parallel sampling). The scheduler and the
+KV cache manager only ever see sequences. The request finishes when all its sequences do.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from worker.engine.outputs import FinishReason, PositionLogprobs
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from worker.engine.core.beam_search import BeamSearchState
     from worker.engine.output.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is: the waiting queue, the running batch, back in waiting after preemption, or done."""
+    """Where a sequence is: the waiting queue, the running batch, back in waiting after preemption, or done;
+    ``FORK_PENDING``: in no queue, waiting to be forked off its request's first branch."""
 
+    FORK_PENDING = enum.auto()
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -37,6 +42,7 @@ class Sequence:
     the prompt while prefilling, then one per decode step; after preemption it restarts at 0 and the
     generated tokens are recomputed as if they were prompt). ``output_text`` is set at finish (stop
     handling applied). ``num_cached_tokens`` is how many prompt tokens the prefix cache supplied at first admission.
+    ``pending_forks`` are the request's other branches, forked off this sequence once its prompt is computed.
     """
 
     seq_id: int
@@ -55,6 +61,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
+    pending_forks: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -73,6 +80,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def fork(self, seq_id: int, sample_index: int) -> Sequence:
+        """A new sequence with this one's tokens, computed count, cumulative logprob and status (a branch)."""
+        child = Sequence(seq_id, self.request_id, sample_index, self.params, self.prompt_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
+
     def append_token(self, token_id: int) -> None:
         """Record one sampled token (its K/V is computed by the next step)."""
         self.token_ids.append(token_id)
@@ -89,6 +106,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    beam_search: BeamSearchState | None = None
 
     @property
     def is_finished(self) -> bool:

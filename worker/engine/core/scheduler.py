@@ -15,7 +15,12 @@ num_computed_tokens`` tokens left to compute. Each step spends a budget of ``max
    waiting sequences, preempted ones go first, then the longest cached prefix, then first come, first
    served; a sequence passed over while at the head of the queue goes first in the next step, so none
    starves.
-4. Shared-prefix hold (beyond vLLM): a waiting sequence whose next uncached full block is the very block
+4. Forks (parallel sampling, Kwon et al. 2023, section 4.4): a scheduled sequence whose prompt
+   completes this step and that has ``pending_forks`` is listed in ``SchedulerOutput.forks``; once the
+   step ran (``update_from_output``) each pending branch gets its block table by reference and joins
+   the running batch, and samples its first token from the same logits row. A sequence with pending
+   forks counts ``1 + len(pending_forks)`` against ``max_num_seqs`` at admission (unless nothing runs).
+5. Shared-prefix hold (beyond vLLM): a waiting sequence whose next uncached full block is the very block
    a running sequence (or one admitted earlier in this step) is about to compute is held back: once
    that block is computed it is a cache hit, instead of every sibling prefilling the shared prefix in
    the same batch. The hold lasts at most until the owner's prefill has passed the shared blocks.
@@ -28,7 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from worker.engine.core.block_pool import BlockHash
+from worker.engine.core.block_pool import BlockHash, BlockId
 from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.core.request import Sequence, SequenceStatus
 
@@ -38,13 +43,18 @@ class SchedulerOutput:
     """What to compute this step: ``seqs[i]`` gets its next ``num_scheduled_tokens[i]`` tokens.
 
     Sequences appear in batch order (the runner lays out tokens the same way). ``preempted_seqs`` were
-    moved back to waiting during this step's scheduling.
+    moved back to waiting during this step's scheduling. ``blocks_to_copy`` are the copy-on-write block
+    copies ``(src, dst)`` (physical block ids) the runner executes before the forward pass.
+    ``forks`` pairs each scheduled sequence whose prompt completes this step with the branches forked
+    off it after the forward pass; they sample from its logits row.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     preempted_seqs: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -99,27 +109,42 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        seq_idx = 0
-        while seq_idx < len(self.running) and budget > 0:
-            seq = self.running[seq_idx]
+        handled = 0  # running[:handled] are scheduled this step, or beams waiting for their siblings
+        while handled < len(self.running) and budget > 0:
+            seq = self.running[handled]
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new_tokens == 0:  # a beam waiting for its siblings' candidates
+                handled += 1
+                continue
             while not kv.allocate_slots(seq, num_new_tokens):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_seqs.append(victim)
-                if victim is seq:
+                num_handled = handled
+                for position, victim in self._preempt_group(self.running[-1]):
+                    out.preempted_seqs.append(victim)
+                    if position < num_handled:  # already scheduled (or idle) this step: take it back
+                        handled -= 1
+                        if victim in out.seqs:
+                            idx = out.seqs.index(victim)
+                            out.seqs.pop(idx)
+                            budget += out.num_scheduled_tokens.pop(idx)
+                if seq.status is SequenceStatus.PREEMPTED:
                     break
             else:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(num_new_tokens)
                 budget -= num_new_tokens
-                seq_idx += 1
+                handled += 1
 
         # NOTE: admitting new work in a step that had to preempt would only evict it again.
         if not out.preempted_seqs and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             budget = self._admit(out, budget)
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.blocks_to_copy = kv.take_blocks_to_copy()
+        out.forks = [
+            (seq, [child for child in seq.pending_forks if child.status is SequenceStatus.FORK_PENDING])
+            for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens, strict=True)
+            if seq.pending_forks and seq.num_computed_tokens + num_tokens == seq.num_tokens
+        ]
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
@@ -143,6 +168,23 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             seq = window[index]
+            if id(seq) in admitted:  # came in with its beam group
+                continue
+            if seq.params.use_beam_search:
+                group = [seq] + [
+                    other for other in self.waiting if other is not seq and other.request_id == seq.request_id
+                ]
+                if len(group) > 1:
+                    if self.running and len(self.running) + len(group) > self.max_num_seqs:
+                        continue
+                    left = self._admit_beam_group(out, group, budget)
+                    if left is None:  # waits for blocks; others may still fit (and finish, freeing them)
+                        continue
+                    admitted.update(id(member) for member in group)
+                    budget = left
+                    continue
+            if self.running and len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
+                continue
             # Lookups again: admitting the sequences ranked before may have evicted blocks.
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(seq)
             next_hash = kv.next_block_hash(seq, computed_blocks)
@@ -165,12 +207,56 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new_tokens)
             budget -= num_new_tokens
         if admitted:
-            kept = [seq for seq in window if id(seq) not in admitted]
-            for _ in window:
-                self.waiting.popleft()
-            self.waiting.extendleft(reversed(kept))
+            self.waiting = deque(seq for seq in self.waiting if id(seq) not in admitted)
         self._passed_over_head = head if self.waiting and self.waiting[0] is head else None
         return budget
+
+    def _admit_beam_group(self, out: SchedulerOutput, group: list[Sequence], budget: int) -> int | None:
+        """Admit a preempted beam group all or nothing, with blocks for every beam's whole recompute;
+        schedule what the budget allows (the rest runs in later steps). Returns the budget left, or None
+        (nothing admitted) when the blocks are not there.
+
+        All or nothing for the reason :meth:`_preempt_group` gives: beams admitted without their
+        siblings would hold blocks waiting for them.
+        """
+        kv = self.kv_cache_manager
+        allocated: list[tuple[Sequence, int]] = []
+        for member in group:
+            computed_blocks, num_cached_tokens = kv.get_computed_blocks(member)
+            if not kv.allocate_slots(member, member.num_tokens - num_cached_tokens, computed_blocks):
+                for done, _ in allocated:
+                    kv.free(done)
+                return None
+            allocated.append((member, num_cached_tokens))
+        for member, num_cached_tokens in allocated:
+            kv.record_prefix_lookup(member.num_tokens, num_cached_tokens)
+            member.num_computed_tokens = num_cached_tokens
+            member.status = SequenceStatus.RUNNING
+            self.running.append(member)
+            num_new_tokens = min(member.num_tokens - num_cached_tokens, budget)
+            if num_new_tokens > 0:
+                out.seqs.append(member)
+                out.num_scheduled_tokens.append(num_new_tokens)
+                budget -= num_new_tokens
+        return budget
+
+    def _preempt_group(self, victim: Sequence) -> list[tuple[int, Sequence]]:
+        """Preempt ``victim`` and, under beam search, every running beam of its request; returns each
+        preempted sequence with the position it held in ``running``.
+
+        Beams wait for each other's candidates every step, so a beam group moves as one: a beam left
+        running would hold its blocks waiting for a preempted sibling that needs them to come back
+        (vLLM V0 likewise preempts whole sequence groups).
+        """
+        group = {id(victim)}
+        if victim.params.use_beam_search:
+            group |= {id(seq) for seq in self.running if seq.request_id == victim.request_id}
+        preempted = [(position, seq) for position, seq in enumerate(self.running) if id(seq) in group]
+        self.running = [seq for seq in self.running if id(seq) not in group]
+        # NOTE: back to the head of waiting in running order, so the group is admitted in that order.
+        for _, seq in reversed(preempted):
+            self._preempt(seq)
+        return preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
@@ -180,11 +266,31 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """Mark the scheduled tokens computed (the forward pass ran) and offer full blocks to the prefix cache."""
+        """Mark the scheduled tokens computed (the forward pass ran), offer full blocks to the prefix cache,
+        and fork ``out.forks``' branches off their parents (they join the running batch)."""
         kv = self.kv_cache_manager
-        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += num_tokens
             kv.cache_blocks(seq)
+        for parent, children in out.forks:
+            parent.pending_forks = []
+            for child in children:
+                child.num_computed_tokens = parent.num_computed_tokens
+                kv.fork(parent, child)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Add ``child``, a fork of ``parent`` (``Sequence.fork``) made after a step: a running parent shares
+        its blocks with it (copy-on-write) and it runs; a preempted parent's child waits to recompute too."""
+        if parent.status is SequenceStatus.RUNNING:
+            self.kv_cache_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.PREEMPTED
+            self.waiting.appendleft(child)
 
     def finish_seqs(self, seqs: Iterable[Sequence]) -> None:
         """Mark ``seqs`` finished (or aborted), wherever they are, and free their blocks at once."""
@@ -194,7 +300,7 @@ class Scheduler:
                 continue
             if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
                 self.waiting.remove(seq)
-            else:
+            elif seq.status is SequenceStatus.RUNNING:
                 done.add(id(seq))
             seq.status = SequenceStatus.FINISHED
             self.kv_cache_manager.free(seq)

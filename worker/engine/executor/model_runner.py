@@ -11,6 +11,7 @@ the Python work per step grows with the number of sequences, not of tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -39,15 +40,20 @@ class PromptLogprobsChunk:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Result of one forward pass: ``sampled_seqs[i]`` got row ``i`` of ``sampler_output``.
+    """Result of one forward pass: ``sampled_seqs[i]`` got row ``i`` of ``sampler_output`` (branches forked
+    this step follow the sequences sampled from their own logits).
 
-    ``prompt_logprobs`` holds the prompt logprobs computed this step. ``forward_s`` is wall time in the
-    model forward and logits, ``sampling_s`` in the sampler and prompt logprobs (seconds).
+    ``prompt_logprobs`` holds the prompt logprobs computed this step. Beam-search sequences are not
+    sampled: ``beam_seqs[i]`` reports ``beam_candidates[i]``, its ``2 * n`` most likely next tokens as
+    ``(token_id, raw logprob)``, best first. ``forward_s`` is wall time in the model forward and logits,
+    ``sampling_s`` in the sampler and prompt logprobs (seconds).
     """
 
     sampled_seqs: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    beam_seqs: list[Sequence] = field(default_factory=list)
+    beam_candidates: list[list[tuple[int, float]]] = field(default_factory=list)
     forward_s: float = 0.0
     sampling_s: float = 0.0
 
@@ -57,6 +63,34 @@ def kv_cache_bytes_per_block(
 ) -> int:
     """Bytes one block takes across all layers, K and V: ``2 * layers * block_size * kv_heads * head_size * itemsize``."""
     return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[int, int]]) -> None:
+    """Execute copy-on-write block copies in every layer's cache: block ``dst`` becomes block ``src``.
+
+    Args:
+        kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor per layer (mutated).
+        blocks_to_copy: ``(src, dst)`` physical block ids; every ``dst`` distinct. All copies read the
+            caches as they were before the call (one gather, then one ``index_copy_`` per layer), as
+            vLLM's ``copy_blocks`` (Kwon et al. 2023, section 4.4).
+    """
+    if not blocks_to_copy:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=device)
+    for kv_cache in kv_caches:
+        kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
+
+
+def _top_candidates(logits: torch.Tensor, num_top: list[int]) -> list[list[tuple[int, float]]]:
+    """Per row the ``num_top[i]`` largest ``log_softmax`` entries of float32 ``logits: [R, vocab_size]`` as
+    ``(token_id, logprob)``, best first (a beam's expansion, as Hugging Face's beam search scores it)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
+    ids: list[list[int]] = top.indices.tolist()
+    values: list[list[float]] = top.values.tolist()
+    return [list(zip(i[:k], v[:k], strict=True)) for i, v, k in zip(ids, values, num_top, strict=True)]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -112,7 +146,9 @@ class ModelRunner:
             return None
         generator = self._generators.get(seq.seq_id)
         if generator is None:
-            generator = self._generators[seq.seq_id] = make_generator(seq.params.seed, seq.sample_index, self.device)
+            generator = self._generators[seq.seq_id] = make_generator(
+                seq.params.seed, seq.sample_index, seq.prompt_token_ids, self.device
+            )
         return generator
 
     @torch.inference_mode()
@@ -152,10 +188,19 @@ class ModelRunner:
         cu_query_lens = list(accumulate(query_lens_list, initial=0))
         sampled_seqs = [seq for seq, seq_len in zip(seqs, seq_lens_list) if seq_len == seq.num_tokens]
         logits_rows = [cu_query_lens[i + 1] - 1 for i, seq in enumerate(seqs) if seq_lens_list[i] == seq.num_tokens]
+        # Branches forked off a sequence this step sample from its logits row (sample_rows indexes logits).
+        sample_rows = list(range(len(sampled_seqs)))
+        if scheduler_output.forks:
+            children_of = {id(parent): children for parent, children in scheduler_output.forks}
+            for row, seq in enumerate(list(sampled_seqs)):
+                children = children_of.get(id(seq), [])
+                sampled_seqs.extend(children)
+                sample_rows.extend([row] * len(children))
         prompt_rows, prompt_chunks = self._prompt_logprob_rows(seqs, num_computed_list, query_lens_list, cu_query_lens)
 
         device = self.device
         start_s = time.perf_counter()
+        copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
         hidden_states = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             attn_metadata.positions,
@@ -170,6 +215,17 @@ class ModelRunner:
         self._synchronize()
         sampling_start_s = time.perf_counter()
 
+        beam_seqs: list[Sequence] = []
+        beam_candidates: list[list[tuple[int, float]]] = []
+        if any(seq.params.use_beam_search for seq in sampled_seqs):
+            beam_idx = [i for i, seq in enumerate(sampled_seqs) if seq.params.use_beam_search]
+            beam_seqs = [sampled_seqs[i] for i in beam_idx]
+            beam_logits = logits.index_select(0, torch.tensor([sample_rows[i] for i in beam_idx], device=device))
+            beam_candidates = _top_candidates(beam_logits, [2 * seq.params.n for seq in beam_seqs])
+            kept = [i for i, seq in enumerate(sampled_seqs) if not seq.params.use_beam_search]
+            sampled_seqs = [sampled_seqs[i] for i in kept]
+            sample_rows = [sample_rows[i] for i in kept]
+
         sampler_output = None
         if sampled_seqs:
             metadata = SamplingMetadata(
@@ -179,10 +235,14 @@ class ModelRunner:
                 output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
                 eos_token_id=self.eos_token_id,
             )
-            sampler_output = self.sampler(logits[: len(sampled_seqs)], metadata)
+            if sample_rows == list(range(len(logits_rows))):
+                sample_logits = logits[: len(logits_rows)]
+            else:
+                sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=device))
+            sampler_output = self.sampler(sample_logits, metadata)
 
         prompt_logprobs: list[PromptLogprobsChunk] = []
-        offset = len(sampled_seqs)
+        offset = len(logits_rows)
         for (seq, first_position), rows_of_seq in zip(prompt_chunks, prompt_rows):
             seq_logits = logits[offset : offset + len(rows_of_seq)]
             offset += len(rows_of_seq)
@@ -194,6 +254,8 @@ class ModelRunner:
             sampled_seqs,
             sampler_output,
             prompt_logprobs,
+            beam_seqs,
+            beam_candidates,
             forward_s=sampling_start_s - start_s,
             sampling_s=time.perf_counter() - sampling_start_s,
         )

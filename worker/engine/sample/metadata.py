@@ -31,9 +31,10 @@ class SamplingMetadata:
 class SamplerOutput:
     """One sampled token per row, its raw logprob, and the requested top alternatives.
 
-    ``logprobs`` is ``None`` when no row of the step asked for logprobs (the vocabulary-wide log-sum-exp
-    is then skipped). ``top_logprobs[i]`` holds ``params.logprobs`` pairs ``(token_id, raw logprob)`` in
-    descending order (an empty list for ``logprobs=0``), or ``None`` when the row asked for no logprobs.
+    ``logprobs`` is ``None`` when no row of the step needs them (see
+    ``SamplingParams.needs_sampled_logprobs``; the vocabulary-wide log-sum-exp is then skipped).
+    ``top_logprobs[i]`` holds ``params.logprobs`` pairs ``(token_id, raw logprob)`` in descending order
+    (an empty list for ``logprobs=0``), or ``None`` when the row asked for no logprobs.
     """
 
     sampled_token_ids: list[int]

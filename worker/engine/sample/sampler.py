@@ -13,6 +13,8 @@ same tokens whatever other rows share the batch and at whatever row position it 
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,19 +28,25 @@ from worker.engine.sampling_params import SamplingParams
 _DRAW_CHUNK = 256
 
 
-def make_generator(seed: int | None, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """Return the generator of one sequence: sample ``sample_index`` (0-based) of a request.
+def make_generator(
+    seed: int | None, sample_index: int, prompt_token_ids: Sequence[int], device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """Return the generator of one sequence: sample ``sample_index`` (0-based) of a request with this prompt.
 
-    A seeded generator depends on ``(seed, sample_index)`` only (mixed through BLAKE2b so that
-    ``(seed, i)`` and ``(seed + 1, i - 1)`` do not collide), never on batch position; ``n`` samples of one
-    request therefore get distinct, reproducible streams. ``seed=None`` gives a fresh random seed.
+    A seeded generator depends on ``(seed, prompt_token_ids, sample_index)`` only, never on batch
+    position: the three are mixed through BLAKE2b (the ids as fixed-width 64-bit integers, so no two
+    inputs share an encoding), so the same request with the same seed reproduces, ``n`` samples of one
+    request get distinct streams, and lines that share a seed but not a prompt draw independent numbers
+    (a job that sets one seed on every line must not give every line the same random draws).
+    ``seed=None`` gives a fresh random seed.
     """
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
-        digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
-        generator.manual_seed(int.from_bytes(digest, "little"))
+        digest = hashlib.blake2b(f"{seed}:{sample_index}:".encode(), digest_size=8)
+        digest.update(array("q", prompt_token_ids).tobytes())
+        generator.manual_seed(int.from_bytes(digest.digest(), "little"))
     return generator
 
 
@@ -136,7 +144,7 @@ class Sampler:
                 row_idx = torch.tensor(plan.random_rows, dtype=torch.long, device=logits.device)
                 sampled = processed.argmax(dim=-1).index_copy_(0, row_idx, drawn)
 
-        if all(p.logprobs is None for p in metadata.params):
+        if not any(p.needs_sampled_logprobs for p in metadata.params):
             return SamplerOutput(sampled.tolist(), None, [None] * len(metadata.params))
         raw_lse = torch.logsumexp(logits, dim=-1)
         sampled_logprobs = logits.gather(1, sampled[:, None]).squeeze(1) - raw_lse

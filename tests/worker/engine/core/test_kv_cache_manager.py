@@ -1,16 +1,21 @@
-"""KVCacheManager: block tables sized exactly, ref counts, and prefix-cache hits that read the right KV.
+"""KVCacheManager: block tables sized exactly, ref counts, prefix-cache hits and copy-on-write forks
+that read the right KV.
 
 A shadow cache records, for every slot written, the token prefix whose K/V it holds; every computed
-position of every sequence must then read exactly its own prefix, whatever allocation, preemption,
-prefix hits and evictions happened before. That is "caching is invisible" at the bookkeeping level.
+position of every sequence must then read exactly its own prefix, whatever allocation, forks, block
+copies, preemption, prefix hits and evictions happened before. That is "caching and forking are
+invisible" at the bookkeeping level.
 """
 
+import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from worker.engine.core.kv_cache_manager import KVCacheManager, SlotOccupancy
 from worker.engine.core.request import Sequence
+from worker.engine.executor.model_runner import copy_blocks
 from worker.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -84,8 +89,105 @@ def test_different_earlier_block_means_no_hit_even_with_equal_block_tokens():
     assert kv.get_computed_blocks(other) == ([], 0)
 
 
+def fork_seq(kv, parent, child_id):
+    child = make_seq(child_id, parent.token_ids)
+    child.num_computed_tokens = parent.num_computed_tokens
+    kv.fork(parent, child)
+    return child
+
+
+def test_fork_shares_every_block_and_a_write_copies_only_the_shared_partial_block():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
+    parent = make_seq(0, range(6))  # one full block and a partial one (2 of 4 slots)
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    children = [fork_seq(kv, parent, 1), fork_seq(kv, parent, 2)]
+    assert [b.ref_cnt for b in kv.seq_to_blocks[0]] == [3, 3]
+    assert kv.num_free_blocks == 6
+    kv.check_invariants()
+
+    # Fake one-layer cache: slot value = 100 * seq_id + position, written through each block table.
+    cache = torch.zeros(2, 8, BLOCK_SIZE, 1, 1)
+    for pos in range(6):
+        cache[:, kv.get_block_ids(0)[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = pos
+    first = children[0]
+    first.append_token(7)
+    assert kv.allocate_slots(first, 1)
+    blocks_to_copy = kv.take_blocks_to_copy()
+    assert len(blocks_to_copy) == 1
+    src, dst = blocks_to_copy[0]
+    assert src == kv.get_block_ids(0)[1] and dst == kv.get_block_ids(1)[1] and src != dst
+    assert kv.get_block_ids(1)[0] == kv.get_block_ids(0)[0]  # the full block stays shared
+    kv.check_invariants()
+    copy_blocks([cache], blocks_to_copy)
+    cache[:, dst, 6 % BLOCK_SIZE] = 100 + 6  # the child's write
+    first.num_computed_tokens = 7
+
+    def read(seq_id, num_tokens):
+        ids = kv.get_block_ids(seq_id)
+        return [cache[0, ids[p // BLOCK_SIZE], p % BLOCK_SIZE, 0, 0].item() for p in range(num_tokens)]
+
+    assert read(1, 7) == [0, 1, 2, 3, 4, 5, 106]
+    assert read(0, 6) == read(2, 6) == [0, 1, 2, 3, 4, 5]
+    assert cache[0, src, 6 % BLOCK_SIZE].item() == 0  # the shared block itself is untouched
+    assert kv.take_blocks_to_copy() == []
+
+
+def test_last_holder_of_a_shared_block_writes_in_place_and_freeing_drops_own_references_only():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=True)
+    parent = make_seq(0, range(6))
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    kv.cache_blocks(parent)
+    child = fork_seq(kv, parent, 1)
+    for seq, token in ((parent, 8), (child, 9)):
+        seq.append_token(token)
+        assert kv.allocate_slots(seq, 1)
+    assert len(kv.take_blocks_to_copy()) == 1  # the parent copied; the child then held the block alone
+    kv.check_invariants()
+    full = kv.seq_to_blocks[0][0]
+    assert full is kv.seq_to_blocks[1][0] and full.block_hash is not None and full.ref_cnt == 2
+    kv.free(child)
+    assert full.ref_cnt == 1 and kv.num_free_blocks == 8 - 2
+    kv.check_invariants()
+
+
+def test_fork_rejects_a_child_with_blocks_or_another_position():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
+    parent = make_seq(0, range(5))
+    assert kv.allocate_slots(parent, 5)
+    parent.num_computed_tokens = 5
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        kv.fork(parent, make_seq(1, range(5)))
+    child = fork_seq(kv, parent, 2)
+    with pytest.raises(ValueError, match="already holds"):
+        kv.fork(parent, child)
+
+
+def test_copy_into_a_block_freed_in_the_same_step_is_dropped():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
+    parent = make_seq(0, range(5))
+    assert kv.allocate_slots(parent, 5)
+    parent.num_computed_tokens = 5
+    child = fork_seq(kv, parent, 1)
+    child.append_token(3)
+    assert kv.allocate_slots(child, 1)
+    kv.free(child)  # preempted later in the same step
+    assert kv.take_blocks_to_copy() == []
+    kv.check_invariants()
+
+
+def test_slot_occupancy_counts_a_shared_partial_block_once():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
+    parent = make_seq(0, range(6))
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    fork_seq(kv, parent, 1)
+    assert kv.slot_occupancy() == SlotOccupancy(6, 2 * BLOCK_SIZE)
+
+
 class KVCacheMachine(RuleBasedStateMachine):
-    """Random interleavings of admit (with prefix lookup), compute, decode, preempt and finish."""
+    """Random interleavings of admit (with prefix lookup), compute, decode, fork, preempt and finish."""
 
     seqs = Bundle("seqs")
 
@@ -116,6 +218,24 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.pending[seq.seq_id] = num_new
         else:
             assert self.kv.num_free_blocks == num_free
+        # The runner copies blocks before the step's writes; here the copy happens at once.
+        for src, dst in self.kv.take_blocks_to_copy():
+            for offset in range(BLOCK_SIZE):
+                if (src, offset) in self.shadow:
+                    self.shadow[dst, offset] = self.shadow[src, offset]
+                else:
+                    self.shadow.pop((dst, offset), None)
+
+    @rule(target=seqs, parent=seqs, tail=st.lists(st.integers(0, 1), min_size=1, max_size=3))
+    def fork(self, parent, tail):
+        """A branch off a sequence with nothing pending: shares its blocks, then goes its own way."""
+        if parent.seq_id not in self.kv.seq_to_blocks or self.pending.get(parent.seq_id):
+            return multiple()
+        child = make_seq(self.next_seq_id, parent.token_ids[: parent.num_computed_tokens] + tail)
+        self.next_seq_id += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        return child
 
     @rule(seq=seqs, next_token=st.integers(0, 1))
     def compute(self, seq, next_token):
@@ -146,6 +266,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.kv.check_invariants()
+        for seq_id, blocks in self.kv.seq_to_blocks.items():  # every holder reads its own history
+            seq = self.kv._seqs[seq_id]
+            for pos in range(seq.num_computed_tokens):
+                held = self.shadow[blocks[pos // BLOCK_SIZE].block_id, pos % BLOCK_SIZE]
+                assert held == tuple(seq.token_ids[: pos + 1])
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase

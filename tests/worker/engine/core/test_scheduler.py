@@ -139,3 +139,49 @@ def test_any_workload_runs_to_completion_within_budget(
     # The fake model's tokens depend only on position, so preemption and caching change nothing.
     assert all(seq.output_token_ids == [p % 5 for p in range(seq.num_prompt_tokens, seq.num_tokens)] for seq in seqs)
     assert scheduler.kv_cache_manager.num_free_blocks == num_blocks
+
+
+def make_forking_seq(seq_id, num_prompt_tokens, num_branches, max_tokens=3):
+    params = SamplingParams(n=num_branches, temperature=1.0, max_tokens=max_tokens)
+    prompt = [i % 7 for i in range(num_prompt_tokens)]
+    seqs = [Sequence(seq_id + k, f"req-{seq_id}", k, params, prompt) for k in range(num_branches)]
+    seqs[0].pending_forks = seqs[1:]
+    for seq in seqs[1:]:
+        seq.status = SequenceStatus.FORK_PENDING
+    return seqs
+
+
+def test_branches_fork_when_the_prompt_completes_and_share_its_blocks():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    parent, *children = make_forking_seq(0, 6, 3)
+    scheduler.add_seq(parent)
+    out = run_step(scheduler)  # first chunk: no fork yet
+    assert out.forks == [] and all(c.status is SequenceStatus.FORK_PENDING for c in children)
+    out = scheduler.schedule()
+    assert out.forks == [(parent, children)]
+    scheduler.update_from_output(out)
+    kv = scheduler.kv_cache_manager
+    assert [kv.get_block_ids(c.seq_id) for c in children] == [kv.get_block_ids(0)] * 2
+    assert [b.ref_cnt for b in kv.seq_to_blocks[0]] == [3, 3]
+    assert [s.seq_id for s in scheduler.running] == [0, 1, 2] and parent.pending_forks == []
+    for k, seq in enumerate([parent, *children]):
+        seq.append_token(k)
+    kv.check_invariants()
+    out = run_step(scheduler)  # every branch writes position 6, inside the shared partial block
+    assert scheduled(out) == [(0, 1), (1, 1), (2, 1)]
+    assert len(out.blocks_to_copy) == 2  # the last writer owns the block alone by then
+    while scheduler.has_unfinished_seqs():
+        run_step(scheduler)
+    assert kv.num_free_blocks == 64
+
+
+def test_pending_forks_count_against_max_num_seqs_at_admission():
+    scheduler = make_scheduler(max_num_seqs=4)
+    scheduler.add_seq(make_seq(0, 3, max_tokens=8))
+    run_step(scheduler)
+    parent, *_ = make_forking_seq(10, 3, 4)
+    scheduler.add_seq(parent)
+    assert scheduled(run_step(scheduler)) == [(0, 1)]  # 1 running + 4 branches > 4
+    while scheduler.running:
+        run_step(scheduler)
+    assert [seq.seq_id for seq in run_step(scheduler).seqs] == [10]  # alone, it may exceed the cap

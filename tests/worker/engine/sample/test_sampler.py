@@ -28,7 +28,7 @@ def metadata(
     n = len(params)
     return SamplingMetadata(
         params=params,
-        generators=generators if generators is not None else [make_generator(i, 0) for i in range(n)],
+        generators=generators if generators is not None else [make_generator(i, 0, ()) for i in range(n)],
         prompt_token_ids=prompt if prompt is not None else [[] for _ in range(n)],
         output_token_ids=output if output is not None else [[] for _ in range(n)],
         eos_token_id=eos_token_id,
@@ -247,14 +247,14 @@ def test_min_tokens_with_ignore_eos_leaves_eos_alone():
 
 def draw_stream(row_logits: torch.Tensor, seed: int, position: int, neighbours: int, steps: int = 20) -> list[int]:
     """Tokens drawn for one seeded row over ``steps`` steps, placed at ``position`` among other rows."""
-    generator = make_generator(seed, 0)
+    generator = make_generator(seed, 0, ())
     tokens = []
     for step in range(steps):
         others = random_logits(neighbours, seed=100 + step)
         logits = torch.cat([others[:position], row_logits[None], others[position:]])
         params = [SamplingParams(temperature=0.8 + 0.1 * (j % 3), top_p=0.9) for j in range(neighbours + 1)]
         params[position] = SamplingParams(temperature=1.0, top_k=40, seed=seed)
-        generators = [make_generator(None, 0) for _ in range(neighbours + 1)]
+        generators = [make_generator(None, 0, ()) for _ in range(neighbours + 1)]
         generators[position] = generator
         tokens.append(Sampler()(logits, metadata(params, generators=generators)).sampled_token_ids[position])
     return tokens
@@ -271,14 +271,55 @@ def test_seeded_row_is_independent_of_neighbours_and_position():
 def test_different_seeds_and_sample_indices_give_different_streams():
     row = random_logits(1, seed=7)[0] / 3
     assert draw_stream(row, seed=42, position=0, neighbours=0) != draw_stream(row, seed=43, position=0, neighbours=0)
-    a, b = make_generator(42, 0), make_generator(42, 1)
+    a, b = make_generator(42, 0, ()), make_generator(42, 1, ())
     assert torch.rand(4, generator=a).tolist() != torch.rand(4, generator=b).tolist()
 
 
+def chi_square_uniform(values: list[int], num_bins: int) -> float:
+    counts = torch.bincount(torch.tensor(values), minlength=num_bins).double()
+    expected = len(values) / num_bins
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# chi-square critical value for 7 degrees of freedom at p = 0.001
+CHI2_CRIT_7_DOF = 24.32
+
+
+def test_lines_sharing_a_seed_but_not_a_prompt_draw_independent_samples():
+    rng = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 1000, (int(torch.randint(1, 30, (1,), generator=rng)),), generator=rng).tolist()
+        for _ in range(64)
+    ]
+    assert len({tuple(p) for p in prompts}) == 64
+    params = SamplingParams(temperature=1.0, seed=1234)
+    flat = torch.zeros(64, 8)  # 8 equally likely tokens: each row's token is its draw's rank
+    for step in range(3):
+        generators = [make_generator(1234, 0, prompt) for prompt in prompts]
+        for _ in range(step):  # later steps of the same streams
+            Sampler()(flat, metadata([params] * 64, generators=generators))
+        tokens = Sampler()(flat, metadata([params] * 64, generators=generators)).sampled_token_ids
+        assert chi_square_uniform(tokens, 8) < CHI2_CRIT_7_DOF, tokens
+    # What the test guards against: a stream that ignores the prompt gives every line one token.
+    same_stream = [make_generator(1234, 0, ()) for _ in prompts]
+    tokens = Sampler()(flat, metadata([params] * 64, generators=same_stream)).sampled_token_ids
+    assert chi_square_uniform(tokens, 8) > CHI2_CRIT_7_DOF
+
+
+def test_the_stream_depends_on_every_part_of_its_key():
+    def first(seed, index, prompt):
+        return torch.rand(4, generator=make_generator(seed, index, prompt)).tolist()
+
+    base = first(9, 0, [5, 6, 7])
+    assert first(9, 0, [5, 6, 7]) == base  # the same request reproduces
+    for other in (first(10, 0, [5, 6, 7]), first(9, 1, [5, 6, 7]), first(9, 0, [5, 6]), first(9, 0, [6, 5, 7])):
+        assert other != base
+
+
 def test_make_generator_is_deterministic_when_seeded_only():
-    same = [torch.rand(3, generator=make_generator(5, 2)).tolist() for _ in range(2)]
+    same = [torch.rand(3, generator=make_generator(5, 2, ())).tolist() for _ in range(2)]
     assert same[0] == same[1]
-    fresh = [torch.rand(3, generator=make_generator(None, 0)).tolist() for _ in range(2)]
+    fresh = [torch.rand(3, generator=make_generator(None, 0, ())).tolist() for _ in range(2)]
     assert fresh[0] != fresh[1]
 
 
