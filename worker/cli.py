@@ -117,9 +117,16 @@ def _api(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from worker.bootstrap import get_engine
     from worker.tasks import celery_app
+    from worker.telemetry import start_worker_telemetry
 
-    get_engine()  # start-up cost (and any model error) up front, not inside the first task
-    celery_app.worker_main(["worker", "--pool=solo", f"--loglevel={args.loglevel}"])
+    engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+    stop_telemetry = start_worker_telemetry(
+        get_settings(), device=engine.config.device, max_model_len=engine.max_model_len
+    )
+    try:
+        celery_app.worker_main(["worker", "--pool=solo", f"--loglevel={args.loglevel}"])
+    finally:
+        stop_telemetry()
     return 0
 
 

@@ -9,10 +9,11 @@ manager only ever see sequences. The request finishes when all its sequences do.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.engine.outputs import FinishReason, PositionLogprobs
+from worker.engine.outputs import FinishReason, PositionLogprobs, RequestMetrics
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,7 +82,10 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One prompt and its sequences; ``prompt_logprobs`` has one entry per prompt token (the first is None)."""
+    """One prompt and its sequences; ``prompt_logprobs`` has one entry per prompt token (the first is None).
+
+    ``metrics`` holds the request's stage times; ``arrival_time`` is stamped when the request is built.
+    """
 
     request_id: str
     prompt: str | None
@@ -89,6 +93,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property
     def is_finished(self) -> bool:
