@@ -42,7 +42,7 @@ class WorkerActivity:
     current_batch_id: str | None = None
     num_running_requests: int = 0
     began_s: float = field(init=False)
-    _tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    _tokens: deque[tuple[float, int]] = field(init=False, default_factory=deque)
 
     def __post_init__(self) -> None:
         self.began_s = self.clock()
@@ -107,8 +107,8 @@ class Heartbeat:
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     started_at: int = field(default_factory=lambda: int(time.time()))
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _stop: threading.Event = field(init=False, default_factory=threading.Event)
+    _thread: threading.Thread | None = field(init=False, default=None)
 
     @property
     def worker_id(self) -> str:

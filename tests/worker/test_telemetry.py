@@ -152,3 +152,46 @@ def test_heartbeat_writes_then_removes_its_row(service):
         heartbeat.stop()
     with session_scope() as session:
         assert workers.list_live_workers(session, now=heartbeat.started_at, live_s=30) == []
+
+
+_CHILD = """
+import sys
+from worker.engine.stats import EngineStats
+from worker.metrics import EngineMetrics
+running, tokens = int(sys.argv[1]), int(sys.argv[2])
+EngineMetrics("m").record_step(
+    EngineStats(num_steps=1, num_running_reqs=running, num_generation_tokens=tokens, kv_cache_usage=running / 10)
+)
+"""
+
+
+def test_multiprocess_mode_serves_the_hosts_processes_together(tmp_path, monkeypatch):
+    """Two worker processes sharing PROMETHEUS_MULTIPROC_DIR: one scrape sums their counters and live
+    gauges (KV usage: the maximum); a process marked dead leaves the live gauges."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client import generate_latest
+
+    from tests.helpers.monitoring import parse_scrape, sample_value
+    from worker.metrics import exposition_registry, mark_process_dead
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    for running, tokens in ((2, 5), (3, 7)):
+        subprocess.run([sys.executable, "-c", _CHILD, str(running), str(tokens)], env=env, check=True)
+    pids = sorted(int(path.stem.rsplit("_", 1)[1]) for path in tmp_path.glob("gauge_livesum_*.db"))
+    assert len(pids) == 2
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    def scrape():
+        return parse_scrape(generate_latest(exposition_registry(EngineMetrics("unused").registry)).decode())
+
+    both = scrape()
+    assert sample_value(both, "batchinfer:generation_tokens_total") == 12
+    assert sample_value(both, "batchinfer:num_requests_running") == 5
+    assert sample_value(both, "batchinfer:kv_cache_usage_perc") == pytest.approx(0.3)
+    mark_process_dead(pids[0])
+    one_left = scrape()
+    assert sample_value(one_left, "batchinfer:generation_tokens_total") == 12  # counters keep what was counted
+    assert sample_value(one_left, "batchinfer:num_requests_running") in (2, 3)
