@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI Files, Batches and Models endpoints, ``POST /v1/jobs``, ``/v1/schedules``, ``GET /health``
-and ``GET /metrics``.
+"""The FastAPI app: OpenAI Files, Batches and Models endpoints, ``POST /v1/jobs``, ``/v1/schedules``,
+``GET /v1/workers``, ``GET /health``, ``GET /metrics`` and the read-only jobs page at ``/ui``.
 
 Serve with ``uvicorn --factory api.main:create_app`` (or ``batchinfer serve``, which also runs the
 migrations first). The app never imports torch or worker code: it validates and enqueues; workers run.
@@ -15,8 +15,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.routes import batches, files, health, jobs, models, schedules
+from api.routes import batches, files, health, jobs, models, schedules, workers
 from api.routes.metrics import install_metrics
+from api.routes.ui import install_ui
 from jobs.config import Settings, get_settings
 from jobs.intake import resume_validating_batches
 from jobs.status import now_s
@@ -56,7 +57,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings or get_settings()
     install_error_handlers(app)
-    for module in (files, batches, jobs, schedules, models, health):
+    for module in (files, batches, jobs, schedules, workers, models, health):
         app.include_router(module.router)
     install_metrics(app, app.state.settings.database_url)
+    install_ui(app)
     return app

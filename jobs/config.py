@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 * 1024 * 1024
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # A worker's Prometheus /metrics (docs/architecture.md, "Observability"); None serves none.
+    worker_metrics_port: int | None = None
+    worker_metrics_host: str = "0.0.0.0"
+    worker_heartbeat_s: float = 5.0
+    worker_live_s: float = 30.0
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

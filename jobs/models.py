@@ -1,4 +1,5 @@
-"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line), ``schedules``.
+"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line), ``schedules``,
+``workers`` (one heartbeat row per worker process).
 
 Timestamps are Unix seconds (``BigInteger``), as the API returns them. JSON columns hold what the
 API returns verbatim (``errors``, ``metadata``, a line's ``body``, ``response`` and ``error``).
@@ -11,7 +12,7 @@ import secrets
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from jobs.status import BatchStatus
@@ -148,3 +149,28 @@ class Schedule(Base):
         Index("ix_schedules_created_at_id", "created_at", "id"),
         Index("ix_schedules_next_run_at", "next_run_at"),
     )
+
+
+class Worker(Base):
+    """A worker process's latest heartbeat (`jobs.workers.record_heartbeat`), rewritten every few seconds.
+
+    ``id`` is ``host:pid``; ``current_batch_id`` is the batch it is running (None when idle);
+    ``tokens_per_s`` is its generation tokens per second over the last minute; ``metrics_port`` the
+    port of its Prometheus ``/metrics`` (None when not served).
+    """
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(320), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(256))
+    device: Mapped[str] = mapped_column(String(32))
+    current_batch_id: Mapped[str | None] = mapped_column(String(64))
+    num_running_requests: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
+    metrics_port: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[int] = mapped_column(BigInteger)
+    last_heartbeat_at: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_workers_last_heartbeat_at", "last_heartbeat_at"),)

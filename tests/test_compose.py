@@ -1,5 +1,7 @@
-"""Static checks of compose.yaml (no Docker engine runs here): services, healthchecks, GPU, ordering."""
+"""Static checks of compose.yaml (no Docker engine runs here): services, healthchecks, GPU, ordering,
+and the `monitoring` profile's Prometheus and Grafana files (scrape targets, provisioning, dashboard)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,11 +17,13 @@ def compose():
 
 
 def test_services_present(compose):
-    assert set(compose["services"]) == {"postgres", "redis", "migrate", "api", "worker", "beat"}
+    assert set(compose["services"]) == {
+        "postgres", "redis", "migrate", "api", "worker", "beat", "prometheus", "grafana"
+    }  # fmt: skip
 
 
 def test_long_running_services_have_healthchecks(compose):
-    for name in ("postgres", "redis", "api", "worker", "beat"):
+    for name in ("postgres", "redis", "api", "worker", "beat", "prometheus", "grafana"):
         check = compose["services"][name].get("healthcheck")
         assert check and check["test"], f"{name} has no healthcheck"
         assert check["test"][0] in ("CMD", "CMD-SHELL")
@@ -67,3 +71,78 @@ def test_commands_are_cli_subcommands(compose):
         command = compose["services"][name]["command"][1:]
         args = parser.parse_args(command)
         assert callable(args.handler)
+
+
+MONITORING = ROOT / "scripts" / "monitoring"
+
+
+def _mounts(service) -> dict[str, str]:
+    """``{container path: host path}`` of a service's bind mounts (relative to the repository)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = source
+    return mounts
+
+
+def test_monitoring_services_only_in_their_profile(compose):
+    services = compose["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"]
+    for name in ("postgres", "redis", *APP_SERVICES):
+        assert "profiles" not in services[name], f"{name} must start without a profile"
+
+
+def test_worker_serves_metrics_on_the_port_prometheus_scrapes(compose):
+    worker = compose["services"]["worker"]
+    port = worker["environment"]["BATCHINFER_WORKER_METRICS_PORT"]
+    assert port in worker["expose"]
+    assert (
+        worker["environment"]["BATCHINFER_DATABASE_URL"]
+        == compose["services"]["api"]["environment"]["BATCHINFER_DATABASE_URL"]
+    )
+    mounts = _mounts(compose["services"]["prometheus"])
+    config = yaml.safe_load((ROOT / mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["batchinfer-api"]["static_configs"][0]["targets"] == ["api:8000"]
+    discovery = jobs["batchinfer-worker"]["dns_sd_configs"][0]
+    assert discovery["names"] == ["worker"] and str(discovery["port"]) == port
+
+
+def test_grafana_provisions_the_datasource_and_the_dashboard(compose):
+    mounts = _mounts(compose["services"]["grafana"])
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((provisioning / "dashboards" / "batchinfer.yml").read_text())["providers"][0]
+    dashboards_dir = provider["options"]["path"]
+    assert (ROOT / mounts[dashboards_dir] / "batchinfer.json").is_file()
+    dashboard = json.loads((ROOT / mounts[dashboards_dir] / "batchinfer.json").read_text())
+    titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
+    for topic in ("throughput", "kv cache", "queue", "first token", "inter-token", "batches by status"):
+        assert topic in titles, topic
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == datasource["uid"]
+        assert panel["targets"] and all(target["expr"] for target in panel["targets"])
+
+
+def test_every_dashboard_metric_is_exposed(tmp_path):
+    """Each sample the dashboard queries appears in the worker's registry or the API's ``/metrics``
+    (the live-worker version of this check is tests/e2e/test_observability_e2e.py)."""
+    from fastapi.testclient import TestClient
+    from prometheus_client import generate_latest
+
+    from api.main import create_app
+    from jobs.config import Settings
+    from jobs.db import upgrade_database
+    from tests.helpers.monitoring import dashboard_metric_names, parse_scrape, sample_names
+    from worker.metrics import EngineMetrics
+
+    settings = Settings(data_dir=tmp_path)
+    upgrade_database(settings.database_url)
+    with TestClient(create_app(settings)) as client:
+        api_names = sample_names(parse_scrape(client.get("/metrics").text))
+    worker_names = sample_names(parse_scrape(generate_latest(EngineMetrics("m").registry).decode()))
+    assert dashboard_metric_names(), "the dashboard queries nothing"
+    assert dashboard_metric_names() <= api_names | worker_names, dashboard_metric_names() - api_names - worker_names

@@ -7,6 +7,8 @@
     batchinfer beat                   Celery beat + a light worker for its ticks (scheduled runs; no engine)
     batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes
     batchinfer submit FILE --endpoint /v1/completions [--wait] [--output PATH]
+    batchinfer status BATCH_ID        one batch's status, counts, tokens and files
+    batchinfer ls [--limit N]         the latest batches
 
 Everything is configured by ``BATCHINFER_*`` environment variables (`jobs.config.Settings`). Heavy
 imports (torch, the API app) happen inside the command that needs them, so this module imports
@@ -73,18 +75,32 @@ def _parser() -> argparse.ArgumentParser:
     submit = commands.add_parser("submit", help="submit a JSONL file as a batch through the HTTP API")
     submit.add_argument("file", type=Path)
     submit.add_argument("--endpoint", required=True, choices=["/v1/completions", "/v1/chat/completions"])
-    submit.add_argument(
-        "--base-url",
-        default=f"http://{settings.api_host}:{settings.api_port}",
-        help="the server, with or without the /v1 suffix the openai SDK's base_url carries",
-    )
+    _add_base_url_arg(submit, settings.api_host, settings.api_port)
     submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--wait", action="store_true", help="poll until the batch ends, then download")
     submit.add_argument("--output", type=Path, help="where to write the output file (implies --wait)")
     submit.add_argument("--errors", type=Path, help="where to write the error file (default: OUTPUT.errors.jsonl)")
     submit.add_argument("--poll-interval", type=float, default=2.0, help="seconds between status polls")
     submit.set_defaults(handler=_submit)
+
+    status = commands.add_parser("status", help="show one batch")
+    status.add_argument("batch_id")
+    _add_base_url_arg(status, settings.api_host, settings.api_port)
+    status.set_defaults(handler=_status)
+
+    ls = commands.add_parser("ls", help="list the latest batches")
+    ls.add_argument("--limit", type=int, default=20)
+    _add_base_url_arg(ls, settings.api_host, settings.api_port)
+    ls.set_defaults(handler=_ls)
     return parser
+
+
+def _add_base_url_arg(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    parser.add_argument(
+        "--base-url",
+        default=f"http://{host}:{port}",
+        help="the server, with or without the /v1 suffix the openai SDK's base_url carries",
+    )
 
 
 def _add_bind_args(parser: argparse.ArgumentParser, host: str, port: int) -> None:
@@ -117,9 +133,16 @@ def _api(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from worker.bootstrap import get_engine
     from worker.tasks import celery_app
+    from worker.telemetry import start_worker_telemetry
 
-    get_engine()  # start-up cost (and any model error) up front, not inside the first task
-    celery_app.worker_main(["worker", "--pool=solo", f"--loglevel={args.loglevel}"])
+    engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+    stop_telemetry = start_worker_telemetry(
+        get_settings(), device=engine.config.device, max_model_len=engine.max_model_len
+    )
+    try:
+        celery_app.worker_main(["worker", "--pool=solo", f"--loglevel={args.loglevel}"])
+    finally:
+        stop_telemetry()
     return 0
 
 
@@ -199,19 +222,52 @@ def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    import httpx
-
     if not args.file.is_file():
         print(f"submit: no such file: {args.file}", file=sys.stderr)
         return 2
+    return _over_http("submit", args, _submit_file)
+
+
+def _over_http(command: str, args: argparse.Namespace, run: Any) -> int:
+    """``run(args)``, explaining an unreachable server instead of a traceback."""
+    import httpx
+
     try:
-        return _submit_file(args)
+        code: int = run(args)
     except httpx.TransportError as exc:
         print(
-            f"submit: cannot reach batchinfer at {args.base_url} ({exc}); is `batchinfer serve` running?",
+            f"{command}: cannot reach batchinfer at {args.base_url} ({exc}); is `batchinfer serve` running?",
             file=sys.stderr,
         )
         return 1
+    return code
+
+
+def _status(args: argparse.Namespace) -> int:
+    def run(args: argparse.Namespace) -> int:
+        import httpx
+
+        from worker.cli_views import print_status
+
+        with httpx.Client(base_url=server_root(args.base_url), timeout=30) as client:
+            print_status(_json_or_exit(client.get(f"/v1/batches/{args.batch_id}")), sys.stdout)
+        return 0
+
+    return _over_http("status", args, run)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    def run(args: argparse.Namespace) -> int:
+        import httpx
+
+        from worker.cli_views import print_batches
+
+        with httpx.Client(base_url=server_root(args.base_url), timeout=30) as client:
+            page = _json_or_exit(client.get("/v1/batches", params={"limit": args.limit}))
+        print_batches(page["data"], sys.stdout)
+        return 0
+
+    return _over_http("ls", args, run)
 
 
 def _submit_file(args: argparse.Namespace) -> int:
@@ -244,19 +300,16 @@ def server_root(base_url: str) -> str:
 
 
 def _wait(client: httpx.Client, batch: dict[str, Any], poll_interval_s: float) -> dict[str, Any]:
-    last = None
-    while batch["status"] not in TERMINAL_STATUSES:
-        time.sleep(poll_interval_s)
-        batch = _json_or_exit(client.get(f"/v1/batches/{batch['id']}"))
-        counts = batch.get("request_counts") or {}
-        progress = (batch["status"], counts.get("completed"), counts.get("failed"), counts.get("total"))
-        if progress != last:
-            print(
-                f"batch {batch['id']}: {progress[0]} (completed {progress[1]}, failed {progress[2]}, total {progress[3]})",
-                file=sys.stderr,
-                flush=True,
-            )
-            last = progress
+    """Poll until the batch ends, showing progress on stderr (`worker.cli_views.ProgressView`)."""
+    from worker.cli_views import ProgressView
+
+    with ProgressView(sys.stderr) as view:
+        view.update(batch)
+        while batch["status"] not in TERMINAL_STATUSES:
+            time.sleep(poll_interval_s)
+            batch = _json_or_exit(client.get(f"/v1/batches/{batch['id']}"))
+            view.update(batch)
+    view.summary(batch)
     return batch
 
 

@@ -15,6 +15,11 @@ Flow (plain functions; the Celery task in `worker.tasks` only calls `run_batch`)
    ``cancelled``; ``expires_at`` passed aborts and finalizes as ``expired``. Finished lines are kept.
 6. `jobs.repository.finalize_batch` writes the output and error files and stamps the terminal status.
 
+After every engine step the runner hands the engine's statistics (`LLMEngine.make_stats`, take and
+reset) and the requests that finished to a `StepObserver`: by default this process's
+`worker.telemetry.WorkerTelemetry`, which feeds the Prometheus metrics and the heartbeat
+(docs/architecture.md, "Observability").
+
 A failure confined to one line (its mapping, its response body) fails that line only. An exception
 out of ``engine.step()`` cannot be pinned on one line: the lines in flight get a 500 ``server_error``
 response and the batch still finalizes, with everything finished before kept.
@@ -37,6 +42,7 @@ from jobs.status import BatchStatus
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.stats import EngineStats
 from worker.prefix_grouping import order_by_shared_prefix
 from worker.request_mapping import MappedRequest, map_request
 from worker.responses import build_body, context_length_message, new_request_id
@@ -61,6 +67,19 @@ class Engine(Protocol):
     def step(self) -> list[RequestOutput]: ...
 
     def has_unfinished_requests(self) -> bool: ...
+
+    def make_stats(self) -> EngineStats: ...
+
+
+class StepObserver(Protocol):
+    """Told what the engine does while a batch runs (`worker.telemetry.WorkerTelemetry` in a worker)."""
+
+    def batch_started(self, batch_id: str) -> None: ...
+
+    def step_done(self, stats: EngineStats, finished: list[RequestOutput]) -> None:
+        """After each step: the engine's statistics since the last step and the requests it finished."""
+
+    def batch_ended(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -120,6 +139,7 @@ def run_batch(
     commit_every: int = COMMIT_EVERY,
     check_every_steps: int = CHECK_EVERY_STEPS,
     clock: Callable[[], float] = time.time,
+    observer: StepObserver | None = None,
 ) -> BatchStatus | None:
     """Run every pending line of ``batch_id`` through ``engine`` and finalize the batch.
 
@@ -133,6 +153,7 @@ def run_batch(
         check_every_steps: engine steps between looks at the batch row (cancel, expiry); it is also
             looked at whenever ``CHECK_INTERVAL_S`` seconds have passed since the last look.
         clock: unix seconds (tests move time to expire a batch).
+        observer: told about every engine step; default this process's `worker.telemetry.get_telemetry`.
 
     Returns:
         The batch's status when the run ends, or None when the batch does not exist. A re-delivered
@@ -162,19 +183,28 @@ def run_batch(
 
         engine = get_engine()
     model_name = model_name or get_settings().served_model_name
+    if observer is None:
+        from worker.telemetry import get_telemetry
+
+        observer = get_telemetry(model_name, getattr(engine, "max_model_len", 8192))
     sink = _ResultSink(database_url, commit_every)
-    outcome = _stream(
-        engine,
-        endpoint,
-        pending,
-        sink,
-        model_name=model_name,
-        batch_id=batch_id,
-        database_url=database_url,
-        expires_at=expires_at,
-        check_every_steps=check_every_steps,
-        clock=clock,
-    )
+    observer.batch_started(batch_id)
+    try:
+        outcome = _stream(
+            engine,
+            endpoint,
+            pending,
+            sink,
+            model_name=model_name,
+            batch_id=batch_id,
+            database_url=database_url,
+            expires_at=expires_at,
+            check_every_steps=check_every_steps,
+            clock=clock,
+            observer=observer,
+        )
+    finally:
+        observer.batch_ended()
     sink.flush()
     logger.info("batch %s: %d lines recorded, ending as %s", batch_id, sink.num_recorded, outcome or "finished")
     return _finalize(batch_id, database_url, now=int(clock()))
@@ -192,6 +222,7 @@ def _stream(
     expires_at: int,
     check_every_steps: int,
     clock: Callable[[], float],
+    observer: StepObserver,
 ) -> str | None:
     """Feed all lines, step until done; returns ``"cancelled"``/``"expired"`` when stopped early."""
     mapped = _map_lines(engine, endpoint, pending, sink)
@@ -223,6 +254,7 @@ def _stream(
                     sink.add(_server_error(request_id, f"the engine failed while running this request: {exc}"))
                 _abort(engine, in_flight)
                 return None
+            observer.step_done(engine.make_stats(), outputs)
             for output in outputs:
                 if not output.finished or output.request_id not in in_flight:
                     continue

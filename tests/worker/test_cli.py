@@ -37,6 +37,8 @@ def data_dir(tmp_path, monkeypatch):
         ["beat"],
         ["serve", "--no-beat"],
         ["submit", "jobs.jsonl", "--endpoint", "/v1/completions", "--wait", "--metadata", "a=b"],
+        ["status", "batch_x", "--base-url", "http://h:1/v1"],
+        ["ls", "--limit", "5"],
     ],
 )
 def test_every_command_parses(argv):

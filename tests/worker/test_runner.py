@@ -26,6 +26,7 @@ from worker import runner
 from worker.engine.errors import PromptTooLongError
 from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.stats import EngineStats
 
 
 @dataclass
@@ -53,6 +54,12 @@ class StandInEngine:
         self.num_added = 0
         self.num_added_at_first_step: int | None = None
         self.aborted: list[str] = []
+        self.stats = EngineStats()
+
+    def make_stats(self):
+        stats, self.stats = self.stats, EngineStats()
+        stats.num_running_reqs, stats.num_waiting_reqs = len(self.running), len(self.waiting)
+        return stats
 
     def add_request(self, request_id, prompt, params):
         assert isinstance(prompt, list), "the runner feeds token ids"
@@ -75,6 +82,7 @@ class StandInEngine:
         if self.on_step is not None:
             self.on_step(self.num_steps)
         self.num_steps += 1
+        self.stats.num_steps += 1
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             self.running[request.request_id] = request
@@ -84,6 +92,7 @@ class StandInEngine:
             limit = min(request.params.max_tokens or room, room)
             for idx, sample in enumerate(request.samples):
                 sample.append(self.token_id + idx)
+                self.stats.num_generation_tokens += 1
             if len(request.samples[0]) >= limit:
                 del self.running[request.request_id]
                 finished.append(self._output(request))

@@ -161,10 +161,10 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         block_ids = [self.kv_cache_manager.get_block_ids(seq.seq_id) for seq in scheduler_output.seqs]
-        self._count_scheduled(scheduler_output)
+        self._count_scheduled(scheduler_output, start_s=time.monotonic())
         runner_output = self.model_runner.execute_model(scheduler_output, block_ids)
         self.scheduler.update_from_output(scheduler_output)
-        finished_seqs = self._process_samples(runner_output)
+        finished_seqs = self._process_samples(runner_output, sampled_s=time.monotonic())
         finished_seqs += self._process_beams(runner_output.beam_seqs, runner_output.beam_candidates)
         self._record_prompt_logprobs(runner_output)
         self.scheduler.finish_seqs(finished_seqs)
@@ -175,6 +175,7 @@ class LLMEngine:
             request = self.requests[request_id]
             if request.is_finished:
                 del self.requests[request_id]
+                request.metrics.finished_time = time.monotonic()
                 outputs.append(self._request_output(request))
 
         stats = self._stats
@@ -225,11 +226,19 @@ class LLMEngine:
         prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
         stats.num_preemptions = scheduler_stats.num_preemptions
         stats.num_prefix_holds = scheduler_stats.num_prefix_holds
+        stats.num_running_reqs = len(self.scheduler.running)
+        stats.num_waiting_reqs = len(self.scheduler.waiting)
         stats.prefix_cache_queries = prefix_cache_stats.queries
         stats.prefix_cache_hits = prefix_cache_stats.hits
         return stats
 
-    def _count_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+    def _count_scheduled(self, scheduler_output: SchedulerOutput, *, start_s: float) -> None:
+        """Count the step's tokens; stamp ``first_scheduled_time`` (``start_s``, monotonic) on newly scheduled requests."""
+        for seq in scheduler_output.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = start_s
+        self._stats.num_tokens_per_step.append(scheduler_output.total_num_scheduled_tokens)
         num_decode_tokens = sum(
             1
             for seq, num_tokens in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens)
@@ -237,8 +246,11 @@ class LLMEngine:
         )
         self._stats.num_prompt_tokens_computed += scheduler_output.total_num_scheduled_tokens - num_decode_tokens
 
-    def _process_samples(self, runner_output: ModelRunnerOutput) -> list[Sequence]:
-        """Append each sampled token, detokenize, accumulate logprobs, check stops; returns finished sequences."""
+    def _process_samples(self, runner_output: ModelRunnerOutput, *, sampled_s: float) -> list[Sequence]:
+        """Append each sampled token, detokenize, accumulate logprobs, check stops; returns finished sequences.
+
+        Token times (TTFT, inter-token latency) are taken at ``sampled_s`` (monotonic), once per request per step.
+        """
         sampler_output = runner_output.sampler_output
         if sampler_output is None:
             return []
@@ -253,6 +265,16 @@ class LLMEngine:
         ):
             if not seq.output_token_ids:
                 stats.num_cached_tokens += seq.num_cached_tokens or 0
+            request = self.requests[seq.request_id]
+            metrics = request.metrics
+            if metrics.last_token_time != sampled_s:
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = sampled_s
+                    stats.time_to_first_tokens_s.append(sampled_s - metrics.arrival_time)
+                    stats.num_prompt_tokens += len(request.prompt_token_ids)
+                elif metrics.last_token_time is not None:
+                    stats.inter_token_latencies_s.append(sampled_s - metrics.last_token_time)
+                metrics.last_token_time = sampled_s
             seq.append_token(token_id)
             seq.cumulative_logprob += logprob
             stats.num_generation_tokens += 1
@@ -392,6 +414,7 @@ class LLMEngine:
             finished=True,
             prompt_logprobs=request.prompt_logprobs,
             num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
+            metrics=request.metrics,
         )
 
     def _beam_request_output(self, request: Request, state: BeamSearchState) -> RequestOutput:
@@ -422,4 +445,5 @@ class LLMEngine:
             finished=True,
             prompt_logprobs=request.prompt_logprobs,
             num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
+            metrics=request.metrics,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length"]
@@ -40,6 +40,23 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When a request passed each stage, in `time.monotonic` seconds (vLLM's ``RequestMetrics`` fields).
+
+    ``first_scheduled_time`` is its first step in the batch (``- arrival_time`` = queue time);
+    ``first_token_time`` and ``last_token_time`` are the ends of the steps that sampled its first and
+    last tokens (the earliest sequence's first token, the latest sequence's last, when ``n > 1``);
+    ``finished_time`` is when the step that finished it returned.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """State of one request after an engine step; ``finished`` once every sequence is done."""
 
@@ -50,4 +67,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None

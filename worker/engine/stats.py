@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -14,10 +14,18 @@ class EngineStats:
         num_prompt_tokens_computed: tokens run through the model that were not a sequence's one decode
             token (prefill chunks, recomputation after preemption; prefix-cache hits excluded).
         num_generation_tokens: tokens sampled (vLLM's ``generation_tokens``).
+        num_prompt_tokens: prompt length of each request that sampled its first token (vLLM's
+            ``prompt_tokens``: counted once per request, prefix-cache hits included).
         num_cached_tokens: prompt tokens served by the prefix cache, counted once per sequence.
         num_preemptions, num_prefix_holds: the scheduler's counters (``SchedulerStats``).
         prefix_cache_queries, prefix_cache_hits: vLLM's prefix-cache counters in tokens (``PrefixCacheStats``).
         kv_cache_usage: fraction of KV blocks in use after the last step (vLLM's ``kv_cache_usage``).
+        num_running_reqs, num_waiting_reqs: sequences in the running batch and in the waiting queue
+            when the stats were taken (vLLM V1 counts each of ``n`` samples as a request too).
+        num_tokens_per_step: tokens scheduled in each step (vLLM's ``iteration_tokens_total`` observations).
+        time_to_first_tokens_s: arrival to the end of the step that sampled the first token, per request.
+        inter_token_latencies_s: between a request's consecutive token-sampling steps (vLLM's
+            ``inter_token_latency``), one per request per step after its first token.
         kv_tokens_stored_sum, kv_slots_sum: per step, the computed tokens held in referenced blocks and
             those blocks' slots, summed over steps (their ratio is :attr:`kv_slot_utilization`).
         forward_s: model forward and logits; sampling_s: the sampler and prompt logprobs;
@@ -27,12 +35,18 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens_computed: int = 0
     num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_prefix_holds: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_cache_usage: float = 0.0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_tokens_per_step: list[int] = field(default_factory=list)
+    time_to_first_tokens_s: list[float] = field(default_factory=list)
+    inter_token_latencies_s: list[float] = field(default_factory=list)
     kv_tokens_stored_sum: int = 0
     kv_slots_sum: int = 0
     forward_s: float = 0.0

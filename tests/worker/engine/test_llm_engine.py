@@ -204,3 +204,45 @@ def test_seeded_samples_are_distinct_and_independent_of_the_batch(model_dir, pro
     assert [out.index for out in alone.outputs] == [0, 1, 2]
     assert len({tuple(s) for s in samples}) == 3
     assert [out.token_ids for out in crowded[1].outputs] == samples
+
+
+def test_stats_and_request_metrics_count_each_token_once(model_dir, prompts):
+    """vLLM's meanings: prompt tokens once per request, one TTFT per request, one inter-token gap per later
+    token, scheduled tokens per step; each request's stage times are ordered."""
+    engine = make_engine(model_dir, num_gpu_blocks_override=16, max_num_batched_tokens=32)
+    outputs = run_checked(engine, prompts, GREEDY)
+    stats = engine.make_stats()
+    assert stats.num_preemptions > 0  # recomputed tokens must not count as new prompt tokens or new gaps
+    assert stats.num_prompt_tokens == sum(len(prompt) for prompt in prompts)
+    assert len(stats.time_to_first_tokens_s) == len(prompts)
+    assert len(stats.inter_token_latencies_s) == stats.num_generation_tokens - len(prompts)
+    assert stats.num_generation_tokens == len(prompts) * MAX_TOKENS
+    assert len(stats.num_tokens_per_step) == stats.num_steps
+    # every prompt token the prefix cache did not supply, and every sampled token but each request's last,
+    # passes through the model at least once (preemption recomputes some twice)
+    num_computed_at_least = (
+        stats.num_prompt_tokens - stats.num_cached_tokens + stats.num_generation_tokens - len(prompts)
+    )
+    assert sum(stats.num_tokens_per_step) >= num_computed_at_least
+    assert max(stats.num_tokens_per_step) <= 32
+    assert min(stats.time_to_first_tokens_s + stats.inter_token_latencies_s) > 0
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
+    for output in outputs:
+        m = output.metrics
+        assert m is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    fresh = engine.make_stats()
+    assert (fresh.num_prompt_tokens, fresh.time_to_first_tokens_s, fresh.num_tokens_per_step) == (0, [], [])
+
+
+def test_waiting_and_running_counts_are_taken_when_stats_are_made(model_dir, prompts):
+    engine = make_engine(model_dir, max_num_seqs=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    stats = engine.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, len(prompts))
+    engine.step()
+    stats = engine.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (2, len(prompts) - 2)
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))

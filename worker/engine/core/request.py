@@ -11,10 +11,11 @@ KV cache manager only ever see sequences. The request finishes when all its sequ
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.engine.outputs import FinishReason, PositionLogprobs
+from worker.engine.outputs import FinishReason, PositionLogprobs, RequestMetrics
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -98,7 +99,10 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One prompt and its sequences; ``prompt_logprobs`` has one entry per prompt token (the first is None)."""
+    """One prompt and its sequences; ``prompt_logprobs`` has one entry per prompt token (the first is None).
+
+    ``metrics`` holds the request's stage times; ``arrival_time`` is stamped when the request is built.
+    """
 
     request_id: str
     prompt: str | None
@@ -107,6 +111,7 @@ class Request:
     seqs: list[Sequence]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     beam_search: BeamSearchState | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property
     def is_finished(self) -> bool:

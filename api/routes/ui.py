@@ -1,0 +1,140 @@
+"""``/ui``: the read-only jobs page, rendered on the server (Jinja2 templates in ``api/templates``).
+
+Pages (docs/api.md, "Jobs page"):
+- ``/ui``: batches (status, progress bar, tokens, tokens/s, created and finished times), schedules
+  (next and last runs) and live workers;
+- ``/ui/batches/{id}``: request counts, a plot of finished lines and output tokens over time (inline
+  SVG from the lines' ``finished_at``), the first failed lines, links to the output and error files;
+- ``/ui/files/{id}``: the first lines of a stored file, with a link to its raw content.
+
+A page showing a running batch carries ``data-refresh``; ``/ui/static/ui.js`` then re-fetches it
+every few seconds and swaps its ``<main>`` in place. No build step, no client framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from api.deps import SessionDep, SettingsDep
+from jobs.errors import NotFound
+from jobs.files import file_path, get_file
+from jobs.progress import FinishPoint, batch_progress, finish_series, first_failed_lines
+from jobs.repository import get_batch, list_batches
+from jobs.schedules import list_schedules
+from jobs.status import now_s
+from jobs.workers import list_live_workers
+
+HERE = Path(__file__).resolve().parent.parent
+templates = Jinja2Templates(directory=HERE / "templates")
+router = APIRouter(prefix="/ui", include_in_schema=False)
+MAX_BATCHES = 50
+MAX_FILE_LINES = 200
+REFRESH_MS = 2000
+
+
+def _time(value: int | None) -> str:
+    return "" if value is None else datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+templates.env.filters["utc"] = _time
+
+
+@dataclass(frozen=True, slots=True)
+class Plot:
+    """Two cumulative series on one time axis, as SVG polyline points in a ``width`` x ``height`` box."""
+
+    width: int
+    height: int
+    lines_points: str
+    tokens_points: str
+    max_lines: int
+    max_tokens: int
+    span_s: int
+
+
+def _plot(series: list[FinishPoint], start_s: int | None, width: int = 600, height: int = 200) -> Plot | None:
+    if not series:
+        return None
+    t0 = min(start_s or series[0].finished_at, series[0].finished_at)
+    span_s = max(1, series[-1].finished_at - t0)
+    max_lines = series[-1].num_lines
+    max_tokens = max(1, series[-1].num_output_tokens)
+
+    def points(values: list[tuple[int, int]], top: int) -> str:
+        coords = [(0.0, float(height))] + [
+            (width * (t - t0) / span_s, height - height * v / max(1, top)) for t, v in values
+        ]
+        return " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
+
+    return Plot(
+        width=width,
+        height=height,
+        lines_points=points([(p.finished_at, p.num_lines) for p in series], max_lines),
+        tokens_points=points([(p.finished_at, p.num_output_tokens) for p in series], max_tokens),
+        max_lines=max_lines,
+        max_tokens=max_tokens,
+        span_s=span_s,
+    )
+
+
+@router.get("", response_class=HTMLResponse)
+def index(request: Request, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
+    now = now_s()
+    batches, _ = list_batches(session, limit=MAX_BATCHES)
+    progress = [batch_progress(batch, now=now) for batch in batches]
+    schedules, _ = list_schedules(session, limit=MAX_BATCHES)
+    live = list_live_workers(session, now=now, live_s=settings.worker_live_s)
+    return templates.TemplateResponse(
+        request,
+        "index.html",
+        {
+            "batches": progress,
+            "schedules": schedules,
+            "workers": live,
+            "refresh_ms": REFRESH_MS if any(not p.is_terminal for p in progress) else None,
+        },
+    )
+
+
+@router.get("/batches/{batch_id}", response_class=HTMLResponse)
+def batch_page(request: Request, session: SessionDep, batch_id: str) -> HTMLResponse:
+    batch = get_batch(session, batch_id=batch_id)
+    progress = batch_progress(batch, now=now_s())
+    return templates.TemplateResponse(
+        request,
+        "batch.html",
+        {
+            "p": progress,
+            "plot": _plot(finish_series(session, batch_id=batch_id), batch.started_at or batch.in_progress_at),
+            "failed": first_failed_lines(session, batch_id=batch_id),
+            "refresh_ms": None if progress.is_terminal else REFRESH_MS,
+        },
+    )
+
+
+@router.get("/files/{file_id}", response_class=HTMLResponse)
+def file_page(request: Request, session: SessionDep, settings: SettingsDep, file_id: str) -> HTMLResponse:
+    file = get_file(session, file_id=file_id)
+    if file is None:
+        raise NotFound("file", file_id)
+    with file_path(file, settings.files_dir).open(encoding="utf-8", errors="replace") as f:
+        lines = [line.rstrip("\n") for line in islice(f, MAX_FILE_LINES + 1)]
+    return templates.TemplateResponse(
+        request,
+        "file.html",
+        {"file": file, "lines": lines[:MAX_FILE_LINES], "truncated": len(lines) > MAX_FILE_LINES, "refresh_ms": None},
+    )
+
+
+def install_ui(app: FastAPI) -> None:
+    """Mount the pages and their static files (``/ui/static``) on ``app``."""
+    app.include_router(router)
+    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")

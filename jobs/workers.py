@@ -1,0 +1,93 @@
+"""Worker heartbeats: each worker process rewrites its ``workers`` row every few seconds; a row is
+*live* while its heartbeat is younger than ``Settings.worker_live_s`` (docs/architecture.md, "Observability").
+
+Data functions (keyword-only; the caller owns the transaction) and `WorkerObject`, the shape
+``GET /v1/workers`` and the jobs page show.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from jobs.models import Worker
+
+
+class WorkerObject(BaseModel):
+    """A live worker as the API returns it (batchinfer's own object; ``*_at`` are Unix seconds)."""
+
+    object: Literal["worker"] = "worker"
+    id: str
+    host: str
+    pid: int
+    model: str
+    device: str
+    current_batch_id: str | None
+    num_running_requests: int
+    tokens_per_s: float
+    metrics_port: int | None
+    started_at: int
+    last_heartbeat_at: int
+
+    @classmethod
+    def from_row(cls, worker: Worker) -> WorkerObject:
+        return cls(
+            id=worker.id,
+            host=worker.host,
+            pid=worker.pid,
+            model=worker.model,
+            device=worker.device,
+            current_batch_id=worker.current_batch_id,
+            num_running_requests=worker.num_running_requests,
+            tokens_per_s=worker.tokens_per_s,
+            metrics_port=worker.metrics_port,
+            started_at=worker.started_at,
+            last_heartbeat_at=worker.last_heartbeat_at,
+        )
+
+
+class WorkerList(BaseModel):
+    """``GET /v1/workers``: every live worker, most recently started first."""
+
+    object: Literal["list"] = "list"
+    data: list[WorkerObject]
+
+
+def record_heartbeat(
+    session: Session,
+    *,
+    worker_id: str,
+    host: str,
+    pid: int,
+    model: str,
+    device: str,
+    current_batch_id: str | None,
+    num_running_requests: int,
+    tokens_per_s: float,
+    metrics_port: int | None,
+    started_at: int,
+    now: int,
+) -> None:
+    """Insert or rewrite the worker's row with its current state and ``last_heartbeat_at = now``."""
+    worker = session.get(Worker, worker_id)
+    if worker is None:
+        worker = Worker(id=worker_id)
+        session.add(worker)
+    worker.host, worker.pid, worker.model, worker.device = host, pid, model, device
+    worker.current_batch_id, worker.num_running_requests = current_batch_id, num_running_requests
+    worker.tokens_per_s, worker.metrics_port = tokens_per_s, metrics_port
+    worker.started_at, worker.last_heartbeat_at = started_at, now
+
+
+def remove_worker(session: Session, *, worker_id: str) -> None:
+    """Delete the worker's row (a worker shutting down cleanly); an unknown id is ignored."""
+    session.execute(delete(Worker).where(Worker.id == worker_id))
+
+
+def list_live_workers(session: Session, *, now: int, live_s: float) -> list[Worker]:
+    """Workers whose last heartbeat is at most ``live_s`` seconds before ``now``, most recently started first."""
+    query = select(Worker).where(Worker.last_heartbeat_at >= now - live_s)
+    return list(session.scalars(query.order_by(Worker.started_at.desc(), Worker.id)))

@@ -1,0 +1,105 @@
+"""``/ui`` rendered on the server: batches with progress, a batch's plot, errors and file links, schedules,
+workers, and the refresh marker while a batch runs. The browser test is tests/e2e/test_ui_browser.py."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from jobs import repository, workers
+from jobs.config import Settings
+from jobs.db import session_scope
+from jobs.status import now_s
+from tests.helpers.service import CHAT, chat_line, jsonl
+
+
+def _start_batch(client: Any, num_lines: int) -> str:
+    data = jsonl([chat_line(f"q-{i}") for i in range(num_lines)])
+    created = client.post("/v1/jobs", files={"file": ("job.jsonl", data)}, data={"endpoint": CHAT}).json()
+    return created["id"]
+
+
+def _record(settings: Settings, batch_id: str, *, ok: int, failed: int, start: int) -> None:
+    with session_scope(settings.database_url) as session:
+        repository.claim_batch(session, batch_id=batch_id, now=start)
+        pending = repository.pending_requests(session, batch_id=batch_id)
+        for i, line in enumerate(pending[:ok]):
+            body = {"usage": {"completion_tokens": 10}}
+            repository.record_result(
+                session,
+                request_id=line.id,
+                response={"status_code": 200, "request_id": "req_x", "body": body},
+                error=None,
+                completion_tokens=10,
+                now=start + 1 + i,
+            )
+        for line in pending[ok : ok + failed]:
+            body = {"error": {"message": "prompt is too long: 9000 tokens", "type": "invalid_request_error"}}
+            repository.record_result(
+                session,
+                request_id=line.id,
+                response={"status_code": 400, "request_id": "req_y", "body": body},
+                error=None,
+                now=start + ok + 1,
+            )
+
+
+def test_index_lists_batches_with_progress_schedules_and_workers(client: Any, service_settings: Settings) -> None:
+    batch_id = _start_batch(client, 4)
+    _record(service_settings, batch_id, ok=2, failed=1, start=now_s() - 10)
+    with session_scope(service_settings.database_url) as session:
+        workers.record_heartbeat(
+            session,
+            worker_id="gpu-7:99",
+            host="gpu-7",
+            pid=99,
+            model="SmolLM2-135M-Instruct",
+            device="cuda",
+            current_batch_id=batch_id,
+            num_running_requests=1,
+            tokens_per_s=42.0,
+            metrics_port=None,
+            started_at=now_s(),
+            now=now_s(),
+        )
+    file_id = client.get(f"/v1/batches/{batch_id}").json()["input_file_id"]
+    client.post("/v1/schedules", json={"cron": "0 3 * * *", "endpoint": CHAT, "input_file_id": file_id})
+
+    response = client.get("/ui")
+
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    html = response.text
+    row = re.search(rf'<tr data-batch-id="{batch_id}" data-status="in_progress">(.*?)</tr>', html, re.S)
+    assert row, html
+    assert 'aria-valuenow="3"' in row.group(1) and "2/1/4" in row.group(1)
+    assert 'style="width: 50.00%"' in row.group(1) and 'style="width: 25.00%"' in row.group(1)
+    assert '<td class="num">20</td>' in row.group(1)  # output tokens
+    assert "0 3 * * *" in html and "gpu-7" in html and "42.0" in html
+    assert "data-refresh=" in html  # a batch is running
+
+
+def test_batch_page_plots_lines_shows_errors_and_links_files(client: Any, service_settings: Settings) -> None:
+    batch_id = _start_batch(client, 4)
+    _record(service_settings, batch_id, ok=3, failed=1, start=now_s() - 10)
+    running = client.get(f"/ui/batches/{batch_id}").text
+    assert "data-refresh=" in running and 'id="output-file"' not in running
+    with session_scope(service_settings.database_url) as session:
+        repository.finalize_batch(session, batch_id=batch_id, files_dir=service_settings.files_dir)
+
+    html = client.get(f"/ui/batches/{batch_id}").text
+
+    assert "data-refresh=" not in html and ">completed<" in html
+    assert "total 4, completed 3, failed 1" in html
+    lines_points = re.search(r'class="lines" points="([^"]+)"', html).group(1).split()
+    assert len(lines_points) == 1 + 4  # the origin, then one point per second that saw a line finish
+    assert lines_points[-1].split(",")[1] == "0.0"  # the last point reaches the top: every line
+    assert "prompt is too long: 9000 tokens" in html
+    output_link = re.search(r'id="output-file" href="([^"]+)"', html).group(1)
+    assert re.search(r'id="error-file" href="/ui/files/file-', html)
+    file_page = client.get(output_link).text
+    assert file_page.count("&#34;custom_id&#34;") == 3 and 'href="/v1/files/' in file_page  # JSON, escaped
+
+
+def test_unknown_batch_is_a_404(client: Any) -> None:
+    assert client.get("/ui/batches/batch_nope").status_code == 404
+    assert client.get("/ui/static/ui.js").status_code == 200

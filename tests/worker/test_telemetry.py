@@ -1,0 +1,197 @@
+"""Runner -> telemetry: Prometheus engine metrics and the worker heartbeat, with the stand-in engine.
+
+The real engine's figures are checked against a live worker's scrape in tests/e2e/test_observability_e2e.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobs import workers
+from jobs.db import session_scope
+from jobs.status import BatchStatus
+from tests.e2e.processes import free_port
+from tests.worker.test_runner import StandInEngine, completion, make_batch, service  # noqa: F401
+from worker import runner
+from worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from worker.engine.stats import EngineStats
+from worker.metrics import EngineMetrics, serve_metrics, token_count_buckets
+from worker.telemetry import Heartbeat, WorkerActivity, WorkerTelemetry
+
+
+def scrape(registry) -> dict[str, float]:
+    """``{sample name with labels: value}`` of the registry's exposition, parsed by prometheus_client."""
+    from prometheus_client import generate_latest
+
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_runner_feeds_step_stats_and_finished_requests_to_the_metrics(service, served_tokenizer):
+    bodies = [completion(f"def f{i}(x):\n", max_tokens=3) for i in range(5)]
+    batch_id = make_batch(bodies)
+    telemetry = WorkerTelemetry(EngineMetrics("m"), WorkerActivity())
+    seen_batch: list[str | None] = []
+    engine = StandInEngine(
+        served_tokenizer, max_num_seqs=2, on_step=lambda _: seen_batch.append(telemetry.activity.current_batch_id)
+    )
+
+    assert runner.run_batch(batch_id, engine=engine, observer=telemetry) == BatchStatus.COMPLETED
+
+    samples = scrape(telemetry.metrics.registry)
+    assert samples["batchinfer:generation_tokens_total{}"] == 15
+    assert samples["batchinfer:request_success_total{finished_reason=length}"] == 5
+    assert samples["batchinfer:request_generation_tokens_count{}"] == 5
+    assert samples["batchinfer:request_generation_tokens_sum{}"] == 15
+    assert samples["batchinfer:num_requests_running{}"] == 0  # idle again after the batch
+    assert set(seen_batch) == {batch_id} and telemetry.activity.current_batch_id is None
+    assert telemetry.activity.tokens_per_s() > 0
+
+
+def test_step_stats_map_to_vllm_names():
+    metrics = EngineMetrics("m")
+    stats = EngineStats(
+        num_steps=1,
+        num_generation_tokens=4,
+        num_prompt_tokens=30,
+        prefix_cache_queries=32,
+        prefix_cache_hits=16,
+        num_preemptions=1,
+        kv_cache_usage=0.25,
+        num_running_reqs=4,
+        num_waiting_reqs=2,
+        num_tokens_per_step=[20],
+        time_to_first_tokens_s=[0.5, 0.7],
+        inter_token_latencies_s=[0.05, 0.05],
+    )
+    metrics.record_step(stats)
+    metrics.record_finished(
+        RequestOutput(
+            "r",
+            None,
+            [1, 2, 3],
+            [CompletionOutput(0, "x", [5, 6], finish_reason="stop")],
+            finished=True,
+            metrics=RequestMetrics(10.0, 11.0, 12.5, 14.0, 14.25),
+        )
+    )
+    samples = scrape(metrics.registry)
+    expected = {
+        "batchinfer:num_requests_running{}": 4,
+        "batchinfer:num_requests_waiting{}": 2,
+        "batchinfer:kv_cache_usage_perc{}": 0.25,
+        "batchinfer:prefix_cache_queries_total{}": 32,
+        "batchinfer:prefix_cache_hits_total{}": 16,
+        "batchinfer:num_preemptions_total{}": 1,
+        "batchinfer:prompt_tokens_total{}": 30,
+        "batchinfer:generation_tokens_total{}": 4,
+        "batchinfer:iteration_tokens_total_sum{}": 20,
+        "batchinfer:time_to_first_token_seconds_count{}": 2,
+        "batchinfer:inter_token_latency_seconds_sum{}": 0.1,
+        "batchinfer:e2e_request_latency_seconds_sum{}": 4.25,
+        "batchinfer:request_queue_time_seconds_sum{}": 1.0,
+        "batchinfer:request_prefill_time_seconds_sum{}": 1.5,
+        "batchinfer:request_decode_time_seconds_sum{}": 1.5,
+        "batchinfer:request_prompt_tokens_sum{}": 3,
+        "batchinfer:request_success_total{finished_reason=stop}": 1,
+    }
+    assert {name: pytest.approx(samples[name]) for name in expected} == expected
+
+
+def test_token_count_buckets_follow_vllms_1_2_5_series():
+    assert token_count_buckets(120) == (1, 2, 5, 10, 20, 50, 100)
+
+
+def test_the_worker_port_serves_its_metrics():
+    metrics = EngineMetrics("m")
+    metrics.generation_tokens.inc(7)
+    port = free_port()
+    assert serve_metrics(metrics.registry, port, host="127.0.0.1")
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert 'batchinfer:generation_tokens_total{model_name="m"} 7.0' in text
+    assert not serve_metrics(metrics.registry, port, host="127.0.0.1")  # taken: reported, not raised
+
+
+def test_activity_rate_counts_only_the_last_window():
+    now = [100.0]
+    activity = WorkerActivity(window_s=60, clock=lambda: now[0])
+    now[0] = 110.0
+    activity.add_tokens(50)  # 50 tokens in the 10 s since the activity began
+    assert activity.tokens_per_s() == pytest.approx(5.0)
+    now[0] = 200.0
+    activity.add_tokens(60)
+    assert activity.tokens_per_s() == pytest.approx(1.0)  # the first 50 fell out of the minute
+
+
+def test_heartbeat_writes_then_removes_its_row(service):
+    activity = WorkerActivity()
+    activity.current_batch_id, activity.num_running_requests = "batch_x", 3
+    heartbeat = Heartbeat(service, activity, model="m", device="cpu", metrics_port=9400, host="h", pid=42)
+    heartbeat.start()
+    try:
+        for _ in range(100):
+            with session_scope() as session:
+                live = workers.list_live_workers(session, now=heartbeat.started_at, live_s=30)
+            if live:
+                break
+            threading.Event().wait(0.05)
+        assert [(w.id, w.current_batch_id, w.num_running_requests, w.metrics_port) for w in live] == [
+            ("h:42", "batch_x", 3, 9400)
+        ]
+        with session_scope() as session:
+            assert workers.list_live_workers(session, now=heartbeat.started_at + 31, live_s=30) == []
+    finally:
+        heartbeat.stop()
+    with session_scope() as session:
+        assert workers.list_live_workers(session, now=heartbeat.started_at, live_s=30) == []
+
+
+_CHILD = """
+import sys
+from worker.engine.stats import EngineStats
+from worker.metrics import EngineMetrics
+running, tokens = int(sys.argv[1]), int(sys.argv[2])
+EngineMetrics("m").record_step(
+    EngineStats(num_steps=1, num_running_reqs=running, num_generation_tokens=tokens, kv_cache_usage=running / 10)
+)
+"""
+
+
+def test_multiprocess_mode_serves_the_hosts_processes_together(tmp_path, monkeypatch):
+    """Two worker processes sharing PROMETHEUS_MULTIPROC_DIR: one scrape sums their counters and live
+    gauges (KV usage: the maximum); a process marked dead leaves the live gauges."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client import generate_latest
+
+    from tests.helpers.monitoring import parse_scrape, sample_value
+    from worker.metrics import exposition_registry, mark_process_dead
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    for running, tokens in ((2, 5), (3, 7)):
+        subprocess.run([sys.executable, "-c", _CHILD, str(running), str(tokens)], env=env, check=True)
+    pids = sorted(int(path.stem.rsplit("_", 1)[1]) for path in tmp_path.glob("gauge_livesum_*.db"))
+    assert len(pids) == 2
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    def scrape():
+        return parse_scrape(generate_latest(exposition_registry(EngineMetrics("unused").registry)).decode())
+
+    both = scrape()
+    assert sample_value(both, "batchinfer:generation_tokens_total") == 12
+    assert sample_value(both, "batchinfer:num_requests_running") == 5
+    assert sample_value(both, "batchinfer:kv_cache_usage_perc") == pytest.approx(0.3)
+    mark_process_dead(pids[0])
+    one_left = scrape()
+    assert sample_value(one_left, "batchinfer:generation_tokens_total") == 12  # counters keep what was counted
+    assert sample_value(one_left, "batchinfer:num_requests_running") in (2, 3)
