@@ -406,6 +406,10 @@ class LLMEngine:
             )
             for index, seq in enumerate(chosen)
         ]
+        return self._finished_output(request, outputs)
+
+    @staticmethod
+    def _finished_output(request: Request, outputs: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -437,13 +441,4 @@ class LLMEngine:
                     stop_reason=hyp.stop_reason,
                 )
             )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-            prompt_logprobs=request.prompt_logprobs,
-            num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
-            metrics=request.metrics,
-        )
+        return self._finished_output(request, outputs)

@@ -5,24 +5,12 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
-from tests.helpers.tiny_llama import save_tiny_llama
 from worker.engine import EngineConfig, LLMEngine, PromptTooLongError, SamplingParams
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
 from tests.helpers.scheduling import run_step, scheduled
-from tests.helpers.tiny_llama import save_tiny_llama
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.core.kv_cache_manager import KVCacheManager
 from worker.engine.core.request import Sequence
@@ -184,11 +183,6 @@ def test_every_shared_prefix_is_one_contiguous_run(lines):
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="module")
