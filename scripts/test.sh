@@ -62,4 +62,17 @@ if [ "$need_services" = 1 ]; then
         --dir /var/lib/redis --logfile /var/log/redis/ci.log
 fi
 
+# The jobs page's browser test (tests/e2e/test_ui_browser.py) drives the system Chromium through
+# Playwright (whose own browser download is not used); without it that test is skipped.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test: installing chromium (apt-get) for the browser test"
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null; then
+            echo "test: chromium did not install; the browser test will be skipped" >&2
+        fi
+    else
+        echo "test: chromium is missing (install it as root: apt-get install chromium); the browser test will be skipped" >&2
+    fi
+fi
+
 exec python -m pytest -q -m "not gpu" "$@"
