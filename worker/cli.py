@@ -6,7 +6,7 @@
     batchinfer worker                 a Celery worker (solo pool: one engine per process)
     batchinfer beat                   Celery beat + a light worker for its ticks (scheduled runs; no engine)
     batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes
-    batchinfer submit FILE --endpoint /v1/completions [--wait] [--output PATH]
+    batchinfer submit FILE [--endpoint URL] [--wait] [--output PATH]
     batchinfer status BATCH_ID        one batch's status, counts, tokens and files
     batchinfer ls [--limit N]         the latest batches
 
@@ -67,14 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     beat.add_argument("--loglevel", default="INFO")
     beat.set_defaults(handler=_beat)
 
-    serve = commands.add_parser("serve", help="db upgrade, then API + worker in child processes")
+    serve = commands.add_parser("serve", help="db upgrade, then API, worker and beat in child processes")
     _add_bind_args(serve, settings.api_host, settings.api_port)
     serve.add_argument("--no-beat", action="store_true", help="do not run the beat scheduler")
     serve.set_defaults(handler=_serve)
 
     submit = commands.add_parser("submit", help="submit a JSONL file as a batch through the HTTP API")
     submit.add_argument("file", type=Path)
-    submit.add_argument("--endpoint", required=True, choices=["/v1/completions", "/v1/chat/completions"])
+    submit.add_argument(
+        "--endpoint",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="the batch's endpoint (default: the `url` of the file's first line)",
+    )
     _add_base_url_arg(submit, settings.api_host, settings.api_port)
     submit.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--wait", action="store_true", help="poll until the batch ends, then download")
@@ -225,7 +229,25 @@ def _submit(args: argparse.Namespace) -> int:
     if not args.file.is_file():
         print(f"submit: no such file: {args.file}", file=sys.stderr)
         return 2
+    if args.endpoint is None:
+        args.endpoint = first_line_url(args.file)
+        if args.endpoint is None:
+            print(f"submit: the first line of {args.file} names no url; give --endpoint", file=sys.stderr)
+            return 2
     return _over_http("submit", args, _submit_file)
+
+
+def first_line_url(path: Path) -> str | None:
+    """The ``url`` of the first non-blank line of a batch input file, or None when it has none."""
+    with path.open("rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    url = json.loads(raw).get("url")
+                except (ValueError, AttributeError):
+                    return None
+                return url if isinstance(url, str) else None
+    return None
 
 
 def _over_http(command: str, args: argparse.Namespace, run: Any) -> int:

@@ -119,6 +119,19 @@ def test_submit_posts_the_file_and_prints_the_batch(live_api, tmp_path, capsys, 
     assert batch["status"] in ("validating", "in_progress")
 
 
+def test_submit_takes_the_endpoint_from_the_first_line(live_api, tmp_path, capsys):
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": BUILTIN_MODEL}}
+    path = tmp_path / "job.jsonl"
+    path.write_text("\n" + json.dumps(line) + "\n")
+
+    assert cli.main(["submit", str(path), "--base-url", live_api]) == 0
+    assert json.loads(capsys.readouterr().out)["endpoint"] == "/v1/chat/completions"
+
+    path.write_text("not json\n")
+    assert cli.main(["submit", str(path), "--base-url", live_api]) == 2
+    assert "give --endpoint" in capsys.readouterr().err
+
+
 def test_submit_reports_http_errors(live_api, tmp_path):
     path = tmp_path / "job.jsonl"
     path.write_text("{}\n")

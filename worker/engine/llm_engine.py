@@ -98,7 +98,8 @@ class LLMEngine:
                     ", ..." if len(bad_ids) > _MAX_IDS_SHOWN else ""
                 )
                 raise InvalidParameterError(
-                    f"{param} holds {len(bad_ids)} token ids outside the vocabulary [0, {vocab_size}): {shown}", param
+                    f"{param} holds token ids outside the vocabulary [0, {vocab_size}): {shown} ({len(bad_ids)} in all)",
+                    param,
                 )
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
