@@ -179,3 +179,25 @@ def test_beams_that_cannot_fit_the_cache_side_by_side_are_refused(tmp_path):
     with pytest.raises(InvalidParameterError, match="need 24 KV blocks") as info:
         engine.add_request("r", list(range(5, 17)), SamplingParams(n=4, use_beam_search=True, max_tokens=12))
     assert info.value.param == "n"
+
+
+def test_each_beams_cumulative_logprob_equals_a_plain_rescoring(tmp_path):
+    """A returned beam's cumulative logprob is the sum of its tokens' log-softmax under one plain HF
+    forward pass over prompt + beam (no cache, batch of one)."""
+    from tests.helpers.tiny_llama import save_tiny_llama
+
+    model_dir = save_tiny_llama(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), block_size=4, max_model_len=64, kv_cache_memory_bytes=1 << 22)
+    )
+    prompt = [5 + (11 * j) % 250 for j in range(10)]
+    [out] = engine.generate([prompt], SamplingParams(n=3, use_beam_search=True, max_tokens=8, logprobs=0))
+    assert len(out.outputs) == 3
+    for beam in out.outputs:
+        ids = torch.tensor([prompt + beam.token_ids])
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+        positions = range(len(prompt) - 1, len(prompt) + len(beam.token_ids) - 1)
+        rescored = sum(float(logprobs[pos, token]) for pos, token in zip(positions, beam.token_ids, strict=True))
+        assert beam.cumulative_logprob == pytest.approx(rescored, abs=1e-4)
