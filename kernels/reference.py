@@ -30,6 +30,20 @@ def reshape_and_cache(
         kv_cache[1, block_id, offset] = value[token_idx]
 
 
+def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+    """Copy-on-write block copies: block ``dst_block_ids[i]`` becomes block ``src_block_ids[i]`` (K and V).
+
+    All copies read the cache as it was before the call (vLLM's ``copy_blocks``; Kwon et al. 2023, section 4.4).
+
+    Args:
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``; mutated in place.
+        src_block_ids, dst_block_ids: integer ``[num_pairs]``; every destination distinct.
+    """
+    sources = kv_cache[:, src_block_ids.long()].clone()
+    for pair_idx, dst in enumerate(dst_block_ids.tolist()):
+        kv_cache[:, dst] = sources[:, pair_idx]
+
+
 def paged_attention_reference(
     query: torch.Tensor,
     kv_cache: torch.Tensor,

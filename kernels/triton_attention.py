@@ -1,0 +1,346 @@
+"""Triton kernels of the paged KV cache: attention over a block table, KV store, block copy.
+
+Same layout as :mod:`kernels.reference` (vLLM's): ``kv_cache: [2, num_blocks, block_size, num_kv_heads,
+head_size]``, slot ``= block_id * block_size + offset``. Each kernel has a plain PyTorch twin there with the
+same contract; CUDA runs these, CPU runs the twins (tests compare the two under ``TRITON_INTERPRET=1``).
+
+- :func:`paged_attention_triton`: one program per (sequence, KV head, tile of query tokens). The tile's
+  rows are (query token, query head of that KV head) pairs, so the ``num_heads // num_kv_heads`` query
+  heads of a group share every K/V load (grouped-query attention). K/V are read through the block table
+  in tiles of ``BLOCK_N`` positions (a tile may span several blocks), with an online softmax in float32
+  (Milakov and Gimelshein 2018; Dao et al. 2022, FlashAttention) and a causal bound that stops at the
+  tile's last visible position. One kernel serves decode, extend (k + 1 tokens after a cached context)
+  and prefill rows of one ragged batch.
+- :func:`reshape_and_cache_triton`: store new K/V through ``slot_mapping`` (vLLM's ``reshape_and_cache``).
+- :func:`copy_blocks_triton`: copy-on-write block copies, all pairs in one launch.
+
+Every load and store is masked; block ids and token offsets are widened to int64 before they are
+multiplied by a stride, so caches of more than 2**31 elements address correctly.
+This module imports nothing of batchinfer's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,
+    cache_ptr,
+    out_ptr,
+    lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ckv,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_lt,
+    num_queries_per_kv,
+    head_size,
+    block_size,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq_idx)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - query_start
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_start = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    q_in_seq = q_tile * BLOCK_Q + rows // BLOCK_H
+    head_in_group = rows % BLOCK_H
+    row_valid = (q_in_seq < query_len) & (head_in_group < num_queries_per_kv)
+    # NOTE: padding rows take the last real query's position so they always see a key (no 0/0 in the
+    # softmax); they are never stored.
+    q_pos = context_start + tl.minimum(q_in_seq, query_len - 1)
+    token_idx = (query_start + q_in_seq).to(tl.int64)
+    head_idx = (kv_head * num_queries_per_kv + head_in_group).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+
+    q_ptrs = query_ptr + token_idx[:, None] * stride_qt + head_idx[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    # The tile's last query sees positions up to context_start + its index: nothing beyond is read.
+    kv_end = tl.minimum(seq_len, context_start + (q_tile + 1) * BLOCK_Q)
+    table_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_ch
+    for kv_start in range(0, kv_end, BLOCK_N):
+        positions = kv_start + tl.arange(0, BLOCK_N)
+        pos_valid = positions < kv_end
+        block_ids = tl.load(table_row + positions // block_size, mask=pos_valid, other=0).to(tl.int64)
+        slot_offsets = block_ids * stride_cb + (positions % block_size).to(tl.int64) * stride_cs + head_offset
+        kv_mask = pos_valid[None, :] & dim_valid[:, None]
+        k = tl.load(cache_ptr + slot_offsets[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_mask = pos_valid[:, None] & dim_valid[None, :]
+        v = tl.load(cache_ptr + stride_ckv + slot_offsets[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + token_idx[:, None] * stride_ot + head_idx[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if HAS_LSE:
+        tl.store(lse_ptr + token_idx * stride_lt + head_idx, m_i + tl.log(l_i), mask=row_valid)
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(4) != 1:
+        raise ValueError(
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size] with unit stride in head_size, "
+            f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+        )
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    lse_out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of a ragged batch (decode, extend and prefill rows) over a block table.
+
+    Same contract as :func:`kernels.reference.paged_attention_reference`: sequence ``s`` owns query rows
+    ``query_start_loc[s] : query_start_loc[s + 1]``, the last ``query_len`` positions of its
+    ``seq_lens[s]``-token context (already in the cache); query row ``i`` sees positions up to
+    ``seq_lens[s] - query_len + i``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    Scores, softmax and the output accumulator are float32 (float32 inputs use IEEE products, not TF32).
+
+    Args:
+        query: float32/float16/bfloat16 ``[num_tokens, num_heads, head_size]``, unit stride in the last dim.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` in ``query.dtype``, unit stride in
+            the last dim; ``block_size`` a power of two.
+        query_start_loc: integer ``[num_seqs + 1]`` prefix sums of the query lengths.
+        seq_lens: integer ``[num_seqs]`` context lengths including this step's tokens.
+        block_tables: integer ``[num_seqs, max_num_blocks_per_seq]`` physical block ids (padding ignored).
+        scale: multiplier of ``q . k``.
+        lse_out: optional float32 ``[num_tokens, num_heads]`` (unit stride in heads), filled with each row's
+            log-sum-exp of its scaled scores.
+        max_query_len: the longest query in the batch; computed from ``query_start_loc`` (a device sync on
+            CUDA) when not given.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
+
+    Raises:
+        ValueError: on a cache of the wrong layout, a dtype mismatch or a block size not a power of two.
+    """
+    _check_cache(kv_cache)
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if query.dtype != kv_cache.dtype or query.stride(2) != 1:
+        raise ValueError(f"query ({query.dtype}, strides {query.stride()}) must match the cache dtype {kv_cache.dtype}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    num_queries_per_kv = num_heads // num_kv_heads
+    output = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return output
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_h = triton.next_power_of_2(num_queries_per_kv)
+    # tl.dot needs at least 16 rows: a tile holds at least 16 (query token, head) pairs.
+    block_q = max(1, 16 // block_h)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    block_n = max(16, block_size)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    lse_arg = lse_out if lse_out is not None else output
+    _paged_attention_kernel[grid](
+        query,
+        kv_cache,
+        output,
+        lse_arg,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        lse_out.stride(0) if lse_out is not None else 0,
+        num_queries_per_kv,
+        head_size,
+        block_size,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HAS_LSE=lse_out is not None,
+        # NOTE: float32 products in IEEE precision, not TF32 (Triton's CUDA default), to match the twin;
+        # the setting only matters for float32 operands.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return output
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ckv,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_kv_heads,
+    head_size,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token_idx = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
+    dst = (
+        (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    )
+    key = tl.load(key_ptr + token_idx * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    value = tl.load(value_ptr + token_idx * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(cache_ptr + dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + stride_ckv + dst, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache_triton(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each new token's K and V at its slot (twin: :func:`kernels.reference.reshape_and_cache`).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, unit stride in the last dim (views of a
+            fused QKV projection are fine); cast to the cache dtype on store.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, unit stride in the last dim;
+            mutated in place.
+        slot_mapping: integer ``[num_tokens]`` distinct slots, each in ``[0, num_blocks * block_size)``.
+
+    Raises:
+        ValueError: on a cache of the wrong layout or K/V without unit stride in the last dim.
+    """
+    _check_cache(kv_cache)
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("key and value need unit stride in head_size")
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        num_kv_heads,
+        head_size,
+        kv_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_size),
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptr,
+    src_ptr,
+    dst_ptr,
+    stride_ckv,
+    stride_cb,
+    block_numel,
+    BLOCK: tl.constexpr,
+):
+    pair_idx = tl.program_id(0)
+    kv_idx = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    src = tl.load(src_ptr + pair_idx).to(tl.int64)
+    dst = tl.load(dst_ptr + pair_idx).to(tl.int64)
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < block_numel
+    base = cache_ptr + kv_idx * stride_ckv
+    data = tl.load(base + src * stride_cb + offsets, mask=mask)
+    tl.store(base + dst * stride_cb + offsets, data, mask=mask)
+
+
+def copy_blocks_triton(kv_cache: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+    """Copy K and V of block ``src_block_ids[i]`` onto block ``dst_block_ids[i]`` for every ``i`` in one launch
+    (copy-on-write, Kwon et al. 2023 section 4.4; twin: :func:`kernels.reference.copy_blocks`).
+
+    Args:
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, each block contiguous; mutated.
+        src_block_ids, dst_block_ids: integer ``[num_pairs]``. Every destination distinct and none of them a
+            source (copies run in parallel; the twin reads the cache as it was before the call).
+
+    Raises:
+        ValueError: on a cache whose blocks are not contiguous or mismatched id lengths.
+    """
+    _check_cache(kv_cache)
+    block_size, num_kv_heads, head_size = kv_cache.shape[2:]
+    if kv_cache.stride(3) != head_size or kv_cache.stride(2) != num_kv_heads * head_size:
+        raise ValueError(f"each block of kv_cache must be contiguous, got strides {kv_cache.stride()}")
+    if src_block_ids.shape != dst_block_ids.shape or src_block_ids.dim() != 1:
+        raise ValueError("src_block_ids and dst_block_ids must be 1-D and of one length")
+    num_pairs = src_block_ids.shape[0]
+    if num_pairs == 0:
+        return
+    block_numel = block_size * num_kv_heads * head_size
+    chunk = min(1024, triton.next_power_of_2(block_numel))
+    grid = (num_pairs, 2, triton.cdiv(block_numel, chunk))
+    _copy_blocks_kernel[grid](
+        kv_cache, src_block_ids, dst_block_ids, kv_cache.stride(0), kv_cache.stride(1), block_numel, BLOCK=chunk
+    )

@@ -1,0 +1,233 @@
+"""Parity of the Triton kernels (:mod:`kernels.triton_attention`) with their PyTorch twins (:mod:`kernels.reference`),
+and of the attention twin with dense ``scaled_dot_product_attention``.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the kernels are
+imported), on tiny shapes in float32 and float16 (bfloat16 is not exact in the interpreter). With CUDA the same
+tests run natively (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton_attention = pytest.importorskip(
+    "kernels.triton_attention", reason="triton is not installed (pip install triton==3.7.1, the `test` extra)"
+)
+import torch.nn.functional as F  # noqa: E402
+
+from kernels import reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def _make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    num_queries_per_kv: int,
+    head_size: int,
+    dtype: torch.dtype,
+    num_blocks: int | None = None,
+    forced_block_id: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """A cache full of NaN except the batch's context (so a read outside it poisons the output), block tables
+    of distinct shuffled blocks, and the query rows."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
+    needed = sum(blocks_per_seq)
+    num_blocks = num_blocks or needed + 3
+    block_ids = torch.randperm(num_blocks, generator=generator)[:needed]
+    if forced_block_id is not None:
+        block_ids[0] = forced_block_id
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    cursor = 0
+    for seq_idx, count in enumerate(blocks_per_seq):
+        block_tables[seq_idx, :count] = block_ids[cursor : cursor + count]
+        cursor += count
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    for seq_idx, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        slots = block_tables[seq_idx].long()[positions // block_size] * block_size + positions % block_size
+        key = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(dtype)
+        value = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(dtype)
+        reference.reshape_and_cache(key, value, kv_cache, slots)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_kv_heads * num_queries_per_kv, head_size, generator=generator).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return query, kv_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32), block_tables
+
+
+def _dense_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale) -> torch.Tensor:
+    """Each sequence's context gathered into dense K/V, then one float32 SDPA with an explicit causal mask."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_queries_per_kv = query.shape[1] // num_kv_heads
+    output = torch.empty(query.shape, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[seq_idx], starts[seq_idx + 1]
+        positions = torch.arange(seq_len)
+        blocks = block_tables[seq_idx].long()[positions // block_size]
+        keys = kv_cache[0][blocks, positions % block_size].float().repeat_interleave(num_queries_per_kv, dim=1)
+        values = kv_cache[1][blocks, positions % block_size].float().repeat_interleave(num_queries_per_kv, dim=1)
+        query_positions = torch.arange(seq_len - (end - start), seq_len)
+        mask = positions[None, :] <= query_positions[:, None]
+        out = F.scaled_dot_product_attention(
+            query[start:end].float().transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        output[start:end] = out.transpose(0, 1)
+    return output
+
+
+def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=2, num_queries_per_kv=3,
+                     head_size=16, **batch_kwargs) -> None:  # fmt: skip
+    query, kv_cache, query_start_loc, seq_lens_t, block_tables = _make_batch(
+        query_lens,
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        num_queries_per_kv=num_queries_per_kv,
+        head_size=head_size,
+        dtype=dtype,
+        **batch_kwargs,
+    )
+    scale = head_size**-0.5
+    num_tokens, num_heads = query.shape[:2]
+    lse_twin = torch.empty(num_tokens, num_heads)
+    twin = reference.paged_attention_reference(
+        query, kv_cache, query_start_loc, seq_lens_t, block_tables, scale, lse_out=lse_twin
+    )
+    dense = _dense_attention(query, kv_cache, query_start_loc, seq_lens_t, block_tables, scale)
+    torch.testing.assert_close(twin.float(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    lse = torch.full((num_tokens, num_heads), float("nan"), device=DEVICE)
+    out = triton_attention.paged_attention_triton(
+        query.to(DEVICE),
+        kv_cache.to(DEVICE),
+        query_start_loc.to(DEVICE),
+        seq_lens_t.to(DEVICE),
+        block_tables.to(DEVICE),
+        scale,
+        lse_out=lse,
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().float(), twin.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(lse.cpu(), lse_twin, atol=1e-4, rtol=1e-4)
+
+
+# (query_lens, seq_lens): odd lengths, contexts ending mid-block and on a block boundary.
+BATCHES = {
+    "decode": ([1, 1, 1], [1, 13, 24]),
+    "extend": ([4, 2, 3], [21, 9, 16]),
+    "prefill": ([7, 16, 1], [7, 16, 1]),
+    "mixed": ([1, 5, 4, 1, 9], [17, 5, 27, 3, 9]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_paged_attention_matches_twin(kind: str, block_size: int, dtype: torch.dtype) -> None:
+    query_lens, seq_lens = BATCHES[kind]
+    _check_attention(query_lens, seq_lens, dtype=dtype, block_size=block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_kv_heads", "num_queries_per_kv"), [(3, 1), (1, 3), (2, 8)])
+def test_paged_attention_grouped_query(num_kv_heads: int, num_queries_per_kv: int, dtype: torch.dtype) -> None:
+    query_lens, seq_lens = BATCHES["mixed"]
+    _check_attention(
+        query_lens, seq_lens, dtype=dtype, num_kv_heads=num_kv_heads, num_queries_per_kv=num_queries_per_kv
+    )
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 24])
+def test_paged_attention_head_sizes(head_size: int) -> None:
+    """The model head sizes, and one that is not a power of two (masked along the head dimension)."""
+    _check_attention([1, 3], [11, 19], dtype=torch.float16, block_size=16, head_size=head_size, num_kv_heads=1)
+
+
+def test_paged_attention_long_extend_spans_query_tiles() -> None:
+    """More query rows than one program's tile: later tiles read further into the context."""
+    _check_attention([1, 37], [6, 45], dtype=torch.float32, num_kv_heads=1, num_queries_per_kv=1)
+
+
+def test_paged_attention_block_id_above_2_16() -> None:
+    """A block id past 2**16 (a cache of 2**16 + 8 blocks, ~34 MB in float16). Offsets past 2**31 elements would
+    need a cache of several GB; the kernels widen block ids to int64 before any stride product for those."""
+    _check_attention(
+        [1, 3],
+        [9, 12],
+        dtype=torch.float16,
+        num_kv_heads=1,
+        num_blocks=2**16 + 8,
+        forced_block_id=2**16 + 5,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reshape_and_cache_matches_twin(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_size, block_size = 11, 3, 6, 4
+    num_blocks = 2**16 + 4
+    # K and V as strided views of a fused projection, float32 cast to the cache dtype on store.
+    fused = torch.randn(num_tokens, 2, num_kv_heads, head_size, generator=generator)
+    key, value = fused[:, 0], fused[:, 1]
+    slot_mapping = torch.randperm(6 * block_size, generator=generator)[:num_tokens]
+    slot_mapping[0] = (2**16 + 2) * block_size + 3
+    twin_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    reference.reshape_and_cache(key.to(dtype), value.to(dtype), twin_cache, slot_mapping)
+    cache = torch.zeros_like(twin_cache, device=DEVICE)
+    triton_attention.reshape_and_cache_triton(key.to(DEVICE), value.to(DEVICE), cache, slot_mapping.to(DEVICE))
+    assert torch.equal(cache.cpu(), twin_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_copy_blocks_matches_twin(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    num_blocks = 2**16 + 4
+    cache = torch.randn(2, num_blocks, 4, 1, 8, generator=generator).to(dtype)
+    src = torch.tensor([3, 3, 2**16 + 1, 7])
+    dst = torch.tensor([9, 2**16 + 3, 0, 5])
+    twin_cache = cache.clone()
+    reference.copy_blocks(twin_cache, src, dst)
+    assert torch.equal(twin_cache[:, dst], cache[:, src])
+    untouched = torch.ones(num_blocks, dtype=torch.bool)
+    untouched[dst] = False
+    assert torch.equal(twin_cache[:, untouched], cache[:, untouched])
+    device_cache = cache.to(DEVICE)
+    triton_attention.copy_blocks_triton(device_cache, src.to(DEVICE), dst.to(DEVICE))
+    assert torch.equal(device_cache.cpu(), twin_cache)
+
+
+def test_copy_blocks_twin_reads_the_cache_before_the_call() -> None:
+    cache = torch.arange(2 * 4 * 2, dtype=torch.float32).view(2, 4, 2, 1, 1)
+    original = cache.clone()
+    reference.copy_blocks(cache, torch.tensor([0, 1]), torch.tensor([1, 2]))
+    assert torch.equal(cache[:, 1], original[:, 0]) and torch.equal(cache[:, 2], original[:, 1])
+
+
+def test_paged_attention_rejects_bad_inputs() -> None:
+    query, kv_cache, query_start_loc, seq_lens, block_tables = _make_batch(
+        [1], [5], block_size=8, num_kv_heads=1, num_queries_per_kv=1, head_size=16, dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match="dtype"):
+        triton_attention.paged_attention_triton(query.half(), kv_cache, query_start_loc, seq_lens, block_tables, 0.25)
+    with pytest.raises(ValueError, match="power of two"):
+        bad = torch.zeros(2, 2, 6, 1, 16)
+        triton_attention.paged_attention_triton(query, bad, query_start_loc, seq_lens, block_tables, 0.25)
