@@ -20,7 +20,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence
 from worker.engine.core.scheduler import SchedulerOutput
-from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
+from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply, triton_kernels_apply
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
@@ -65,7 +65,9 @@ def kv_cache_bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
 
 
-def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[int, int]]) -> None:
+def copy_blocks(
+    kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[int, int]], *, use_triton_kernels: bool = False
+) -> None:
     """Execute copy-on-write block copies in every layer's cache: block ``dst`` becomes block ``src``.
 
     Args:
@@ -73,12 +75,22 @@ def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[i
         blocks_to_copy: ``(src, dst)`` physical block ids; every ``dst`` distinct. All copies read the
             caches as they were before the call (one gather, then one ``index_copy_`` per layer), as
             vLLM's ``copy_blocks`` (Kwon et al. 2023, section 4.4).
+        use_triton_kernels: copy with one Triton launch per layer (CUDA) when no destination is also a
+            source (the launch copies all pairs at once); otherwise the gather-then-scatter above.
     """
     if not blocks_to_copy:
         return
     device = kv_caches[0].device
-    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long, device=device)
-    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=device)
+    src_ids = [s for s, _ in blocks_to_copy]
+    dst_ids = [d for _, d in blocks_to_copy]
+    src = torch.tensor(src_ids, dtype=torch.long, device=device)
+    dst = torch.tensor(dst_ids, dtype=torch.long, device=device)
+    if use_triton_kernels and set(src_ids).isdisjoint(dst_ids):
+        from kernels.triton_attention import copy_blocks_triton  # NOTE: here so CPU engines never import triton
+
+        for kv_cache in kv_caches:
+            copy_blocks_triton(kv_cache, src, dst)
+        return
     for kv_cache in kv_caches:
         kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
 
@@ -120,6 +132,7 @@ class ModelRunner:
         head_size = head_size_of(model_config)
         self.num_queries_per_kv = int(model_config.num_attention_heads) // num_kv_heads
         self.use_cpu_kernels = cpu_kernels_apply(self.device, self.dtype)
+        self.use_triton_kernels = triton_kernels_apply(self.device)
         bytes_per_block = kv_cache_bytes_per_block(num_layers, self.block_size, num_kv_heads, head_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks_override or config.kv_cache_memory_bytes // bytes_per_block
         if self.num_blocks < 1:
@@ -176,6 +189,7 @@ class ModelRunner:
             num_queries_per_kv=self.num_queries_per_kv,
             dtype=self.dtype,
             use_cpu_kernels=self.use_cpu_kernels,
+            use_triton_kernels=self.use_triton_kernels,
             device=self.device,
         )
         if attn_metadata.num_tokens == len(seqs):  # pure decode: one token per sequence, its last one
@@ -200,7 +214,7 @@ class ModelRunner:
 
         device = self.device
         start_s = time.perf_counter()
-        copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
+        copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy, use_triton_kernels=self.use_triton_kernels)
         hidden_states = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             attn_metadata.positions,

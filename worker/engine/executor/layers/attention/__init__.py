@@ -4,6 +4,7 @@ from worker.engine.executor.layers.attention.metadata import (
     AttentionMetadata,
     build_attention_metadata,
     cpu_kernels_apply,
+    triton_kernels_apply,
 )
 from worker.engine.executor.layers.attention.paged import paged_attention_forward, write_to_kv_cache
 
@@ -12,5 +13,6 @@ __all__ = [
     "build_attention_metadata",
     "cpu_kernels_apply",
     "paged_attention_forward",
+    "triton_kernels_apply",
     "write_to_kv_cache",
 ]

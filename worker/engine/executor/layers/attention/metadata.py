@@ -11,6 +11,7 @@ execution plan (:mod:`.plan`); the model runner and the tests both call it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,15 @@ def cpu_kernels_apply(device: torch.device | str, dtype: torch.dtype) -> bool:
     Decided once per engine (the model runner) and passed to every :func:`build_attention_metadata`.
     """
     return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
+
+
+def triton_kernels_apply(device: torch.device | str) -> bool:
+    """Whether every row goes to the Triton kernels (:mod:`kernels.triton_attention`): on CUDA with triton
+    installed. The CPU keeps its own paths (the Triton interpreter is for tests only).
+
+    Decided once per engine (the model runner) and passed to every :func:`build_attention_metadata`.
+    """
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 @dataclass(slots=True)
@@ -78,6 +88,7 @@ def build_attention_metadata(
     num_queries_per_kv: int,
     dtype: torch.dtype = torch.float32,
     use_cpu_kernels: bool | None = None,
+    use_triton_kernels: bool | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Build one step's :class:`AttentionMetadata` from host-side lists (what the scheduler hands out).
@@ -91,6 +102,8 @@ def build_attention_metadata(
         dtype: the query dtype (the attention masks are built in it).
         use_cpu_kernels: route decode and cascade rows to the C++ CPU kernels; None decides with
             :func:`cpu_kernels_apply` for ``device`` and ``dtype``.
+        use_triton_kernels: route every row to the Triton kernels; None decides with
+            :func:`triton_kernels_apply` for ``device``.
         device: where the tensors go.
 
     Raises:
@@ -127,6 +140,8 @@ def build_attention_metadata(
 
     if use_cpu_kernels is None:
         use_cpu_kernels = cpu_kernels_apply(device, dtype)
+    if use_triton_kernels is None:
+        use_triton_kernels = triton_kernels_apply(device)
     query_lens_list = query_lens_np.tolist()
     seq_lens_list = seq_lens_np.tolist()
     block_tables_t = torch.from_numpy(tables).to(device)
@@ -150,5 +165,6 @@ def build_attention_metadata(
             num_queries_per_kv=num_queries_per_kv,
             dtype=dtype,
             use_cpu_kernels=use_cpu_kernels,
+            use_triton_kernels=use_triton_kernels,
         ),
     )

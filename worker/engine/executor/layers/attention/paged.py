@@ -1,8 +1,9 @@
 """Paged attention over a flat ragged batch: store the step's K/V, then run each row's planned path.
 
-Executes the step's :class:`~.plan.AttentionPlan` (the fresh-prompt causal SDPA, the C++ CPU kernel
-for decode rows, gathered SDPA groups, or cascade attention): see :mod:`.plan` for the paths and
-:mod:`.metadata` for the batch layout (Kwon et al. 2023, PagedAttention; vLLM's ragged batch).
+Executes the step's :class:`~.plan.AttentionPlan` (on CUDA the Triton kernels for the whole batch; on CPU
+the fresh-prompt causal SDPA, the C++ CPU kernel for decode rows, gathered SDPA groups, or cascade
+attention): see :mod:`.plan` for the paths and :mod:`.metadata` for the batch layout
+(Kwon et al. 2023, PagedAttention; vLLM's ragged batch).
 """
 
 from __future__ import annotations
@@ -75,6 +76,30 @@ def _attend_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: Cascad
     return out
 
 
+def _attend_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    # NOTE: imported here so that CPU engines never import triton (it is an optional dependency).
+    from kernels.triton_attention import paged_attention_triton, reshape_and_cache_triton
+
+    reshape_and_cache_triton(key, value, kv_cache, attn_metadata.slot_mapping)
+    return paged_attention_triton(
+        query,
+        kv_cache,
+        attn_metadata.query_start_loc,
+        attn_metadata.seq_lens,
+        attn_metadata.block_tables,
+        scale,
+        max_query_len=max_query_len,
+    )
+
+
 def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -117,8 +142,10 @@ def paged_attention_forward(
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
     """
-    write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
     plan = attn_metadata.plan
+    if plan.triton is not None:
+        return _attend_triton(query, key, value, kv_cache, attn_metadata, plan.triton.max_query_len, scale)
+    write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
     block_size = plan.block_size
     assert kv_cache.shape[2] == block_size and query.shape[1] == plan.num_queries_per_kv * kv_cache.shape[3]
     if plan.cascade is not None:

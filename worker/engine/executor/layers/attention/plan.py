@@ -2,6 +2,9 @@
 
 Paths (executed by :mod:`.paged`):
 
+- on CUDA with Triton installed (:func:`~.metadata.triton_kernels_apply`), every row goes to one Triton
+  kernel (:func:`kernels.triton_attention.paged_attention_triton`) that reads K/V through the block table in
+  place; the paths below are the CPU's:
 - a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached)
   attends its own K/V with one causal ``scaled_dot_product_attention`` call (no gather, no mask);
 - decode rows (``query_len == 1``) go to the C++ CPU kernel, which reads K/V from the blocks in place,
@@ -103,6 +106,13 @@ class CascadePlan:
 
 
 @dataclass(slots=True)
+class TritonPlan:
+    """The whole batch in one Triton kernel launch (CUDA): the launch grid needs the longest query."""
+
+    max_query_len: int
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     """Which rows of a step take which attention path; built once per step, read by every layer."""
 
@@ -113,6 +123,7 @@ class AttentionPlan:
     decode_kernel: KernelPlan | None  # decode rows for the C++ kernel, or None: all rows in `groups`
     groups: list[GroupPlan]  # rows attended with the PyTorch path
     covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
+    triton: TritonPlan | None = None  # when set, it covers every row and the other fields are unused
 
 
 def _build_group(
@@ -233,6 +244,7 @@ def build_attention_plan(
     num_queries_per_kv: int,
     dtype: torch.dtype,
     use_cpu_kernels: bool,
+    use_triton_kernels: bool = False,
 ) -> AttentionPlan:
     """Split a step's sequences among the execution paths and build their index tensors and masks.
 
@@ -243,7 +255,19 @@ def build_attention_plan(
         block_size: tokens per KV block; num_queries_per_kv: query heads per KV head.
         dtype: the query dtype (masks are additive in it).
         use_cpu_kernels: send decode rows, or every row when a long prefix is shared, to the C++ kernels.
+        use_triton_kernels: send every row to the Triton kernel (CUDA); no index tensors or masks are built.
     """
+    if use_triton_kernels:
+        return AttentionPlan(
+            block_size=block_size,
+            num_queries_per_kv=num_queries_per_kv,
+            cascade=None,
+            fresh_prefills=[],
+            decode_kernel=None,
+            groups=[],
+            covers_batch_in_order=False,
+            triton=TritonPlan(max_query_len=max(query_lens_list, default=0)),
+        )
     batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
     use_kernel = use_cpu_kernels
     cascade = _build_cascade_plan(batch, block_size) if use_kernel else None
