@@ -8,6 +8,7 @@ the workload ``--rounds`` times in one process and report the last (warm) round;
 that venv is missing. Every system gets one short warm-up first.
 
 Usage: python bench/throughput.py [--num-prompts 64] [--threads 2] [--rounds 2] [--skip-hf] [--skip-vllm]
+       [--device cpu] [--dtype float32]   (``--device`` and ``--dtype`` apply to batchinfer only)
 Prints one JSON object per system, then a last line with all the keys together.
 """
 
@@ -122,6 +123,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed runs of batchinfer and vllm (last one reported)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--device", default="cpu", help="batchinfer's device (cuda: attention through Triton)")
+    parser.add_argument("--dtype", default="float32", help="batchinfer's dtype (float32, bfloat16, float16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -134,9 +137,14 @@ def main() -> None:
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens,
         "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
     }
     for name, run in (
-        ("batchinfer", lambda: run_batchinfer(model_dir, workload, args.rounds)),
+        (
+            "batchinfer",
+            lambda: run_batchinfer(model_dir, workload, args.rounds, device=args.device, dtype=args.dtype),
+        ),
         ("hf", None if args.skip_hf else lambda: run_hf(model_dir, workload)),
         ("vllm", None if args.skip_vllm else lambda: run_vllm(model_dir, workload, rounds=args.rounds)),
     ):

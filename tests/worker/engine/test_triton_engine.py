@@ -1,6 +1,6 @@
 """The engine with every attention row on the Triton kernels (as on CUDA), run here through Triton's interpreter
-on a tiny random GQA Llama: greedy parity with Hugging Face under chunked prefill and prefix caching, and
-copy-on-write forks giving the same samples as the CPU paths."""
+(natively where CUDA is available) on a tiny random GQA Llama: greedy parity with Hugging Face under chunked
+prefill and prefix caching, and copy-on-write forks giving the same samples as the PyTorch paths."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.executor import model_runner
 
 MAX_TOKENS = 6
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def prompts():
 
 
 def make_engine(model_dir, **overrides):
-    fields = dict(model=str(model_dir), block_size=4, kv_cache_memory_bytes=1 << 22, max_model_len=64)
+    fields = dict(model=str(model_dir), block_size=4, kv_cache_memory_bytes=1 << 22, max_model_len=64, device=DEVICE)
     fields.update(overrides)
     return LLMEngine(EngineConfig(**fields))
 
@@ -46,9 +47,10 @@ def test_greedy_through_triton_matches_hugging_face(monkeypatch, model_dir, hf_m
         assert_greedy_close(ref.token_ids, ref.top2, out.outputs[0].token_ids, label=f"prompt {i}")
 
 
-def test_forks_through_triton_sample_as_the_cpu_paths(monkeypatch, model_dir, prompts):
+def test_forks_through_triton_sample_as_the_pytorch_paths(monkeypatch, model_dir, prompts):
     torch.set_num_threads(1)
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    monkeypatch.setattr(model_runner, "triton_kernels_apply", lambda device: False)
     expected = make_engine(model_dir).generate(prompts[1:2], params)
     monkeypatch.setattr(model_runner, "triton_kernels_apply", lambda device: True)
     calls = []

@@ -1,7 +1,8 @@
-"""The attention path's dispatch to the Triton kernels (CUDA), checked on CPU through Triton's interpreter.
+"""The attention path's dispatch to the Triton kernels (CUDA), checked on CPU through Triton's interpreter
+(natively where CUDA is available).
 
 CPU engines never take the Triton path (:func:`triton_kernels_apply` is False there); here it is forced with
-``use_triton_kernels=True`` and compared with the CPU path on the same batch.
+``use_triton_kernels=True`` and compared with the PyTorch path on the same batch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from worker.engine.executor.layers.attention import (
 )
 from worker.engine.executor.model_runner import copy_blocks
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 8
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 6, 2, 16
 # (query_len, seq_len): decode, fresh prompt, prefix-cached chunk, extend after a cached context.
@@ -61,16 +63,18 @@ def _batch(dtype: torch.dtype):
         torch.randn(num_tokens, heads, HEAD_SIZE, generator=gen).to(dtype)
         for heads in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
     )
-    return query, key, value, kv_cache, block_tables
+    return query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), kv_cache.to(DEVICE), block_tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_forward_through_triton_matches_the_cpu_path(dtype: torch.dtype) -> None:
     torch.set_num_threads(1)
     query, key, value, kv_cache, block_tables = _batch(dtype)
-    kwargs = {"num_queries_per_kv": NUM_HEADS // NUM_KV_HEADS, "dtype": dtype}
+    kwargs = {"num_queries_per_kv": NUM_HEADS // NUM_KV_HEADS, "dtype": dtype, "device": DEVICE}
     query_lens, seq_lens = [q for q, _ in MIXED], [s for _, s in MIXED]
-    cpu_metadata = build_attention_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE, **kwargs)
+    cpu_metadata = build_attention_metadata(
+        query_lens, seq_lens, block_tables, BLOCK_SIZE, use_triton_kernels=False, **kwargs
+    )
     triton_metadata = build_attention_metadata(
         query_lens, seq_lens, block_tables, BLOCK_SIZE, use_triton_kernels=True, **kwargs
     )
@@ -91,7 +95,7 @@ def test_forward_through_triton_matches_the_cpu_path(dtype: torch.dtype) -> None
 )
 def test_copy_blocks_through_triton_matches_torch(blocks_to_copy: list[tuple[int, int]]) -> None:
     gen = torch.Generator().manual_seed(3)
-    caches = [torch.randn(2, 6, 4, 1, 8, generator=gen) for _ in range(2)]
+    caches = [torch.randn(2, 6, 4, 1, 8, generator=gen).to(DEVICE) for _ in range(2)]
     originals = [cache.clone() for cache in caches]
     copy_blocks(caches, blocks_to_copy, use_triton_kernels=True)
     for cache, original in zip(caches, originals):
