@@ -38,6 +38,7 @@ def _paged_attention_kernel(
     scale,
     stride_qt,
     stride_qh,
+    stride_os,
     stride_ot,
     stride_oh,
     stride_ckv,
@@ -45,10 +46,13 @@ def _paged_attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_ls,
     stride_lt,
     num_queries_per_kv,
     head_size,
     block_size,
+    num_kv_splits,
+    split_len,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,7 +62,8 @@ def _paged_attention_kernel(
 ):
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    q_tile = tl.program_id(2) // num_kv_splits
+    split_idx = tl.program_id(2) % num_kv_splits
     query_start = tl.load(query_start_loc_ptr + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - query_start
     if q_tile * BLOCK_Q >= query_len:
@@ -86,10 +91,12 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # The tile's last query sees positions up to context_start + its index: nothing beyond is read.
-    kv_end = tl.minimum(seq_len, context_start + (q_tile + 1) * BLOCK_Q)
+    # With split-KV, this program reads only its split's part of that range (possibly none of it).
+    kv_start_of_split = split_idx * split_len
+    kv_end = tl.minimum(tl.minimum(seq_len, context_start + (q_tile + 1) * BLOCK_Q), kv_start_of_split + split_len)
     table_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     head_offset = kv_head.to(tl.int64) * stride_ch
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_start_of_split, kv_end, BLOCK_N):
         positions = kv_start + tl.arange(0, BLOCK_N)
         pos_valid = positions < kv_end
         block_ids = tl.load(table_row + positions // block_size, mask=pos_valid, other=0).to(tl.int64)
@@ -101,19 +108,27 @@ def _paged_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        # NOTE: a row that sees no key yet (a later split's rows, or rows before their first visible key)
+        # keeps m = -inf; shifting by 0 instead keeps exp(-inf - -inf) = NaN out of it.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(scores - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = pos_valid[:, None] & dim_valid[None, :]
         v = tl.load(cache_ptr + stride_ckv + slot_offsets[:, None] + dims[None, :], mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    out_ptrs = out_ptr + token_idx[:, None] * stride_ot + head_idx[:, None] * stride_oh + dims[None, :]
+    # A split that saw no key of a row leaves it out = 0, lse = -inf: zero weight in the merge.
+    has_keys = l_i > 0
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    out_ptrs = (
+        out_ptr + split_idx * stride_os + token_idx[:, None] * stride_ot + head_idx[:, None] * stride_oh + dims[None, :]
+    )
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     if HAS_LSE:
-        tl.store(lse_ptr + token_idx * stride_lt + head_idx, m_i + tl.log(l_i), mask=row_valid)
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split_idx * stride_ls + token_idx * stride_lt + head_idx, lse, mask=row_valid)
 
 
 def _check_cache(kv_cache: torch.Tensor) -> None:
@@ -134,6 +149,8 @@ def paged_attention_triton(
     lse_out: torch.Tensor | None = None,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch (decode, extend and prefill rows) over a block table.
 
@@ -155,6 +172,10 @@ def paged_attention_triton(
             log-sum-exp of its scaled scores.
         max_query_len: the longest query in the batch; computed from ``query_start_loc`` (a device sync on
             CUDA) when not given.
+        max_seq_len: the longest context in the batch (host int); lets :func:`choose_num_kv_splits` pick a
+            split-KV launch when ``num_kv_splits`` is None (without it, no split).
+        num_kv_splits: split each sequence's context into this many parts, one program each, merged through
+            their log-sum-exps (split-KV, "flash-decoding": fills the GPU when few sequences have long contexts).
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -183,12 +204,32 @@ def paged_attention_triton(
     block_q = max(1, 16 // block_h)
     block_d = max(16, triton.next_power_of_2(head_size))
     block_n = max(16, block_size)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    lse_arg = lse_out if lse_out is not None else output
+    num_q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        if max_seq_len is not None and query.is_cuda:
+            num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+            num_kv_splits = choose_num_kv_splits(num_seqs * num_kv_heads * num_q_tiles, max_seq_len, num_sms)
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
+    if num_kv_splits == 1:
+        # One split covers any context: the kernel bounds the loop by the sequence itself.
+        split_len = 2**31 - 1
+        out_arg, lse_arg = output, (lse_out if lse_out is not None else output)
+        stride_os, stride_ot, stride_oh = 0, output.stride(0), output.stride(1)
+        stride_ls, stride_lt = 0, (lse_out.stride(0) if lse_out is not None else 0)
+    else:
+        longest = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+        split_len = triton.cdiv(triton.cdiv(longest, num_kv_splits), block_n) * block_n
+        out_arg = torch.empty(num_kv_splits, num_tokens, num_heads, head_size, dtype=torch.float32, device=query.device)
+        lse_arg = torch.empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
+        stride_os, stride_ot, stride_oh = out_arg.stride(0), out_arg.stride(1), out_arg.stride(2)
+        stride_ls, stride_lt = lse_arg.stride(0), lse_arg.stride(1)
+    grid = (num_seqs, num_kv_heads, num_q_tiles * num_kv_splits)
     _paged_attention_kernel[grid](
         query,
         kv_cache,
-        output,
+        out_arg,
         lse_arg,
         query_start_loc,
         seq_lens,
@@ -196,27 +237,46 @@ def paged_attention_triton(
         scale,
         query.stride(0),
         query.stride(1),
-        output.stride(0),
-        output.stride(1),
+        stride_os,
+        stride_ot,
+        stride_oh,
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_tables.stride(0),
-        lse_out.stride(0) if lse_out is not None else 0,
+        stride_ls,
+        stride_lt,
         num_queries_per_kv,
         head_size,
         block_size,
+        num_kv_splits,
+        split_len,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        HAS_LSE=lse_out is not None,
+        HAS_LSE=lse_out is not None or num_kv_splits > 1,
         # NOTE: float32 products in IEEE precision, not TF32 (Triton's CUDA default), to match the twin;
         # the setting only matters for float32 operands.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
+    if num_kv_splits > 1:
+        # Exact merge of the partial softmaxes: lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s.
+        lse = torch.logsumexp(lse_arg, dim=0)
+        weights = torch.exp(lse_arg - lse)
+        output.copy_((out_arg * weights[..., None]).sum(dim=0))
+        if lse_out is not None:
+            lse_out.copy_(lse)
     return output
+
+
+def choose_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int, min_split_len: int = 256) -> int:
+    """How many KV splits fill the GPU: enough programs for about two per SM, each split at least
+    ``min_split_len`` positions of the longest context; 1 when the batch alone fills the GPU."""
+    if num_programs >= num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // num_programs), max_seq_len // min_split_len))
 
 
 @triton.jit

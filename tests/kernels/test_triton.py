@@ -94,7 +94,7 @@ def _dense_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, s
 
 
 def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=2, num_queries_per_kv=3,
-                     head_size=16, **batch_kwargs) -> None:  # fmt: skip
+                     head_size=16, num_kv_splits=None, **batch_kwargs) -> None:  # fmt: skip
     query, kv_cache, query_start_loc, seq_lens_t, block_tables = _make_batch(
         query_lens,
         seq_lens,
@@ -123,6 +123,7 @@ def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=
         block_tables.to(DEVICE),
         scale,
         lse_out=lse,
+        num_kv_splits=num_kv_splits,
     )
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.isfinite(out).all()
@@ -165,6 +166,22 @@ def test_paged_attention_head_sizes(head_size: int) -> None:
 def test_paged_attention_long_extend_spans_query_tiles() -> None:
     """More query rows than one program's tile: later tiles read further into the context."""
     _check_attention([1, 37], [6, 45], dtype=torch.float32, num_kv_heads=1, num_queries_per_kv=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("kind", "num_kv_splits"), [("decode", 3), ("mixed", 4), ("extend", 2)])
+def test_split_kv_matches_twin(kind: str, num_kv_splits: int, dtype: torch.dtype) -> None:
+    """Split-KV (flash-decoding): splits merged through their log-sum-exps, some of them empty for some rows
+    (short sequences, rows whose causal bound ends before a split)."""
+    query_lens, seq_lens = BATCHES[kind]
+    _check_attention(query_lens, seq_lens, dtype=dtype, num_kv_splits=num_kv_splits)
+
+
+def test_choose_num_kv_splits() -> None:
+    assert triton_attention.choose_num_kv_splits(num_programs=200, max_seq_len=4096, num_sms=132) == 1
+    assert triton_attention.choose_num_kv_splits(num_programs=8, max_seq_len=4096, num_sms=132) == 16
+    assert triton_attention.choose_num_kv_splits(num_programs=8, max_seq_len=600, num_sms=132) == 2
+    assert triton_attention.choose_num_kv_splits(num_programs=8, max_seq_len=100, num_sms=132) == 1
 
 
 def test_paged_attention_block_id_above_2_16() -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernels.cpu_attention import paged_attention_cpu
 from worker.engine.executor.layers.attention import cascade as cascade_attention
 from worker.engine.executor.layers.attention.metadata import AttentionMetadata
-from worker.engine.executor.layers.attention.plan import CascadePlan, GroupPlan
+from worker.engine.executor.layers.attention.plan import CascadePlan, GroupPlan, TritonPlan
 
 
 def _attend_group(
@@ -82,7 +82,7 @@ def _attend_triton(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
-    max_query_len: int,
+    triton_plan: TritonPlan,
     scale: float,
 ) -> torch.Tensor:
     # NOTE: imported here so that CPU engines never import triton (it is an optional dependency).
@@ -96,7 +96,8 @@ def _attend_triton(
         attn_metadata.seq_lens,
         attn_metadata.block_tables,
         scale,
-        max_query_len=max_query_len,
+        max_query_len=triton_plan.max_query_len,
+        max_seq_len=triton_plan.max_seq_len,
     )
 
 
@@ -144,7 +145,7 @@ def paged_attention_forward(
     """
     plan = attn_metadata.plan
     if plan.triton is not None:
-        return _attend_triton(query, key, value, kv_cache, attn_metadata, plan.triton.max_query_len, scale)
+        return _attend_triton(query, key, value, kv_cache, attn_metadata, plan.triton, scale)
     write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
     block_size = plan.block_size
     assert kv_cache.shape[2] == block_size and query.shape[1] == plan.num_queries_per_kv * kv_cache.shape[3]

@@ -107,9 +107,11 @@ class CascadePlan:
 
 @dataclass(slots=True)
 class TritonPlan:
-    """The whole batch in one Triton kernel launch (CUDA): the launch grid needs the longest query."""
+    """The whole batch in one Triton kernel launch (CUDA): its grid needs the longest query, and its choice of
+    split-KV the longest context."""
 
     max_query_len: int
+    max_seq_len: int
 
 
 @dataclass(slots=True)
@@ -266,7 +268,7 @@ def build_attention_plan(
             decode_kernel=None,
             groups=[],
             covers_batch_in_order=False,
-            triton=TritonPlan(max_query_len=max(query_lens_list, default=0)),
+            triton=TritonPlan(max_query_len=max(query_lens_list, default=0), max_seq_len=max(seq_lens_list, default=0)),
         )
     batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
     use_kernel = use_cpu_kernels
