@@ -1,5 +1,8 @@
 """Llama decoder (Touvron et al. 2023) over a flat ragged batch with a paged KV cache.
 
+Llama-shaped families (Mistral, Qwen2, Qwen3) reuse these classes through :class:`DecoderOptions`
+(biases, per-head q/k RMSNorm); see :mod:`worker.engine.executor.models.registry`.
+
 Same mathematics as Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary position embeddings,
 grouped-query attention, SwiGLU MLP, optional tied embeddings), laid out as in vLLM: no batch
 dimension and no padding (``[num_tokens, hidden_size]``), q/k/v fused into one ``qkv_proj`` and
@@ -9,11 +12,12 @@ gate/up into one ``gate_up_proj``, attention through :func:`paged_attention_forw
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from worker.engine.executor.layers.attention import AttentionMetadata, paged_attention_forward
@@ -35,15 +39,28 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
-def head_size_of(config: LlamaConfig) -> int:
+def head_size_of(config: PretrainedConfig) -> int:
     """Per-head width: ``head_dim`` when the config sets it, else ``hidden_size // num_attention_heads``."""
     head_dim = getattr(config, "head_dim", None)
     return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
 
 
-def num_kv_heads_of(config: LlamaConfig) -> int:
+def num_kv_heads_of(config: PretrainedConfig) -> int:
     """KV heads (grouped-query attention); a config without ``num_key_value_heads`` has one per query head."""
     return int(config.num_key_value_heads or config.num_attention_heads)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderOptions:
+    """What a Llama-shaped family changes in the attention block.
+
+    ``qkv_bias``/``o_bias``: bias on the q/k/v and on the output projections (Qwen2: q/k/v only).
+    ``qk_norm``: RMSNorm over each head's ``head_size`` on q and k before RoPE (Qwen3).
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
 
 class RotaryEmbedding(nn.Module):
@@ -58,7 +75,7 @@ class RotaryEmbedding(nn.Module):
         ValueError: for ``dynamic`` scaling, whose frequencies depend on the running sequence length.
     """
 
-    def __init__(self, config: LlamaConfig, head_size: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_size: int) -> None:
         super().__init__()
         rope_parameters = config.rope_parameters or {}
         rope_type = str(rope_parameters.get("rope_type", "default"))
@@ -89,17 +106,18 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
         super().__init__()
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = num_kv_heads_of(config)
         self.head_size = head_size_of(config)
         self.scale = self.head_size**-0.5
-        bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(
-            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_size, bias=bias
+            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_size, bias=options.qkv_bias
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_size, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
 
     def forward(
@@ -111,8 +129,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states).view(num_tokens, -1, self.head_size)
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # One rotation for q and k together: they are adjacent heads of the fused projection.
-        qk = self.rotary_emb(positions, qkv[:, : self.num_heads + self.num_kv_heads])
+        qk = self.rotary_emb(positions, qk)
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention_forward(query, key, value, kv_cache, attn_metadata, self.scale)
@@ -123,7 +145,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
@@ -137,10 +159,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = LlamaAttention(config, rotary_emb, options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -159,29 +181,38 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(config, head_size_of(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, options) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama causal LM over a flat ragged batch.
 
-    Build from a ``transformers.LlamaConfig``, then :meth:`load_weights` with Hugging Face names
+    Build from a ``transformers.LlamaConfig`` (or a Llama-shaped one), then :meth:`load_weights` with Hugging Face names
     (``model.layers.N.self_attn.q_proj.weight`` ...). Parameters are created with ordinary random
     initialisation; :func:`worker.engine.executor.model_loader.load_model` does both steps.
+    A Llama-shaped family subclasses it and overrides :meth:`decoder_options`.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.decoder_options(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
+        """Llama: ``attention_bias`` on all four projections, no q/k norm."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(qkv_bias=bias, o_bias=bias)
 
     def forward(
         self,
@@ -221,46 +252,52 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing q/k/v and gate/up on the way.
 
-        Tensors are cast to each parameter's dtype and device. ``lm_head.weight`` is skipped when the
-        embeddings are tied; ``rotary_emb.inv_freq`` entries are ignored (recomputed).
+        Tensors are converted to each parameter's dtype (bf16/fp16/fp32 checkpoints alike) and device.
+        ``lm_head.weight`` is skipped when the embeddings are tied; ``rotary_emb.inv_freq`` entries are
+        ignored (recomputed).
 
         Raises:
-            KeyError: on a name this model has no parameter for.
-            ValueError: on a shape mismatch, or when some parameter received no tensor.
+            KeyError: on a checkpoint tensor this model has no parameter for (named).
+            ValueError: on a shape mismatch, or naming the checkpoint tensors that never came.
         """
-        params = dict(self.named_parameters())
-        head_size = head_size_of(self.config)
-        q_size = int(self.config.num_attention_heads) * head_size
-        kv_size = num_kv_heads_of(self.config) * head_size
-        intermediate = int(self.config.intermediate_size)
-        # HF projection -> (fused parameter, row offset, rows)
-        fused = {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, intermediate),
-            "up_proj": ("gate_up_proj", intermediate, intermediate),
-        }
-        loaded_rows: dict[str, int] = {}
+        expected = self._checkpoint_layout()
+        seen: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            target, start = name, 0
-            rows: int | None = None
-            if len(parts) >= 3 and parts[-2] in fused:
-                fused_name, start, rows = fused[parts[-2]]
-                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of LlamaForCausalLM")
-            param = params[target]
+            if name not in expected:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            param, start, rows = expected[name]
             dest = param.data if rows is None else param.data.narrow(0, start, rows)
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded_rows[target] = loaded_rows.get(target, 0) + dest.shape[0]
-        missing = [name for name, param in params.items() if loaded_rows.get(name, 0) != param.shape[0]]
+            seen.add(name)
+        missing = sorted(expected.keys() - seen)
         if missing:
-            raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing))}")
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
+
+    def _checkpoint_layout(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
+        """Hugging Face tensor name -> (our parameter, first row, rows or ``None`` for the whole parameter)."""
+        head_size = head_size_of(self.config)
+        q_size = int(self.config.num_attention_heads) * head_size
+        kv_size = num_kv_heads_of(self.config) * head_size
+        intermediate = int(self.config.intermediate_size)
+        # fused parameter -> its Hugging Face parts as (projection, row offset, rows)
+        fused = {
+            "qkv_proj": [("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)],
+            "gate_up_proj": [("gate_proj", 0, intermediate), ("up_proj", intermediate, intermediate)],
+        }
+        layout: dict[str, tuple[nn.Parameter, int, int | None]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            *module, fused_name, kind = name.split(".")
+            if fused_name not in fused:
+                layout[name] = (param, 0, None)
+                continue
+            for part, start, rows in fused[fused_name]:
+                layout[".".join([*module, part, kind])] = (param, start, rows)
+        return layout
