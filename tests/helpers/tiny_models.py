@@ -15,6 +15,12 @@ from tests.helpers.tiny_llama import SPECIAL_TOKENS, build_byte_tokenizer
 FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
+    # half of each head rotated (Phi-4-mini's partial_rotary_factor is 0.75), the rest passed through.
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     # head_dim 32 with hidden 64 and 4 heads: q is 128 wide, independent of hidden_size / heads.
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),

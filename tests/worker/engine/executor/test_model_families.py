@@ -35,7 +35,7 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("stored_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen2", "qwen3"])
 def test_engine_matches_hugging_face(tmp_path, family, stored_dtype):
     path = save_tiny_model(tmp_path, family, seed=3, dtype=stored_dtype)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -135,3 +135,17 @@ def test_qwen2_sliding_window_applies_only_when_a_layer_uses_it(tmp_path):
     load_model(unused, torch.float32, "cpu", max_model_len=64)
     with pytest.raises(UnsupportedModelError, match="sliding_window=16"):
         load_model(used, torch.float32, "cpu", max_model_len=64)
+
+
+def test_phi3_longrope_is_refused_at_start_up(tmp_path):
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 128,
+    }
+    path = save_tiny_model(tmp_path, "phi3", rope_parameters=rope, original_max_position_embeddings=128)
+
+    with pytest.raises(ValueError, match="longrope rope scaling is not supported"):
+        LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))

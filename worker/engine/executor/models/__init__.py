@@ -1,6 +1,7 @@
 """Model implementations over a flat ragged batch with a paged KV cache."""
 
 from worker.engine.executor.models.llama import LlamaForCausalLM
+from worker.engine.executor.models.phi3 import Phi3ForCausalLM
 from worker.engine.executor.models.qwen2 import Qwen2ForCausalLM
 from worker.engine.executor.models.qwen3 import Qwen3ForCausalLM
 from worker.engine.executor.models.registry import MODEL_ARCHITECTURES, UnsupportedModelError, resolve_model_class
@@ -8,6 +9,7 @@ from worker.engine.executor.models.registry import MODEL_ARCHITECTURES, Unsuppor
 __all__ = [
     "MODEL_ARCHITECTURES",
     "LlamaForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "UnsupportedModelError",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -69,23 +70,28 @@ class RotaryEmbedding(nn.Module):
     ``cos``/``sin`` tables for positions ``0 .. max_position_embeddings - 1`` are precomputed once
     (float32, then cast to the model dtype, exactly as Hugging Face computes them per call). Inverse
     frequencies come from transformers' ``ROPE_INIT_FUNCTIONS``, so ``default``, ``linear``, ``llama3``
-    and ``yarn`` ``rope_parameters`` give the same numbers as transformers.
+    and ``yarn`` ``rope_parameters`` give the same numbers as transformers. A ``partial_rotary_factor``
+    below 1 rotates only each head's first ``rotary_dim = head_size * factor`` channels (Phi-3 family).
 
     Raises:
-        ValueError: for ``dynamic`` scaling, whose frequencies depend on the running sequence length.
+        ValueError: for ``dynamic`` or ``longrope`` scaling, whose frequencies depend on the running
+            sequence length.
     """
 
     def __init__(self, config: PretrainedConfig, head_size: int) -> None:
         super().__init__()
         rope_parameters = config.rope_parameters or {}
         rope_type = str(rope_parameters.get("rope_type", "default"))
-        if rope_type == "dynamic":
-            raise ValueError("dynamic NTK rope scaling is not supported")
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(
+                f"{rope_type} rope scaling is not supported (its frequencies depend on the sequence length)"
+            )
+        self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
         # NOTE: tables are built on the CPU whatever the default device; the module is moved afterwards.
         cpu = torch.device("cpu")
         if rope_type == "default":
             base = float(rope_parameters["rope_theta"] or 10000.0)
-            exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=cpu).float() / head_size
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=cpu).float() / self.rotary_dim
             inv_freq = 1.0 / (base**exponents)
             attention_scaling = 1.0
         else:
@@ -100,9 +106,13 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x: [num_tokens, num_heads, head_size]`` by its tokens' ``positions: [num_tokens]``."""
         cos = self.cos.index_select(0, positions)[:, None, :]
         sin = self.sin.index_select(0, positions)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        x_rot = x[..., : self.rotary_dim]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        out = x_rot * cos + rotated * sin
+        if self.rotary_dim == x.shape[-1]:
+            return out
+        return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -197,8 +207,11 @@ class LlamaForCausalLM(nn.Module):
     Build from a ``transformers.LlamaConfig`` (or a Llama-shaped one), then :meth:`load_weights` with Hugging Face names
     (``model.layers.N.self_attn.q_proj.weight`` ...). Parameters are created with ordinary random
     initialisation; :func:`worker.engine.executor.model_loader.load_model` does both steps.
-    A Llama-shaped family subclasses it and overrides :meth:`decoder_options`.
+    A Llama-shaped family subclasses it and overrides :meth:`decoder_options`; one whose checkpoint
+    already stores ``qkv_proj``/``gate_up_proj`` fused sets ``checkpoint_is_fused``.
     """
+
+    checkpoint_is_fused: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -295,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             *module, fused_name, kind = name.split(".")
-            if fused_name not in fused:
+            if fused_name not in fused or self.checkpoint_is_fused:
                 layout[name] = (param, 0, None)
                 continue
             for part, start, rows in fused[fused_name]:

@@ -11,12 +11,14 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from worker.engine.executor.models.llama import LlamaForCausalLM
+from worker.engine.executor.models.phi3 import Phi3ForCausalLM
 from worker.engine.executor.models.qwen2 import Qwen2ForCausalLM
 from worker.engine.executor.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
