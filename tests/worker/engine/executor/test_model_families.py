@@ -107,12 +107,15 @@ def test_unsupported_architecture_fails_at_start_up_naming_what_is_supported(tmp
     assert all(name in str(info.value) for name in MODEL_ARCHITECTURES)
 
 
-def test_missing_architectures_is_refused(tmp_path):
-    path = save_tiny_model(tmp_path, "llama")
+def test_config_without_architectures_is_resolved_by_model_type(tmp_path):
+    """transformers writes no ``architectures`` when it converts a GGUF (the built-in model's folder)."""
+    path = save_tiny_model(tmp_path / "qwen2", "qwen2")
     _set_architectures(path, None)
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
 
-    with pytest.raises(UnsupportedModelError, match=r"missing from config\.json"):
-        load_model(path, torch.float32, "cpu")
+    assert type(load_model(path, torch.float32, "cpu")).__name__ == "Qwen2ForCausalLM"
+    with pytest.raises(UnsupportedModelError, match=r"none listed; model_type 'gpt2'.*supported: Llama"):
+        load_model(tmp_path / "gpt2", torch.float32, "cpu")
 
 
 def test_mistral_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):

@@ -23,6 +23,16 @@ MODEL_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
+# NOTE: a config.json without ``architectures`` (transformers writes none when it converts a GGUF, as
+# worker/model_prepare.py does for the built-in model) is resolved by its ``model_type``.
+ARCHITECTURE_OF_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or configuration is one the engine cannot run (message says why)."""
@@ -40,7 +50,8 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
 
 
 def resolve_model_class(config: PretrainedConfig, max_model_len: int) -> type[LlamaForCausalLM]:
-    """The implementation for ``config`` (its first supported ``architectures`` entry).
+    """The implementation for ``config``: its first supported ``architectures`` entry, or, when the
+    config lists none, the causal LM of its ``model_type`` (:data:`ARCHITECTURE_OF_MODEL_TYPE`).
 
     Args:
         config: the checkpoint's Hugging Face config.
@@ -51,11 +62,13 @@ def resolve_model_class(config: PretrainedConfig, max_model_len: int) -> type[Ll
             are), or when a sliding window shorter than ``max_model_len`` would change the attention.
     """
     architectures = list(getattr(config, "architectures", None) or [])
-    model_class = next((MODEL_ARCHITECTURES[a] for a in architectures if a in MODEL_ARCHITECTURES), None)
+    model_type = str(getattr(config, "model_type", ""))
+    candidates = architectures or [ARCHITECTURE_OF_MODEL_TYPE.get(model_type, "")]
+    model_class = next((MODEL_ARCHITECTURES[a] for a in candidates if a in MODEL_ARCHITECTURES), None)
     if model_class is None:
+        named = architectures or f"(none listed; model_type {model_type!r})"
         raise UnsupportedModelError(
-            f"unsupported model architecture {architectures or 'missing from config.json'}; "
-            f"supported: {', '.join(sorted(MODEL_ARCHITECTURES))}"
+            f"unsupported model architecture {named}; supported: {', '.join(sorted(MODEL_ARCHITECTURES))}"
         )
     window = sliding_window_of(config)
     if window is not None and window < max_model_len:
