@@ -13,6 +13,23 @@ from tests.helpers.tiny_llama import SPECIAL_TOKENS, build_byte_tokenizer
 
 # family -> (config class, model class, family-specific config fields); all GQA (4 heads / 2 KV heads).
 FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel], dict[str, Any]]] = {
+    # one sliding and one full layer, each with its own RoPE; query scale and head_dim of their own.
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 512,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+        },
+    ),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4096}),
     # half of each head rotated (Phi-4-mini's partial_rotary_factor is 0.75), the rest passed through.

@@ -35,7 +35,7 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("stored_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "phi3", "qwen2", "qwen3"])
 def test_engine_matches_hugging_face(tmp_path, family, stored_dtype):
     path = save_tiny_model(tmp_path, family, seed=3, dtype=stored_dtype)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -101,7 +101,9 @@ def test_unsupported_architecture_fails_at_start_up_naming_what_is_supported(tmp
     path = save_tiny_model(tmp_path, "llama")
     _set_architectures(path, ["MambaForCausalLM"])
 
-    with pytest.raises(UnsupportedModelError, match=r"MambaForCausalLM.*supported: LlamaForCausalLM, Mistral") as info:
+    with pytest.raises(
+        UnsupportedModelError, match=r"MambaForCausalLM.*supported: Gemma3ForCausalLM, LlamaForCausalLM"
+    ) as info:
         LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))
 
     assert all(name in str(info.value) for name in MODEL_ARCHITECTURES)
@@ -114,7 +116,9 @@ def test_config_without_architectures_is_resolved_by_model_type(tmp_path):
     transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
 
     assert type(load_model(path, torch.float32, "cpu")).__name__ == "Qwen2ForCausalLM"
-    with pytest.raises(UnsupportedModelError, match=r"none listed; model_type 'gpt2'.*supported: Llama"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"none listed; model_type 'gpt2'.*supported: Gemma3ForCausalLM, Llama"
+    ):
         load_model(tmp_path / "gpt2", torch.float32, "cpu")
 
 
@@ -152,3 +156,18 @@ def test_phi3_longrope_is_refused_at_start_up(tmp_path):
 
     with pytest.raises(ValueError, match="longrope rope scaling is not supported"):
         LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))
+
+
+def test_gemma3_attention_soft_capping_is_refused_at_start_up(tmp_path):
+    path = save_tiny_model(tmp_path, "gemma3", attn_logit_softcapping=50.0)
+
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))
+
+
+def test_gemma3_sliding_layers_need_max_model_len_within_the_window(tmp_path):
+    path = save_tiny_model(tmp_path, "gemma3", sliding_window=48)
+
+    with pytest.raises(UnsupportedModelError, match="sliding_window=48, below max_model_len=64"):
+        load_model(path, torch.float32, "cpu", max_model_len=64)
+    assert type(load_model(path, torch.float32, "cpu", max_model_len=48)).__name__ == "Gemma3ForCausalLM"

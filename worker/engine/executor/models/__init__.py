@@ -1,5 +1,6 @@
 """Model implementations over a flat ragged batch with a paged KV cache."""
 
+from worker.engine.executor.models.gemma3 import Gemma3ForCausalLM
 from worker.engine.executor.models.llama import LlamaForCausalLM
 from worker.engine.executor.models.phi3 import Phi3ForCausalLM
 from worker.engine.executor.models.qwen2 import Qwen2ForCausalLM
@@ -8,6 +9,7 @@ from worker.engine.executor.models.registry import MODEL_ARCHITECTURES, Unsuppor
 
 __all__ = [
     "MODEL_ARCHITECTURES",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",

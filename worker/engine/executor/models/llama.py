@@ -27,17 +27,22 @@ from worker.engine.executor.layers.attention import AttentionMetadata, paged_att
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as Hugging Face does.
 
-    ``x: [num_tokens, hidden_size]`` -> same shape and dtype.
+    ``x: [..., hidden_size]`` -> same shape and dtype. ``unit_offset`` scales by ``1 + weight`` in
+    float32 before casting back (Gemma's layout, weights stored around zero) instead of Llama's
+    ``weight * normed.to(dtype)``.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
 def head_size_of(config: PretrainedConfig) -> int:
@@ -56,12 +61,16 @@ class DecoderOptions:
     """What a Llama-shaped family changes in the attention block.
 
     ``qkv_bias``/``o_bias``: bias on the q/k/v and on the output projections (Qwen2: q/k/v only).
-    ``qk_norm``: RMSNorm over each head's ``head_size`` on q and k before RoPE (Qwen3).
+    ``qk_norm``: RMSNorm over each head's ``head_size`` on q and k before RoPE (Qwen3), with
+    ``norm_unit_offset`` Gemma's ``1 + weight`` form. ``query_scale``: the attention scale when it is not
+    ``head_size ** -0.5`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    norm_unit_offset: bool = False
+    query_scale: float | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,15 +81,17 @@ class RotaryEmbedding(nn.Module):
     frequencies come from transformers' ``ROPE_INIT_FUNCTIONS``, so ``default``, ``linear``, ``llama3``
     and ``yarn`` ``rope_parameters`` give the same numbers as transformers. A ``partial_rotary_factor``
     below 1 rotates only each head's first ``rotary_dim = head_size * factor`` channels (Phi-3 family).
+    ``layer_type`` picks that entry of per-layer-type ``rope_parameters`` (Gemma 3).
 
     Raises:
         ValueError: for ``dynamic`` or ``longrope`` scaling, whose frequencies depend on the running
             sequence length.
     """
 
-    def __init__(self, config: PretrainedConfig, head_size: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_size: int, layer_type: str | None = None) -> None:
         super().__init__()
-        rope_parameters = config.rope_parameters or {}
+        # Per-layer-type parameters (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``).
+        rope_parameters = (config.rope_parameters or {}) if layer_type is None else config.rope_parameters[layer_type]
         rope_type = str(rope_parameters.get("rope_type", "default"))
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(
@@ -95,7 +106,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base**exponents)
             attention_scaling = 1.0
         else:
-            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, layer_type=layer_type)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -121,13 +132,14 @@ class LlamaAttention(nn.Module):
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = num_kv_heads_of(config)
         self.head_size = head_size_of(config)
-        self.scale = self.head_size**-0.5
+        self.scale = self.head_size**-0.5 if options.query_scale is None else options.query_scale
         self.qkv_proj = nn.Linear(
             config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_size, bias=options.qkv_bias
         )
         self.o_proj = nn.Linear(self.num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
-        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        offset = options.norm_unit_offset
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
         self.rotary_emb = rotary_emb
 
     def forward(
@@ -191,14 +203,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions) -> None:
+    """``embed_tokens`` -> ``layers`` -> ``norm``; each layer maps ``(positions, hidden_states, kv_cache,
+    attn_metadata)`` to new hidden states. A family with other layers or norms passes its own."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: Iterable[nn.Module], norm: nn.Module) -> None:
         super().__init__()
-        self.rotary_emb = RotaryEmbedding(config, head_size_of(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, options) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
 
 
 class LlamaForCausalLM(nn.Module):
@@ -216,10 +228,21 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.decoder_options(config))
+        self.model = self.build_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def build_model(cls, config: PretrainedConfig) -> LlamaModel:
+        """The decoder stack: Llama layers with :meth:`decoder_options`, sharing one rotary table."""
+        options = cls.decoder_options(config)
+        rotary_emb = RotaryEmbedding(config, head_size_of(config))
+        return LlamaModel(
+            nn.Embedding(config.vocab_size, config.hidden_size),
+            (LlamaDecoderLayer(config, rotary_emb, options) for _ in range(config.num_hidden_layers)),
+            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        )
 
     @classmethod
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:

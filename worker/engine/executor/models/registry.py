@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from worker.engine.executor.models.gemma3 import Gemma3ForCausalLM
 from worker.engine.executor.models.llama import LlamaForCausalLM
 from worker.engine.executor.models.phi3 import Phi3ForCausalLM
 from worker.engine.executor.models.qwen2 import Qwen2ForCausalLM
 from worker.engine.executor.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
@@ -26,6 +28,7 @@ MODEL_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
 # NOTE: a config.json without ``architectures`` (transformers writes none when it converts a GGUF, as
 # worker/model_prepare.py does for the built-in model) is resolved by its ``model_type``.
 ARCHITECTURE_OF_MODEL_TYPE: dict[str, str] = {
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
