@@ -43,7 +43,8 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
     """Return a Hugging Face model folder for ``name_or_path``, converting the built-in GGUF if needed.
 
     Args:
-        name_or_path: :data:`jobs.config.BUILTIN_MODEL` or a local Llama-architecture HF folder.
+        name_or_path: :data:`jobs.config.BUILTIN_MODEL` or a local HF folder of a supported family (its
+            architecture is checked when the engine loads it).
         cache_dir: where converted models live (default: the ``model_cache_dir`` setting).
 
     Returns:

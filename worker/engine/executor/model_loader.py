@@ -1,45 +1,85 @@
-"""Load a Hugging Face Llama folder (``config.json`` + ``*.safetensors``) into our :class:`LlamaForCausalLM`."""
+"""Load a Hugging Face folder (``config.json`` + safetensors) into the implementation its architecture names.
+
+Weights stream tensor by tensor from memory-mapped safetensors files, one shard after another, so a
+checkpoint never sits in memory twice; each tensor is converted to the engine dtype as it is copied.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig
 
 from worker.engine.executor.layers.linear import pack_linear_layers
 from worker.engine.executor.models.llama import LlamaForCausalLM
+from worker.engine.executor.models.registry import resolve_model_class
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, in order: the shards named by ``model.safetensors.index.json`` when
+    there is one, else ``model.safetensors``, else every ``*.safetensors`` (sorted).
+
+    NOTE: the index decides, because hub folders may also hold other-format copies of the same weights
+    (Mistral's ``consolidated.safetensors``) that would otherwise be read as unexpected tensors.
+
+    Raises:
+        FileNotFoundError: if there is no weight file, or the index names a shard that is absent.
+    """
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(path) for path in files if not path.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that are absent: {', '.join(absent)}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    return files
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hugging_face_name, cpu_tensor)`` for every tensor of every ``*.safetensors`` file, sorted by file."""
-    for path in sorted(model_dir.glob("*.safetensors")):
+    """Yield ``(hugging_face_name, cpu_tensor)`` for every tensor of the checkpoint, shard by shard
+    (memory-mapped: a tensor is read when it is yielded)."""
+    for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a dict: no `in`)
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """Build the model from ``model_dir/config.json`` and load its safetensors weights.
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, max_model_len: int | None = None
+) -> LlamaForCausalLM:
+    """Build the model ``model_dir/config.json``'s ``architectures`` names and load its safetensors weights.
 
-    Returns the model on ``device`` in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a
-    float32 model on CPU gets packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`).
+    ``max_model_len`` (default: the config's ``max_position_embeddings``) is checked against a sliding
+    window. Stored bf16/fp16/fp32 weights are converted to ``dtype``. Returns the model on ``device``
+    in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a float32 model on CPU gets
+    packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`).
 
     Raises:
-        FileNotFoundError: if the folder has no ``*.safetensors`` file.
-        ValueError: if the config is not a Llama config, or a weight is missing or mis-shaped.
-        KeyError: on a checkpoint tensor the model has no parameter for.
+        FileNotFoundError: if the folder has no safetensors weights.
+        UnsupportedModelError: (a ``ValueError``) on an architecture not in
+            :data:`~worker.engine.executor.models.registry.MODEL_ARCHITECTURES` (the message lists
+            them), or a sliding window shorter than ``max_model_len``.
+        ValueError: if a weight is missing or mis-shaped (named).
+        KeyError: on a checkpoint tensor the model has no parameter for (named).
     """
     model_dir = Path(model_dir)
-    if not any(model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
     config = AutoConfig.from_pretrained(model_dir)
-    if not isinstance(config, LlamaConfig):
-        raise ValueError(f"{model_dir}: expected a Llama config, got {type(config).__name__}")
+    model_class = resolve_model_class(config, max_model_len or int(config.max_position_embeddings))
+    safetensors_files(model_dir)  # NOTE: raises before the (possibly large) model is allocated
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     model.to(device=device, dtype=dtype)
     model.load_weights(iter_safetensors(model_dir))
     model.eval()

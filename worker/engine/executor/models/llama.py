@@ -1,5 +1,8 @@
 """Llama decoder (Touvron et al. 2023) over a flat ragged batch with a paged KV cache.
 
+Llama-shaped families (Mistral, Qwen2, Qwen3) reuse these classes through :class:`DecoderOptions`
+(biases, per-head q/k RMSNorm); see :mod:`worker.engine.executor.models.registry`.
+
 Same mathematics as Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary position embeddings,
 grouped-query attention, SwiGLU MLP, optional tied embeddings), laid out as in vLLM: no batch
 dimension and no padding (``[num_tokens, hidden_size]``), q/k/v fused into one ``qkv_proj`` and
@@ -9,11 +12,13 @@ gate/up into one ``gate_up_proj``, attention through :func:`paged_attention_forw
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from worker.engine.executor.layers.attention import AttentionMetadata, paged_attention_forward
@@ -22,28 +27,50 @@ from worker.engine.executor.layers.attention import AttentionMetadata, paged_att
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as Hugging Face does.
 
-    ``x: [num_tokens, hidden_size]`` -> same shape and dtype.
+    ``x: [..., hidden_size]`` -> same shape and dtype. ``unit_offset`` scales by ``1 + weight`` in
+    float32 before casting back (Gemma's layout, weights stored around zero) instead of Llama's
+    ``weight * normed.to(dtype)``.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
-def head_size_of(config: LlamaConfig) -> int:
+def head_size_of(config: PretrainedConfig) -> int:
     """Per-head width: ``head_dim`` when the config sets it, else ``hidden_size // num_attention_heads``."""
     head_dim = getattr(config, "head_dim", None)
     return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
 
 
-def num_kv_heads_of(config: LlamaConfig) -> int:
+def num_kv_heads_of(config: PretrainedConfig) -> int:
     """KV heads (grouped-query attention); a config without ``num_key_value_heads`` has one per query head."""
     return int(config.num_key_value_heads or config.num_attention_heads)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderOptions:
+    """What a Llama-shaped family changes in the attention block.
+
+    ``qkv_bias``/``o_bias``: bias on the q/k/v and on the output projections (Qwen2: q/k/v only).
+    ``qk_norm``: RMSNorm over each head's ``head_size`` on q and k before RoPE (Qwen3), with
+    ``norm_unit_offset`` Gemma's ``1 + weight`` form. ``query_scale``: the attention scale when it is not
+    ``head_size ** -0.5`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norm_unit_offset: bool = False
+    query_scale: float | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,27 +79,34 @@ class RotaryEmbedding(nn.Module):
     ``cos``/``sin`` tables for positions ``0 .. max_position_embeddings - 1`` are precomputed once
     (float32, then cast to the model dtype, exactly as Hugging Face computes them per call). Inverse
     frequencies come from transformers' ``ROPE_INIT_FUNCTIONS``, so ``default``, ``linear``, ``llama3``
-    and ``yarn`` ``rope_parameters`` give the same numbers as transformers.
+    and ``yarn`` ``rope_parameters`` give the same numbers as transformers. A ``partial_rotary_factor``
+    below 1 rotates only each head's first ``rotary_dim = head_size * factor`` channels (Phi-3 family).
+    ``layer_type`` picks that entry of per-layer-type ``rope_parameters`` (Gemma 3).
 
     Raises:
-        ValueError: for ``dynamic`` scaling, whose frequencies depend on the running sequence length.
+        ValueError: for ``dynamic`` or ``longrope`` scaling, whose frequencies depend on the running
+            sequence length.
     """
 
-    def __init__(self, config: LlamaConfig, head_size: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_size: int, layer_type: str | None = None) -> None:
         super().__init__()
-        rope_parameters = config.rope_parameters or {}
+        # Per-layer-type parameters (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``).
+        rope_parameters = (config.rope_parameters or {}) if layer_type is None else config.rope_parameters[layer_type]
         rope_type = str(rope_parameters.get("rope_type", "default"))
-        if rope_type == "dynamic":
-            raise ValueError("dynamic NTK rope scaling is not supported")
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(
+                f"{rope_type} rope scaling is not supported (its frequencies depend on the sequence length)"
+            )
+        self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
         # NOTE: tables are built on the CPU whatever the default device; the module is moved afterwards.
         cpu = torch.device("cpu")
         if rope_type == "default":
             base = float(rope_parameters["rope_theta"] or 10000.0)
-            exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=cpu).float() / head_size
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=cpu).float() / self.rotary_dim
             inv_freq = 1.0 / (base**exponents)
             attention_scaling = 1.0
         else:
-            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, layer_type=layer_type)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -83,23 +117,29 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x: [num_tokens, num_heads, head_size]`` by its tokens' ``positions: [num_tokens]``."""
         cos = self.cos.index_select(0, positions)[:, None, :]
         sin = self.sin.index_select(0, positions)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        x_rot = x[..., : self.rotary_dim]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        out = x_rot * cos + rotated * sin
+        if self.rotary_dim == x.shape[-1]:
+            return out
+        return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
         super().__init__()
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = num_kv_heads_of(config)
         self.head_size = head_size_of(config)
-        self.scale = self.head_size**-0.5
-        bias = bool(getattr(config, "attention_bias", False))
+        self.scale = self.head_size**-0.5 if options.query_scale is None else options.query_scale
         self.qkv_proj = nn.Linear(
-            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_size, bias=bias
+            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_size, bias=options.qkv_bias
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_size, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
+        offset = options.norm_unit_offset
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
         self.rotary_emb = rotary_emb
 
     def forward(
@@ -111,8 +151,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states).view(num_tokens, -1, self.head_size)
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # One rotation for q and k together: they are adjacent heads of the fused projection.
-        qk = self.rotary_emb(positions, qkv[:, : self.num_heads + self.num_kv_heads])
+        qk = self.rotary_emb(positions, qk)
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention_forward(query, key, value, kv_cache, attn_metadata, self.scale)
@@ -123,7 +167,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
@@ -137,10 +181,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = LlamaAttention(config, rotary_emb, options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -159,29 +203,52 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """``embed_tokens`` -> ``layers`` -> ``norm``; each layer maps ``(positions, hidden_states, kv_cache,
+    attn_metadata)`` to new hidden states. A family with other layers or norms passes its own."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: Iterable[nn.Module], norm: nn.Module) -> None:
         super().__init__()
-        self.rotary_emb = RotaryEmbedding(config, head_size_of(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama causal LM over a flat ragged batch.
 
-    Build from a ``transformers.LlamaConfig``, then :meth:`load_weights` with Hugging Face names
+    Build from a ``transformers.LlamaConfig`` (or a Llama-shaped one), then :meth:`load_weights` with Hugging Face names
     (``model.layers.N.self_attn.q_proj.weight`` ...). Parameters are created with ordinary random
     initialisation; :func:`worker.engine.executor.model_loader.load_model` does both steps.
+    A Llama-shaped family subclasses it and overrides :meth:`decoder_options`; one whose checkpoint
+    already stores ``qkv_proj``/``gate_up_proj`` fused sets ``checkpoint_is_fused``.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    checkpoint_is_fused: ClassVar[bool] = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.build_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def build_model(cls, config: PretrainedConfig) -> LlamaModel:
+        """The decoder stack: Llama layers with :meth:`decoder_options`, sharing one rotary table."""
+        options = cls.decoder_options(config)
+        rotary_emb = RotaryEmbedding(config, head_size_of(config))
+        return LlamaModel(
+            nn.Embedding(config.vocab_size, config.hidden_size),
+            (LlamaDecoderLayer(config, rotary_emb, options) for _ in range(config.num_hidden_layers)),
+            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        )
+
+    @classmethod
+    def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
+        """Llama: ``attention_bias`` on all four projections, no q/k norm."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(qkv_bias=bias, o_bias=bias)
 
     def forward(
         self,
@@ -221,46 +288,52 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing q/k/v and gate/up on the way.
 
-        Tensors are cast to each parameter's dtype and device. ``lm_head.weight`` is skipped when the
-        embeddings are tied; ``rotary_emb.inv_freq`` entries are ignored (recomputed).
+        Tensors are converted to each parameter's dtype (bf16/fp16/fp32 checkpoints alike) and device.
+        ``lm_head.weight`` is skipped when the embeddings are tied; ``rotary_emb.inv_freq`` entries are
+        ignored (recomputed).
 
         Raises:
-            KeyError: on a name this model has no parameter for.
-            ValueError: on a shape mismatch, or when some parameter received no tensor.
+            KeyError: on a checkpoint tensor this model has no parameter for (named).
+            ValueError: on a shape mismatch, or naming the checkpoint tensors that never came.
         """
-        params = dict(self.named_parameters())
-        head_size = head_size_of(self.config)
-        q_size = int(self.config.num_attention_heads) * head_size
-        kv_size = num_kv_heads_of(self.config) * head_size
-        intermediate = int(self.config.intermediate_size)
-        # HF projection -> (fused parameter, row offset, rows)
-        fused = {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, intermediate),
-            "up_proj": ("gate_up_proj", intermediate, intermediate),
-        }
-        loaded_rows: dict[str, int] = {}
+        expected = self._checkpoint_layout()
+        seen: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            target, start = name, 0
-            rows: int | None = None
-            if len(parts) >= 3 and parts[-2] in fused:
-                fused_name, start, rows = fused[parts[-2]]
-                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of LlamaForCausalLM")
-            param = params[target]
+            if name not in expected:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            param, start, rows = expected[name]
             dest = param.data if rows is None else param.data.narrow(0, start, rows)
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded_rows[target] = loaded_rows.get(target, 0) + dest.shape[0]
-        missing = [name for name, param in params.items() if loaded_rows.get(name, 0) != param.shape[0]]
+            seen.add(name)
+        missing = sorted(expected.keys() - seen)
         if missing:
-            raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing))}")
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
+
+    def _checkpoint_layout(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
+        """Hugging Face tensor name -> (our parameter, first row, rows or ``None`` for the whole parameter)."""
+        head_size = head_size_of(self.config)
+        q_size = int(self.config.num_attention_heads) * head_size
+        kv_size = num_kv_heads_of(self.config) * head_size
+        intermediate = int(self.config.intermediate_size)
+        # fused parameter -> its Hugging Face parts as (projection, row offset, rows)
+        fused = {
+            "qkv_proj": [("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)],
+            "gate_up_proj": [("gate_proj", 0, intermediate), ("up_proj", intermediate, intermediate)],
+        }
+        layout: dict[str, tuple[nn.Parameter, int, int | None]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            *module, fused_name, kind = name.split(".")
+            if fused_name not in fused or self.checkpoint_is_fused:
+                layout[name] = (param, 0, None)
+                continue
+            for part, start, rows in fused[fused_name]:
+                layout[".".join([*module, part, kind])] = (param, start, rows)
+        return layout
