@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -134,3 +134,13 @@ def hf_greedy_reference(
             f"generate picked {token_id} at step {pos}, raw argmax is {top.token_id_1}"
         )
     return GreedyReference(token_ids=token_ids, top2=top2)
+
+
+def chat_prompt_ids(tokenizer: Any, questions: Sequence[str]) -> list[list[int]]:
+    """Each question as one user turn through the tokenizer's chat template, as token ids."""
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        )
+        for q in questions
+    ]

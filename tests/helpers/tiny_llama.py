@@ -18,6 +18,23 @@ CHAT_TEMPLATE = (
 )
 
 
+# The tiny decoder every family's test model shares (tests/helpers/tiny_models.py adds each family's own).
+TINY_DECODER_FIELDS: dict[str, Any] = dict(
+    vocab_size=len(SPECIAL_TOKENS) + 256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def tiny_llama_config(**overrides: Any) -> LlamaConfig:
     """2 layers, hidden 64, 4 heads / 2 KV heads (GQA, head_size 16), vocab 259; ``overrides`` win.
 
@@ -25,23 +42,7 @@ def tiny_llama_config(**overrides: Any) -> LlamaConfig:
     the special tokens (``<|endoftext|>`` = pad, ``<|im_start|>`` = bos, ``<|im_end|>`` = eos), 3..258
     the 256 byte symbols.
     """
-    fields: dict[str, Any] = dict(
-        vocab_size=len(SPECIAL_TOKENS) + 256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
+    return LlamaConfig(**{**TINY_DECODER_FIELDS, "rope_theta": 10000.0, **overrides})
 
 
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:

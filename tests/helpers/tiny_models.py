@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import transformers
 
-from tests.helpers.tiny_llama import SPECIAL_TOKENS, build_byte_tokenizer
+from tests.helpers.tiny_llama import TINY_DECODER_FIELDS, build_byte_tokenizer
 
 # family -> (config class, model class, family-specific config fields); all GQA (4 heads / 2 KV heads).
 FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel], dict[str, Any]]] = {
@@ -60,21 +60,7 @@ def save_tiny_model(
     is widened (std 0.1) so that greedy decoding does not collapse onto one token.
     """
     config_class, model_class, family_fields = FAMILIES[family]
-    fields: dict[str, Any] = dict(
-        vocab_size=len(SPECIAL_TOKENS) + 256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    fields: dict[str, Any] = {**TINY_DECODER_FIELDS, "initializer_range": 0.1}
     fields.update(family_fields)
     fields.update(config_overrides)
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
+from tests.helpers.parity import assert_greedy_close, chat_prompt_ids, hf_greedy_reference
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = [
@@ -29,14 +29,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def prompts(served_tokenizer):
-    return [
-        served_tokenizer.encode(
-            served_tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-        )
-        for q in QUESTIONS
-    ]
+    return chat_prompt_ids(served_tokenizer, QUESTIONS)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("bfloat16", BF16_NEAR_TIE_TOL)])
