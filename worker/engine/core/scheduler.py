@@ -207,7 +207,12 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new_tokens)
             budget -= num_new_tokens
         if admitted:
-            self.waiting = deque(seq for seq in self.waiting if id(seq) not in admitted)
+            kept = [seq for seq in window if id(seq) not in admitted]
+            for _ in window:
+                self.waiting.popleft()
+            if len(admitted) > len(window) - len(kept):  # beam-group members from beyond the window
+                self.waiting = deque(seq for seq in self.waiting if id(seq) not in admitted)
+            self.waiting.extendleft(reversed(kept))
         self._passed_over_head = head if self.waiting and self.waiting[0] is head else None
         return budget
 
