@@ -8,6 +8,12 @@
 // of about equal cost (context length) with at::parallel_for, so torch.set_num_threads governs it. Optionally it also writes each (token, head)'s
 // log-sum-exp of its scaled scores, so a caller can merge this partial attention with another over
 // other keys (cascade attention, worker/engine/executor/layers/attention/cascade.py).
+//
+// Batch invariant: a token's output is a fixed sequence of float operations on its query, its context
+// length and the cached K/V, whatever other tokens share the call or which thread runs it. Every
+// reduction has a fixed lane structure (`dot`, `lane_sum`) and score rows start 64-byte aligned, so the
+// compiler's vectorised loops never split a row differently from one call to the next
+// (docs/engine.md, "Batch-invariant numerics").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -65,7 +71,26 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
+// sum of x[0 .. n-1] with kLanes partial sums (element i goes to lane i % kLanes), added lane by lane:
+// the order depends on n only, never on the pointer's alignment.
+inline float lane_sum(const float* __restrict x, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float partial[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) partial[l] += x[i + l];
+  }
+  for (int64_t l = 0; i + l < n; ++l) partial[l] += x[i + l];
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
+  return sum;
+}
+
 constexpr int64_t kMaxHeads = 256;
+constexpr int64_t kAlignFloats = 16;  // 64 bytes
+
+inline int64_t aligned_row(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlignFloats; }
 
 struct Shapes {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_queries_per_kv;
@@ -95,8 +120,8 @@ inline void for_each_position(const float* cache_half, const int32_t* block_tabl
 
 // Attention of all heads of one query token over the first `context_len` positions of its sequence.
 // Each position's K (then V) row, all KV heads together, is read once and contiguously
-// (for_each_position). `scores` holds num_heads * context_len floats, `q_scaled`
-// num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads it from `s`.
+// (for_each_position). `scores` holds num_heads rows of aligned_row(context_len) floats, 64-byte aligned;
+// `q_scaled` num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads it from `s`.
 template <int64_t kHeadSize>
 void attend_token(const Shapes& s, const float* query, const float* cache, const int32_t* block_table,
                   int64_t context_len, float scale, float* out, float* lse, float* scores, float* q_scaled) {
@@ -104,6 +129,7 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
   const int64_t num_kv_heads = s.num_kv_heads;
   const int64_t head_size = kHeadSize > 0 ? kHeadSize : s.head_size;
   const int64_t token_stride = num_kv_heads * head_size;  // floats between positions inside a block
+  const int64_t row_stride = aligned_row(context_len);
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* q = query + h * s.query_stride_head;
 #pragma omp simd
@@ -117,7 +143,7 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
       const float* k = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
         const float score = dot<kHeadSize>(q_scaled + h * head_size, k, head_size);
-        scores[h * context_len + pos] = score;
+        scores[h * row_stride + pos] = score;
         max_score[h] = std::max(max_score[h], score);
       }
     }
@@ -125,15 +151,11 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 
   float inv_sum[kMaxHeads];
   for (int64_t h = 0; h < num_heads; ++h) {
-    float* row = scores + h * context_len;
+    float* __restrict row = scores + h * row_stride;
     const float m = max_score[h];
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < context_len; ++i) {
-      const float e = exp_nonpositive(row[i] - m);
-      row[i] = e;
-      sum += e;
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < context_len; ++i) row[i] = exp_nonpositive(row[i] - m);
+    const float sum = lane_sum(row, context_len);
     inv_sum[h] = 1.0f / sum;
     if (lse != nullptr) lse[h] = m + std::log(sum);
   }
@@ -144,7 +166,7 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       const float* __restrict v = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        const float p = scores[h * context_len + pos];
+        const float p = scores[h * row_stride + pos];
         float* __restrict o = out + h * head_size;
 #pragma omp simd
         for (int64_t d = 0; d < head_size; ++d) o[d] += p * v[d];
@@ -246,12 +268,14 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const float scale_f = static_cast<float>(scale);
   const auto attend = s.head_size == 64 ? attend_token<64> : s.head_size == 128 ? attend_token<128> : attend_token<0>;
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> scores(s.num_heads * max_context);
+    std::vector<float> scores_buffer(s.num_heads * aligned_row(max_context) + kAlignFloats);
+    float* scores = scores_buffer.data();
+    scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
     std::vector<float> q_scaled(s.num_heads * s.head_size);
     for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
       attend(s, q_ptr + t * s.query_stride_token, cache_ptr, tables + token_seq[t] * s.max_num_blocks_per_seq,
              token_context[t], scale_f, out_ptr + t * s.num_heads * s.head_size,
-             lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores.data(), q_scaled.data());
+             lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores, q_scaled.data());
     }
   });
 }

@@ -26,7 +26,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "BATCHINFER_CPU_KERNELS"
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_gemm.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_gemm.cpp", "cpu_sampling.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _loaded: bool | None = None  # None: not tried yet; False: the build failed

@@ -1,4 +1,5 @@
-"""Plain PyTorch twins of the engine's attention kernels: slow, obviously correct, used as test oracles.
+"""Plain PyTorch twins of the engine's kernels: slow, obviously correct, used as test oracles (and, for the
+sampler's exponential race, as the path of devices without the C++ kernels).
 
 Layout (vLLM's paged KV cache): one tensor per layer, ``kv_cache: [2, num_blocks, block_size,
 num_kv_heads, head_size]`` (index 0 = K, 1 = V). The slot of a token is
@@ -100,3 +101,57 @@ def paged_attention_reference(
         probs = torch.softmax(scores, dim=-1)
         output[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return output
+
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _int64(value: int) -> int:
+    """The int64 with the bits of the unsigned 64-bit ``value`` (tensors hold signed int64; products wrap)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (``>>`` on int64 is arithmetic; mask the sign copies away)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def splitmix64_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Output ``index`` (0-based) of the SplitMix64 stream seeded with ``seed`` (Steele, Lea & Flood 2014),
+    elementwise over broadcast int64 tensors, as the int64 with the same bits."""
+    z = seed + (index + 1) * _int64(_GAMMA)
+    z = (z ^ _shift_right(z, 30)) * _int64(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _int64(_MIX2)
+    return z ^ _shift_right(z, 31)
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' 32-bit integer hash "lowbias32" (a bijection) of int64 tensors holding values in [0, 2^32)."""
+    mask = (1 << 32) - 1
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & mask
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & mask
+    return x ^ (x >> 16)
+
+
+def exponential_race_reference(logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`kernels.cpu_sampling.exponential_race_cpu` on any device: the same counter-based
+    uniforms bit for bit, logarithms by ``torch.log`` (so a score may differ in the last bits, and the token
+    only where two scores nearly tie), no pruning.
+
+    Args:
+        logits: float32 ``[num_rows, vocab_size]``; ``-inf`` excludes a token.
+        keys, counters: int64 ``[num_rows]`` on ``logits``' device.
+
+    Returns:
+        int64 ``[num_rows]`` token ids (lowest id on an exact tie).
+    """
+    state = splitmix64_at(keys, counters)[:, None]
+    lo, hi = state & ((1 << 32) - 1), _shift_right(state, 32)
+    tokens = torch.arange(logits.shape[1], dtype=torch.long, device=logits.device)[None, :]
+    bits = lowbias32(lowbias32(tokens ^ lo) ^ hi)
+    uniform = ((bits >> 9).float() + 0.5) * 2.0**-23
+    return (logits - torch.log(-torch.log(uniform))).argmax(dim=-1)

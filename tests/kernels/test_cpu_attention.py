@@ -153,6 +153,6 @@ def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
 
     out = paged_attention_forward(query, key, value, kv_cache, metadata, 0.125)
 
-    assert (metadata.plan.decode_kernel is not None) == (kernels_env == "1")
+    assert (metadata.plan.kernel is not None) == (kernels_env == "1")
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     assert torch.equal(kv_cache, expected_cache)

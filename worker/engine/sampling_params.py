@@ -16,8 +16,9 @@ class SamplingParams:
     ``top_k <= 0`` disables top-k; ``max_tokens`` counts generated tokens (>= 1; ``None`` = up to the
     context limit); ``logprobs`` is the number of top alternatives returned per generated token
     (``0`` = only the sampled token's logprob, ``None`` = no logprobs); ``prompt_logprobs`` likewise
-    for prompt positions (used by completions ``echo`` + ``logprobs``). ``seed`` seeds a per-sequence
-    generator derived from ``(seed, prompt token ids, sample index)``, never from batch position.
+    for prompt positions (used by completions ``echo`` + ``logprobs``). ``seed`` keys a per-sequence
+    random stream derived from ``(seed, prompt token ids, sample index)``, never from batch position, and
+    makes the request batch invariant (:attr:`batch_invariant`).
 
     ``n`` samples are returned; ``best_of`` (>= ``n``, default ``n``) branches are sampled and the ``n``
     with the highest cumulative raw logprob are returned (OpenAI completions' ``best_of``). All branches
@@ -90,6 +91,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the request's numbers must not depend on its batch: seeded requests, whose tokens must
+        reproduce whatever shares their steps, however their prefill is chunked and after preemption
+        (docs/engine.md, "Batch-invariant numerics")."""
+        return self.seed is not None
 
     @property
     def num_branches(self) -> int:

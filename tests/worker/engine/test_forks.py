@@ -10,7 +10,7 @@ import torch
 from tests.helpers.parity import assert_greedy_close, hf_greedy_reference
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.sample.metadata import SamplingMetadata
-from worker.engine.sample.sampler import Sampler, make_generator
+from worker.engine.sample.sampler import Sampler, make_sampling_key
 
 SAMPLED = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
 
@@ -54,12 +54,12 @@ def run_checked(engine, prompts, params):
 
 @torch.inference_mode()
 def reference_sample(hf_model, prompt, params, sample_index):
-    """Sample branch ``sample_index`` alone: full no-cache forward per token, the engine's sampler and generator."""
-    generator = make_generator(params.seed, sample_index, prompt)
+    """Sample branch ``sample_index`` alone: full no-cache forward per token, the engine's sampler and key."""
+    key = make_sampling_key(params.seed, sample_index, prompt)
     sampler, output = Sampler(), []
     for _ in range(params.max_tokens):
         logits = hf_model(torch.tensor([prompt + output])).logits[0, -1:].float()
-        metadata = SamplingMetadata([params], [generator], [prompt], [output], eos_token_id=None)
+        metadata = SamplingMetadata([params], [key], [prompt], [output], eos_token_id=None)
         output.append(sampler(logits, metadata).sampled_token_ids[0])
     return output
 

@@ -20,7 +20,15 @@ from collections import Counter
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
-from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockId, BlockPool, KVCacheBlock, PrefixId
+from worker.engine.core.block_pool import (
+    BATCH_INVARIANT_ROOT_PREFIX_ID,
+    ROOT_PREFIX_ID,
+    BlockHash,
+    BlockId,
+    BlockPool,
+    KVCacheBlock,
+    PrefixId,
+)
 from worker.engine.core.request import Sequence
 
 
@@ -84,7 +92,7 @@ class KVCacheManager:
             return [], 0
         block_size, token_ids = self.block_size, seq.token_ids
         blocks: list[KVCacheBlock] = []
-        parent = ROOT_PREFIX_ID
+        parent = _root_prefix_id(seq)
         for start in range(0, (seq.num_tokens - 1) // block_size * block_size, block_size):
             block = self.block_pool.get_cached_block(BlockHash((parent, tuple(token_ids[start : start + block_size]))))
             if block is None:
@@ -107,10 +115,10 @@ class KVCacheManager:
         block_size = self.block_size
         if seq.seq_id in self.seq_to_blocks:
             prefix_ids = self._prefix_ids[seq.seq_id]
-            parent = prefix_ids[-1] if prefix_ids else ROOT_PREFIX_ID
+            parent = prefix_ids[-1] if prefix_ids else _root_prefix_id(seq)
             start, limit = len(prefix_ids) * block_size, seq.num_tokens
         else:
-            last = computed_blocks[-1].prefix_id if computed_blocks else ROOT_PREFIX_ID
+            last = computed_blocks[-1].prefix_id if computed_blocks else _root_prefix_id(seq)
             assert last is not None
             parent, start, limit = last, len(computed_blocks) * block_size, seq.num_tokens - 1
         if start + block_size > limit:
@@ -216,7 +224,7 @@ class KVCacheManager:
             return
         block_size, token_ids = self.block_size, seq.token_ids
         blocks, prefix_ids = self.seq_to_blocks[seq.seq_id], self._prefix_ids[seq.seq_id]
-        parent = prefix_ids[-1] if prefix_ids else ROOT_PREFIX_ID
+        parent = prefix_ids[-1] if prefix_ids else _root_prefix_id(seq)
         for block_idx in range(len(prefix_ids), seq.num_computed_tokens // block_size):
             start = block_idx * block_size
             block_hash = BlockHash((parent, tuple(token_ids[start : start + block_size])))
@@ -273,7 +281,7 @@ class KVCacheManager:
             for block_idx, block in enumerate(blocks[: len(prefix_ids)]):
                 if block.block_hash is None:
                     continue
-                parent = prefix_ids[block_idx - 1] if block_idx else ROOT_PREFIX_ID
+                parent = prefix_ids[block_idx - 1] if block_idx else _root_prefix_id(seq)
                 start = block_idx * block_size
                 assert block.block_hash == (parent, tuple(seq.token_ids[start : start + block_size])), (
                     "cached block content"
@@ -286,3 +294,9 @@ class KVCacheManager:
         dsts = [dst for _, dst in self._blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "two copies into one block"
         assert all(self.block_pool.blocks[dst].ref_cnt > 0 for dst in dsts), "a copy into a free block"
+
+
+def _root_prefix_id(seq: Sequence) -> PrefixId:
+    """The prefix-cache root of ``seq``'s chain: batch-invariant sequences share blocks only among themselves
+    (their K/V must be the bits their own attention path computes; see :mod:`.block_pool`)."""
+    return BATCH_INVARIANT_ROOT_PREFIX_ID if seq.params.batch_invariant else ROOT_PREFIX_ID

@@ -24,7 +24,7 @@ from worker.engine.executor.layers.attention import build_attention_metadata, cp
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
-from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_sampling_key
 
 PromptLogprobEntry = tuple[float, list[tuple[int, float]]]
 
@@ -147,22 +147,22 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()
-        self._generators: dict[int, torch.Generator] = {}
+        self._sampling_keys: dict[int, int] = {}
 
     def free_seqs(self, seqs: list[Sequence]) -> None:
-        """Forget per-sequence state (generators) of finished or aborted sequences."""
+        """Forget per-sequence state (sampling keys) of finished or aborted sequences."""
         for seq in seqs:
-            self._generators.pop(seq.seq_id, None)
+            self._sampling_keys.pop(seq.seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
+    def _sampling_key(self, seq: Sequence) -> int:
         if seq.params.is_greedy:
-            return None
-        generator = self._generators.get(seq.seq_id)
-        if generator is None:
-            generator = self._generators[seq.seq_id] = make_generator(
-                seq.params.seed, seq.sample_index, seq.prompt_token_ids, self.device
+            return 0
+        key = self._sampling_keys.get(seq.seq_id)
+        if key is None:
+            key = self._sampling_keys[seq.seq_id] = make_sampling_key(
+                seq.params.seed, seq.sample_index, seq.prompt_token_ids
             )
-        return generator
+        return key
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]) -> ModelRunnerOutput:
@@ -190,6 +190,7 @@ class ModelRunner:
             dtype=self.dtype,
             use_cpu_kernels=self.use_cpu_kernels,
             use_triton_kernels=self.use_triton_kernels,
+            batch_invariant=[seq.params.batch_invariant for seq in seqs],
             device=self.device,
         )
         if attn_metadata.num_tokens == len(seqs):  # pure decode: one token per sequence, its last one
@@ -244,7 +245,7 @@ class ModelRunner:
         if sampled_seqs:
             metadata = SamplingMetadata(
                 params=[seq.params for seq in sampled_seqs],
-                generators=[self._generator(seq) for seq in sampled_seqs],
+                sampling_keys=[self._sampling_key(seq) for seq in sampled_seqs],
                 prompt_token_ids=[seq.prompt_token_ids for seq in sampled_seqs],
                 output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
                 eos_token_id=self.eos_token_id,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from worker.engine.sampling_params import SamplingParams
 
 
@@ -13,15 +11,16 @@ from worker.engine.sampling_params import SamplingParams
 class SamplingMetadata:
     """Per-row sampling inputs for one step (row ``i`` describes row ``i`` of the logits).
 
-    ``generators[i]`` may be ``None`` for greedy rows; a non-greedy row with ``None`` draws from torch's
-    default generator (unreproducible). ``prompt_token_ids``/``output_token_ids`` feed the penalties
+    ``sampling_keys[i]`` keys row ``i``'s random numbers (see ``sampler.make_sampling_key``; greedy rows
+    ignore it); the counter of its draw is ``len(output_token_ids[i])``, the index of the token being
+    sampled. ``prompt_token_ids``/``output_token_ids`` feed the penalties
     (repetition counts prompt + output tokens, as vLLM; presence/frequency count output tokens only) and
     min-tokens masking; ``eos_token_id`` is masked together with ``params.stop_token_ids`` while
     ``len(output_token_ids[i]) < params.min_tokens``, unless ``params.ignore_eos``.
     """
 
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]
+    sampling_keys: list[int]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     eos_token_id: int | None

@@ -1,53 +1,54 @@
-"""Token sampling: logit processors, temperature/top-k/top-p/min-p, per-sequence generators, logprobs.
+"""Token sampling: logit processors, temperature/top-k/top-p/min-p, counter-based random draws, logprobs.
 
 Semantics follow vLLM's sampler (``vllm/v1/sample/sampler.py`` and its V0 predecessor): per row, in order,
 ``logit_bias`` -> min-tokens masking of stop/EOS ids -> repetition/presence/frequency penalties ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw with the row's own ``torch.Generator``.
 Logprobs are always the log-softmax of the *raw* logits (before any processing), as vLLM V1 returns them.
 
-Reproducibility: a non-greedy row draws exactly one uniform number per step from its own generator and
-turns it into a token by inverse-CDF lookup over its own probability row, so a seeded sequence gives the
-same tokens whatever other rows share the batch and at whatever row position it sits.
+Reproducibility: a non-greedy row draws its token by an exponential race (the Gumbel-max trick) over
+counter-based random numbers, a function of the row's sampling key (seed, prompt and sample index), the
+index of the token being sampled and the token id only (:func:`kernels.cpu_sampling.exponential_race_cpu`).
+A seeded sequence thus gives the same tokens whatever other rows share the batch, at whatever row position,
+after a preemption, and a last-bit change of a logit can flip a token only at a near-tie of two scores
+(an inverse-CDF lookup flips wherever the cumulative sum crosses the uniform).
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_extension import cpu_kernels_available
+from kernels.cpu_sampling import exponential_race_cpu
+from kernels.reference import exponential_race_reference
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.ops.penalties import apply_logit_bias, apply_min_tokens, apply_penalties, has_penalties
 from worker.engine.sample.ops.topk_topp import truncated_logits
 from worker.engine.sampling_params import SamplingParams
 
-# Tokens per chunk of the two-level inverse-CDF draw (chunk sums, then a cumsum inside one chunk).
-_DRAW_CHUNK = 256
 
+def make_sampling_key(seed: int | None, sample_index: int, prompt_token_ids: Sequence[int]) -> int:
+    """Return the sampling key of one sequence: sample ``sample_index`` (0-based) of a request with this prompt.
 
-def make_generator(
-    seed: int | None, sample_index: int, prompt_token_ids: Sequence[int], device: torch.device | str = "cpu"
-) -> torch.Generator:
-    """Return the generator of one sequence: sample ``sample_index`` (0-based) of a request with this prompt.
+    A seeded key depends on ``(seed, prompt_token_ids, sample_index)`` only, never on batch position: the
+    three are mixed through BLAKE2b (the ids as fixed-width 64-bit integers, so no two inputs share an
+    encoding), so the same request with the same seed reproduces, ``n`` samples of one request get distinct
+    streams, and lines that share a seed but not a prompt draw independent numbers (a job that sets one seed
+    on every line must not give every line the same random draws). ``seed=None`` gives a fresh random key.
 
-    A seeded generator depends on ``(seed, prompt_token_ids, sample_index)`` only, never on batch
-    position: the three are mixed through BLAKE2b (the ids as fixed-width 64-bit integers, so no two
-    inputs share an encoding), so the same request with the same seed reproduces, ``n`` samples of one
-    request get distinct streams, and lines that share a seed but not a prompt draw independent numbers
-    (a job that sets one seed on every line must not give every line the same random draws).
-    ``seed=None`` gives a fresh random seed.
+    Returns:
+        a signed 64-bit integer (an int64 tensor holds it).
     """
-    generator = torch.Generator(device=device)
     if seed is None:
-        generator.seed()
-    else:
-        digest = hashlib.blake2b(f"{seed}:{sample_index}:".encode(), digest_size=8)
-        digest.update(array("q", prompt_token_ids).tobytes())
-        generator.manual_seed(int.from_bytes(digest.digest(), "little"))
-    return generator
+        return int.from_bytes(secrets.token_bytes(8), "little", signed=True)
+    digest = hashlib.blake2b(f"{seed}:{sample_index}:".encode(), digest_size=8)
+    digest.update(array("q", prompt_token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def compute_prompt_logprobs(
@@ -122,7 +123,7 @@ class Sampler:
 
         Args:
             logits: float32 ``[num_rows, vocab_size]``, one row per sequence sampled this step; not mutated.
-            metadata: per-row parameters, generators and token histories (``len(params) == num_rows``).
+            metadata: per-row parameters, sampling keys and token histories (``len(params) == num_rows``).
 
         Returns:
             ids, raw logprobs of the sampled ids and top logprobs (see :class:`SamplerOutput`).
@@ -137,7 +138,7 @@ class Sampler:
             sampled = processed.argmax(dim=-1)
         else:
             scaled = truncated_logits(processed, metadata.params, plan.random_rows)
-            drawn = _draw(scaled, [metadata.generators[i] for i in plan.random_rows])
+            drawn = _exponential_race(scaled, metadata, plan.random_rows)
             if len(plan.random_rows) == logits.shape[0]:
                 sampled = drawn
             else:
@@ -177,7 +178,7 @@ class Sampler:
 
 def _check_rows(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     num_rows = logits.shape[0]
-    for name in ("params", "generators", "prompt_token_ids", "output_token_ids"):
+    for name in ("params", "sampling_keys", "prompt_token_ids", "output_token_ids"):
         if len(getattr(metadata, name)) != num_rows:
             raise ValueError(f"got {num_rows} logits rows but {len(getattr(metadata, name))} {name}")
 
@@ -193,54 +194,22 @@ def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata, plan: _Row
     return processed
 
 
-def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of ``softmax(logits)`` by inverse-CDF lookup of one uniform number.
-
-    Per row the result depends only on that row's logits and its generator's state, never on the other
-    rows (vLLM draws exponentials for a race instead; one uniform per row is far cheaper on CPU). The
-    CDF is two-level: cumulative chunk sums locate the chunk, a cumsum inside that chunk the token.
+def _exponential_race(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    """One token per row of ``softmax(logits)``: the exponential race of the rows' keys at their counters.
 
     Args:
-        logits: ``[R, vocab_size]`` truncated logits (``-inf`` = excluded); not mutated.
-        generators: one per row; ``None`` draws from torch's default generator.
+        logits: ``[len(rows), vocab_size]`` truncated logits of the random rows (``-inf`` = excluded).
+        metadata: the step's metadata; ``rows`` index its per-row lists.
 
     Returns:
-        long ``[R]`` token ids, always of non-zero probability.
+        long ``[len(rows)]`` token ids, always of non-zero probability.
     """
-    num_rows, vocab_size = logits.shape
-    weights = torch.softmax(logits, dim=-1)
-    num_chunks = -(-vocab_size // _DRAW_CHUNK)
-    if num_chunks * _DRAW_CHUNK != vocab_size:
-        weights = torch.nn.functional.pad(weights, (0, num_chunks * _DRAW_CHUNK - vocab_size))
-    chunks = weights.view(num_rows, num_chunks, _DRAW_CHUNK)
-    chunk_cdf = chunks.sum(dim=-1).cumsum_(dim=-1)
-    uniform = _uniform_per_row(generators, logits.device)
-    # NOTE: u * total < total for u < 1, so some chunk's cumulative mass exceeds the target.
-    targets = uniform[:, None] * chunk_cdf[:, -1:]
-    chunk_idx = torch.searchsorted(chunk_cdf, targets, right=True).clamp_(max=num_chunks - 1)
-    mass_before = torch.where(
-        chunk_idx > 0, chunk_cdf.gather(1, (chunk_idx - 1).clamp(min=0)), torch.zeros_like(targets)
-    )
-    rows = torch.arange(num_rows, device=logits.device)
-    in_chunk = chunks[rows, chunk_idx.squeeze(1)]
-    offset = torch.searchsorted(in_chunk.cumsum(dim=-1), targets - mass_before, right=True)
-    # Rounding between chunk sums and the in-chunk cumsum can push the target past the chunk's end:
-    # fall back to the chunk's last token of non-zero probability.
-    last_nonzero = _DRAW_CHUNK - 1 - (in_chunk > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
-    offset = torch.minimum(offset, last_nonzero)
-    return (chunk_idx * _DRAW_CHUNK + offset).squeeze(1)
-
-
-def _uniform_per_row(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) float32 per row: from the row's generator, or torch's default one when it has none."""
-    values = torch.empty(len(generators), dtype=torch.float32, device=device)
-    unseeded = [j for j, g in enumerate(generators) if g is None]
-    if unseeded:
-        values[unseeded] = torch.rand(len(unseeded), device=device)
-    for j, g in enumerate(generators):
-        if g is not None:
-            values[j] = torch.rand(1, generator=g, device=g.device).to(device)[0]
-    return values
+    device = logits.device
+    keys = torch.tensor([metadata.sampling_keys[i] for i in rows], dtype=torch.long, device=device)
+    counters = torch.tensor([len(metadata.output_token_ids[i]) for i in rows], dtype=torch.long, device=device)
+    if device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels_available():
+        return exponential_race_cpu(logits.contiguous(), keys, counters)
+    return exponential_race_reference(logits, keys, counters)
 
 
 def _top_logprobs(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine.sample.metadata import SamplingMetadata
-from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_sampling_key
 from worker.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -20,7 +20,7 @@ DIST = [0.5, 0.25, 0.15, 0.07, 0.03]
 
 def metadata(
     params: list[SamplingParams],
-    generators: list[torch.Generator | None] | None = None,
+    keys: list[int] | None = None,
     prompt: list[list[int]] | None = None,
     output: list[list[int]] | None = None,
     eos_token_id: int | None = EOS,
@@ -28,7 +28,7 @@ def metadata(
     n = len(params)
     return SamplingMetadata(
         params=params,
-        generators=generators if generators is not None else [make_generator(i, 0, ()) for i in range(n)],
+        sampling_keys=keys if keys is not None else [make_sampling_key(i, 0, ()) for i in range(n)],
         prompt_token_ids=prompt if prompt is not None else [[] for _ in range(n)],
         output_token_ids=output if output is not None else [[] for _ in range(n)],
         eos_token_id=eos_token_id,
@@ -40,16 +40,16 @@ def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Ten
 
 
 def sample_support(params: SamplingParams, num_draws: int = 4000) -> Counter[int]:
-    """Token counts of ``num_draws`` draws from DIST, all rows sharing one fixed generator."""
+    """Token counts of ``num_draws`` draws from DIST, one per sample index of one seeded request."""
     logits = torch.tensor([math.log(p) for p in DIST]).expand(num_draws, -1).contiguous()
-    generator = torch.Generator().manual_seed(1234)
-    out = Sampler()(logits, metadata([params] * num_draws, generators=[generator] * num_draws))
+    keys = [make_sampling_key(1234, i, ()) for i in range(num_draws)]
+    out = Sampler()(logits, metadata([params] * num_draws, keys=keys))
     return Counter(out.sampled_token_ids)
 
 
 def test_all_greedy_batch_equals_argmax():
     logits = random_logits(16)
-    out = Sampler()(logits, metadata([SamplingParams(temperature=0.0)] * 16, generators=[None] * 16))
+    out = Sampler()(logits, metadata([SamplingParams(temperature=0.0)] * 16, keys=[0] * 16))
     assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
 
 
@@ -110,12 +110,13 @@ def test_top_p_is_computed_after_temperature():
 
 
 @pytest.mark.parametrize("vocab_size", [512, 1000])
-def test_draw_lands_in_every_chunk_of_a_large_vocabulary(vocab_size):
+def test_draw_lands_in_every_block_of_a_large_vocabulary(vocab_size):
+    # The race skips 64-token blocks that cannot win: every target sits in its own block.
     targets = [3, 300, 500, vocab_size - 1]
     logits = torch.full((4000, vocab_size), -math.inf)
     logits[:, targets] = 0.0
-    generator = torch.Generator().manual_seed(99)
-    out = Sampler()(logits, metadata([SamplingParams()] * 4000, generators=[generator] * 4000))
+    keys = [make_sampling_key(99, i, ()) for i in range(4000)]
+    out = Sampler()(logits, metadata([SamplingParams()] * 4000, keys=keys))
     counts = Counter(out.sampled_token_ids)
     assert set(counts) == set(targets)
     assert all(abs(counts[t] / 4000 - 0.25) < 0.03 for t in targets)
@@ -247,16 +248,19 @@ def test_min_tokens_with_ignore_eos_leaves_eos_alone():
 
 def draw_stream(row_logits: torch.Tensor, seed: int, position: int, neighbours: int, steps: int = 20) -> list[int]:
     """Tokens drawn for one seeded row over ``steps`` steps, placed at ``position`` among other rows."""
-    generator = make_generator(seed, 0, ())
-    tokens = []
+    key = make_sampling_key(seed, 0, ())
+    tokens: list[int] = []
     for step in range(steps):
         others = random_logits(neighbours, seed=100 + step)
         logits = torch.cat([others[:position], row_logits[None], others[position:]])
         params = [SamplingParams(temperature=0.8 + 0.1 * (j % 3), top_p=0.9) for j in range(neighbours + 1)]
         params[position] = SamplingParams(temperature=1.0, top_k=40, seed=seed)
-        generators = [make_generator(None, 0, ()) for _ in range(neighbours + 1)]
-        generators[position] = generator
-        tokens.append(Sampler()(logits, metadata(params, generators=generators)).sampled_token_ids[position])
+        keys = [make_sampling_key(None, 0, ()) for _ in range(neighbours + 1)]
+        keys[position] = key
+        output = [[7] * (step + j) for j in range(neighbours + 1)]
+        output[position] = list(tokens)  # the row's counter is its output length
+        out = Sampler()(logits, metadata(params, keys=keys, output=output))
+        tokens.append(out.sampled_token_ids[position])
     return tokens
 
 
@@ -271,8 +275,7 @@ def test_seeded_row_is_independent_of_neighbours_and_position():
 def test_different_seeds_and_sample_indices_give_different_streams():
     row = random_logits(1, seed=7)[0] / 3
     assert draw_stream(row, seed=42, position=0, neighbours=0) != draw_stream(row, seed=43, position=0, neighbours=0)
-    a, b = make_generator(42, 0, ()), make_generator(42, 1, ())
-    assert torch.rand(4, generator=a).tolist() != torch.rand(4, generator=b).tolist()
+    assert make_sampling_key(42, 0, ()) != make_sampling_key(42, 1, ())
 
 
 def chi_square_uniform(values: list[int], num_bins: int) -> float:
@@ -294,21 +297,20 @@ def test_lines_sharing_a_seed_but_not_a_prompt_draw_independent_samples():
     assert len({tuple(p) for p in prompts}) == 64
     params = SamplingParams(temperature=1.0, seed=1234)
     flat = torch.zeros(64, 8)  # 8 equally likely tokens: each row's token is its draw's rank
-    for step in range(3):
-        generators = [make_generator(1234, 0, prompt) for prompt in prompts]
-        for _ in range(step):  # later steps of the same streams
-            Sampler()(flat, metadata([params] * 64, generators=generators))
-        tokens = Sampler()(flat, metadata([params] * 64, generators=generators)).sampled_token_ids
+    keys = [make_sampling_key(1234, 0, prompt) for prompt in prompts]
+    for step in range(3):  # later steps of the same streams: counters 0, 1, 2
+        output = [[5] * step for _ in prompts]
+        tokens = Sampler()(flat, metadata([params] * 64, keys=keys, output=output)).sampled_token_ids
         assert chi_square_uniform(tokens, 8) < CHI2_CRIT_7_DOF, tokens
     # What the test guards against: a stream that ignores the prompt gives every line one token.
-    same_stream = [make_generator(1234, 0, ()) for _ in prompts]
-    tokens = Sampler()(flat, metadata([params] * 64, generators=same_stream)).sampled_token_ids
+    same_stream = [make_sampling_key(1234, 0, ()) for _ in prompts]
+    tokens = Sampler()(flat, metadata([params] * 64, keys=same_stream)).sampled_token_ids
     assert chi_square_uniform(tokens, 8) > CHI2_CRIT_7_DOF
 
 
 def test_the_stream_depends_on_every_part_of_its_key():
     def first(seed, index, prompt):
-        return torch.rand(4, generator=make_generator(seed, index, prompt)).tolist()
+        return make_sampling_key(seed, index, prompt)
 
     base = first(9, 0, [5, 6, 7])
     assert first(9, 0, [5, 6, 7]) == base  # the same request reproduces
@@ -316,11 +318,10 @@ def test_the_stream_depends_on_every_part_of_its_key():
         assert other != base
 
 
-def test_make_generator_is_deterministic_when_seeded_only():
-    same = [torch.rand(3, generator=make_generator(5, 2, ())).tolist() for _ in range(2)]
-    assert same[0] == same[1]
-    fresh = [torch.rand(3, generator=make_generator(None, 0, ())).tolist() for _ in range(2)]
-    assert fresh[0] != fresh[1]
+def test_make_sampling_key_is_deterministic_when_seeded_only():
+    assert make_sampling_key(5, 2, ()) == make_sampling_key(5, 2, ())
+    assert make_sampling_key(None, 0, ()) != make_sampling_key(None, 0, ())
+    assert all(-(2**63) <= make_sampling_key(seed, 0, (1, 2)) < 2**63 for seed in range(100))
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
@@ -370,7 +371,22 @@ def test_row_count_mismatch_is_rejected():
         Sampler()(random_logits(2), metadata([SamplingParams()]))
 
 
-def test_random_rows_without_generators_draw_from_the_default_one():
+def test_unseeded_rows_draw_fresh_random_streams():
     logits = torch.tensor([math.log(p) for p in DIST]).expand(200, -1).contiguous()
-    out = Sampler()(logits, metadata([SamplingParams(top_k=2)] * 200, generators=[None] * 200))
+    keys = [make_sampling_key(None, 0, ()) for _ in range(200)]
+    out = Sampler()(logits, metadata([SamplingParams(top_k=2)] * 200, keys=keys))
     assert set(out.sampled_token_ids) == {0, 1}
+
+
+def test_race_kernel_and_its_pytorch_twin_agree():
+    """The C++ race (pruned blocks, polynomial logs) and the twin on other devices pick the same tokens."""
+    from kernels.reference import exponential_race_reference
+
+    logits = random_logits(256, vocab=3000, seed=5)
+    logits[:, 1000:] -= 40.0  # most blocks cannot win: the kernel skips them, the twin scores them
+    keys = torch.tensor([make_sampling_key(1, i, ()) for i in range(256)])
+    counters = torch.arange(256)
+    kernel = Sampler()(
+        logits, metadata([SamplingParams()] * 256, keys=keys.tolist(), output=[[0] * i for i in range(256)])
+    )
+    assert kernel.sampled_token_ids == exponential_race_reference(logits, keys, counters).tolist()

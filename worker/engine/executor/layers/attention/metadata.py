@@ -89,6 +89,7 @@ def build_attention_metadata(
     dtype: torch.dtype = torch.float32,
     use_cpu_kernels: bool | None = None,
     use_triton_kernels: bool | None = None,
+    batch_invariant: Sequence[bool] | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Build one step's :class:`AttentionMetadata` from host-side lists (what the scheduler hands out).
@@ -104,6 +105,8 @@ def build_attention_metadata(
             :func:`cpu_kernels_apply` for ``device`` and ``dtype``.
         use_triton_kernels: route every row to the Triton kernels; None decides with
             :func:`triton_kernels_apply` for ``device``.
+        batch_invariant: per sequence, whether its rows take the batch-invariant path (see :mod:`.plan`);
+            ``None``: no sequence.
         device: where the tensors go.
 
     Raises:
@@ -166,5 +169,6 @@ def build_attention_metadata(
             dtype=dtype,
             use_cpu_kernels=use_cpu_kernels,
             use_triton_kernels=use_triton_kernels,
+            batch_invariant=batch_invariant,
         ),
     )

@@ -1,7 +1,7 @@
 """Paged attention over a flat ragged batch: store the step's K/V, then run each row's planned path.
 
 Executes the step's :class:`~.plan.AttentionPlan` (on CUDA the Triton kernels for the whole batch; on CPU
-the fresh-prompt causal SDPA, the C++ CPU kernel for decode rows, gathered SDPA groups, or cascade
+the fresh-prompt causal SDPA, the C++ CPU kernel for decode rows and batch-invariant sequences, gathered SDPA groups, or cascade
 attention): see :mod:`.plan` for the paths and :mod:`.metadata` for the batch layout
 (Kwon et al. 2023, PagedAttention; vLLM's ragged batch).
 """
@@ -153,7 +153,7 @@ def paged_attention_forward(
         return _attend_cascade(query, kv_cache, plan.cascade, scale)
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale)
-    kernel = plan.decode_kernel
+    kernel = plan.kernel
     if kernel is not None and kernel.token_idx is None:
         return paged_attention_cpu(query, kv_cache, kernel.query_start_loc, kernel.seq_lens, kernel.block_tables, scale)
     output = torch.empty_like(query)
@@ -161,7 +161,7 @@ def paged_attention_forward(
         output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale)
     if kernel is not None:
         assert kernel.token_idx is not None  # a kernel plan covering the whole batch returned above
-        decode_out = paged_attention_cpu(
+        kernel_out = paged_attention_cpu(
             query.index_select(0, kernel.token_idx),
             kv_cache,
             kernel.query_start_loc,
@@ -169,7 +169,7 @@ def paged_attention_forward(
             kernel.block_tables,
             scale,
         )
-        output.index_copy_(0, kernel.token_idx, decode_out)
+        output.index_copy_(0, kernel.token_idx, kernel_out)
     for group in plan.groups:
         output.index_copy_(0, group.token_idx, _attend_group(query, kv_cache, group, block_size, scale))
     return output

@@ -19,7 +19,13 @@ Paths (executed by :mod:`.paged`):
 - when at least ``MIN_SEQS`` sequences share their first ``MIN_SHARED_TOKENS``-plus tokens' blocks (a
   prefix-cached preamble) and the kernels apply, every row goes through cascade attention instead
   (:mod:`.cascade`): each shared prefix once for its group, every sequence's own remaining context
-  through the kernel.
+  through the kernel;
+- a *batch-invariant* sequence (a seeded request, see the model runner) sends every row, whatever its
+  query length, to the C++ kernel over its whole context and never joins a cascade group: the kernel
+  computes each token alone in a fixed order, so the sequence's numbers are the same bits whether its
+  context was computed in one pass, in chunks or after a recompute, and whatever shares the step
+  (docs/engine.md, "Batch-invariant numerics"). Without the kernels (not float32, or not built) the
+  sequence takes the ordinary paths.
 
 The index tensors and masks depend only on the batch, so they are built once per step, by
 :func:`~.metadata.build_attention_metadata`, and reused by every layer.
@@ -27,6 +33,7 @@ The index tensors and masks depend only on the batch, so they are built once per
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -74,11 +81,11 @@ class GroupPlan:
 
 @dataclass(slots=True)
 class KernelPlan:
-    """Decode rows for the C++ CPU kernel.
+    """Rows for the C++ CPU kernel: decode rows and every row of batch-invariant sequences.
 
-    ``token_idx``: ``[num_decode_seqs]`` flat batch index of each decode row (``None`` when the decode
-    rows are the whole batch, in order); ``query_start_loc`` (``[num_decode_seqs + 1]``), ``seq_lens``
-    and ``block_tables``: int32 metadata of those sequences only.
+    ``token_idx``: ``[num_kernel_tokens]`` flat batch index of each of those rows, sequence by sequence
+    (``None`` when they are the whole batch, in order); ``query_start_loc`` (``[num_kernel_seqs + 1]``),
+    ``seq_lens`` and ``block_tables``: int32 metadata of those sequences only.
     """
 
     token_idx: torch.Tensor | None
@@ -122,7 +129,7 @@ class AttentionPlan:
     num_queries_per_kv: int
     cascade: CascadePlan | None  # when set, it covers every row and the other fields are unused
     fresh_prefills: list[tuple[int, int]]  # token ranges of sequences whose whole context is this step's
-    decode_kernel: KernelPlan | None  # decode rows for the C++ kernel, or None: all rows in `groups`
+    kernel: KernelPlan | None  # decode and batch-invariant rows for the C++ kernel, or None
     groups: list[GroupPlan]  # rows attended with the PyTorch path
     covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
     triton: TritonPlan | None = None  # when set, it covers every row and the other fields are unused
@@ -180,8 +187,8 @@ def _build_group(
     )
 
 
-def _build_kernel_plan(batch: _Batch, decode_ids: list[int], cu_query_lens: list[int]) -> KernelPlan:
-    if len(decode_ids) == batch.num_seqs:
+def _build_kernel_plan(batch: _Batch, kernel_ids: list[int], cu_query_lens: list[int]) -> KernelPlan:
+    if len(kernel_ids) == batch.num_seqs:
         return KernelPlan(
             token_idx=None,
             query_start_loc=batch.query_start_loc.to(torch.int32).contiguous(),
@@ -189,19 +196,25 @@ def _build_kernel_plan(batch: _Batch, decode_ids: list[int], cu_query_lens: list
             block_tables=batch.block_tables.to(torch.int32).contiguous(),
         )
     device = batch.block_tables.device
-    seq_ids = torch.tensor(decode_ids, dtype=torch.long, device=device)
+    seq_ids = torch.tensor(kernel_ids, dtype=torch.long, device=device)
+    token_idx = [t for i in kernel_ids for t in range(cu_query_lens[i], cu_query_lens[i + 1])]
+    query_start_loc = list(accumulate((batch.query_lens_list[i] for i in kernel_ids), initial=0))
     return KernelPlan(
-        token_idx=torch.tensor([cu_query_lens[i] for i in decode_ids], dtype=torch.long, device=device),
-        query_start_loc=torch.arange(len(decode_ids) + 1, dtype=torch.int32, device=device),
+        token_idx=torch.tensor(token_idx, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         seq_lens=batch.seq_lens.index_select(0, seq_ids).to(torch.int32),
         block_tables=batch.block_tables.index_select(0, seq_ids).to(torch.int32).contiguous(),
     )
 
 
-def _build_cascade_plan(batch: _Batch, block_size: int) -> CascadePlan | None:
+def _build_cascade_plan(batch: _Batch, block_size: int, batch_invariant: list[bool]) -> CascadePlan | None:
     if batch.num_seqs < cascade_attention.MIN_SEQS:
         return None
-    num_computed = [s - q for s, q in zip(batch.seq_lens_list, batch.query_lens_list)]
+    # A batch-invariant sequence counts as having no cached prefix: it never joins a group.
+    num_computed = [
+        0 if invariant else s - q
+        for s, q, invariant in zip(batch.seq_lens_list, batch.query_lens_list, batch_invariant)
+    ]
     tables = batch.block_tables.to(torch.int32)
     groups = cascade_attention.shared_prefix_groups(tables, num_computed, block_size)
     if not groups:
@@ -247,6 +260,7 @@ def build_attention_plan(
     dtype: torch.dtype,
     use_cpu_kernels: bool,
     use_triton_kernels: bool = False,
+    batch_invariant: Sequence[bool] | None = None,
 ) -> AttentionPlan:
     """Split a step's sequences among the execution paths and build their index tensors and masks.
 
@@ -258,6 +272,8 @@ def build_attention_plan(
         dtype: the query dtype (masks are additive in it).
         use_cpu_kernels: send decode rows, or every row when a long prefix is shared, to the C++ kernels.
         use_triton_kernels: send every row to the Triton kernel (CUDA); no index tensors or masks are built.
+        batch_invariant: per sequence, whether all its rows go to the C++ kernel (see the module
+            docstring); ``None``: no sequence. Ignored without ``use_cpu_kernels``.
     """
     if use_triton_kernels:
         return AttentionPlan(
@@ -265,32 +281,34 @@ def build_attention_plan(
             num_queries_per_kv=num_queries_per_kv,
             cascade=None,
             fresh_prefills=[],
-            decode_kernel=None,
+            kernel=None,
             groups=[],
             covers_batch_in_order=False,
             triton=TritonPlan(max_query_len=max(query_lens_list, default=0), max_seq_len=max(seq_lens_list, default=0)),
         )
     batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
     use_kernel = use_cpu_kernels
-    cascade = _build_cascade_plan(batch, block_size) if use_kernel else None
+    invariant = list(batch_invariant) if use_kernel and batch_invariant is not None else [False] * batch.num_seqs
+    cascade = _build_cascade_plan(batch, block_size, invariant) if use_kernel else None
     if cascade is not None:
         return AttentionPlan(
             block_size=block_size,
             num_queries_per_kv=num_queries_per_kv,
             cascade=cascade,
             fresh_prefills=[],
-            decode_kernel=None,
+            kernel=None,
             groups=[],
             covers_batch_in_order=False,
         )
     cu_query_lens = list(accumulate(batch.query_lens_list, initial=0))
     decode_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1]
-    fresh_ids = [i for i, query_len in enumerate(query_lens_list) if 1 < query_len == seq_lens_list[i]]
-    other_ids = [i for i, query_len in enumerate(query_lens_list) if 1 < query_len < seq_lens_list[i]]
-    decode_kernel = _build_kernel_plan(batch, decode_ids, cu_query_lens) if use_kernel and decode_ids else None
+    kernel_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1 or invariant[i]]
+    fresh_ids = [i for i, q in enumerate(query_lens_list) if 1 < q == seq_lens_list[i] and not invariant[i]]
+    other_ids = [i for i, q in enumerate(query_lens_list) if 1 < q < seq_lens_list[i] and not invariant[i]]
+    kernel = _build_kernel_plan(batch, kernel_ids, cu_query_lens) if use_kernel and kernel_ids else None
     groups = [
         _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype)
-        for seq_ids in ([] if decode_kernel else decode_ids, other_ids)
+        for seq_ids in ([] if kernel else decode_ids, other_ids)
         if seq_ids
     ]
     # Decode rows are already in batch order; a lone "other" group is too (sequence by sequence).
@@ -299,7 +317,7 @@ def build_attention_plan(
         num_queries_per_kv=num_queries_per_kv,
         cascade=None,
         fresh_prefills=[(cu_query_lens[i], cu_query_lens[i + 1]) for i in fresh_ids],
-        decode_kernel=decode_kernel,
+        kernel=kernel,
         groups=groups,
-        covers_batch_in_order=decode_kernel is None and not fresh_ids and len(groups) == 1,
+        covers_batch_in_order=kernel is None and not fresh_ids and len(groups) == 1,
     )
