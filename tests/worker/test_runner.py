@@ -18,7 +18,7 @@ import pytest
 from jobs import intake, repository
 from jobs.config import BUILTIN_MODEL, get_settings
 from jobs.db import dispose_engines, session_scope, upgrade_database
-from jobs.files import file_path, get_file, write_file
+from jobs.files import file_chunks, get_file, write_file
 from jobs.status import BatchStatus
 from jobs.validation import ValidatedLine
 from tests.helpers.service import completion_line, jsonl
@@ -136,7 +136,7 @@ def make_batch(bodies: list[dict], endpoint: str = "/v1/completions") -> str:
     )
     with session_scope() as session:
         file = write_file(
-            session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
+            session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch"
         )
         batch = repository.create_batch(session, input_file_id=file.id, endpoint=endpoint)
         repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=BUILTIN_MODEL)
@@ -152,7 +152,7 @@ def read_results(batch_id: str) -> tuple[object, dict[str, dict], dict[str, dict
             if file_id is None:
                 files.append({})
                 continue
-            text = file_path(get_file(session, file_id=file_id), settings.files_dir).read_text()
+            text = b"".join(file_chunks(get_file(session, file_id=file_id))).decode()
             files.append({(e := json.loads(line))["custom_id"]: e for line in text.splitlines()})
     return batch, files[0], files[1]
 
@@ -249,7 +249,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     settings = get_settings()
     with session_scope() as session:
         file = write_file(
-            session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
+            session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch"
         )
         batch_id = repository.create_batch(session, input_file_id=file.id, endpoint="/v1/completions").id
     monkeypatch.setattr(intake, "enqueue_batch", lambda *args, **kwargs: None)
@@ -269,7 +269,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     assert error["message"].startswith(f"{param}: must be ")
     with session_scope() as session:
         envelopes = (
-            file_path(get_file(session, file_id=batch.error_file_id), settings.files_dir).read_text().splitlines()
+            b"".join(file_chunks(get_file(session, file_id=batch.error_file_id))).decode().splitlines()
         )
     assert len(envelopes) == 1
 
