@@ -215,12 +215,12 @@ def serve_http(settings: Settings, timeout_s: float = 30) -> Iterator[str]:
         thread.join(timeout_s)
 
 
-def openai_client(test_client: Any) -> Any:
-    """The ``openai`` SDK talking to ``test_client``'s app in process (no retries)."""
+def openai_client(test_client: Any, api_key: str = "unused") -> Any:
+    """The ``openai`` SDK talking to ``test_client``'s app in process (no retries), sending ``api_key``."""
     import openai
 
     return openai.OpenAI(
-        base_url=f"{test_client.base_url}/v1", api_key="unused", http_client=test_client, max_retries=0
+        base_url=f"{test_client.base_url}/v1", api_key=api_key, http_client=test_client, max_retries=0
     )
 
 
