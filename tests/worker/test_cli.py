@@ -193,7 +193,7 @@ def test_keys_create_ls_revoke(data_dir, capsys):
     secret = capsys.readouterr().out.strip()
     assert secret.startswith("bi-")
     assert cli.main(["keys", "ls"]) == 0
-    header, row = capsys.readouterr().out.strip().splitlines()
+    _header, row = capsys.readouterr().out.rstrip("\n").splitlines()
     key_id, name, shown, _created, revoked = row.split("\t")
     assert (name, revoked) == ("ci", "") and secret.startswith(shown.removesuffix("...")) and shown != secret
     with session_scope() as session:
