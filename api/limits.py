@@ -1,9 +1,12 @@
 """Request-size limit: refuse a body that cannot hold an acceptable upload, before reading it.
 
 A request whose ``Content-Length`` is over ``max_file_bytes`` plus `FORM_SLACK_BYTES` (room for the
-multipart boundaries, part headers and small fields) gets a 413 at once, its body unread; a body
-without ``Content-Length`` (chunked) is counted as it arrives and refused as soon as it goes over.
-Either way the server holds at most one received chunk. The exact limits on the file itself (bytes
+multipart boundaries, part headers and small fields) gets a 413 without its body being parsed or
+stored; a body without ``Content-Length`` (chunked) is counted as it arrives and refused as soon as
+it goes over. Either way the server holds at most one received chunk: the rest of the body is read
+and dropped (up to `DRAIN_LIMIT_BYTES`) before the 413 goes out, because a client such as httpx
+sends the whole body before it reads a response, and would otherwise see the connection reset
+instead of the 413. The exact limits on the file itself (bytes
 and lines) are enforced while it is copied into storage (`api.routes.files.store_upload`).
 Design: docs/api.md, "Limits".
 
@@ -19,6 +22,17 @@ from api.errors import error_response, too_large_message
 
 FORM_SLACK_BYTES = 64 * 1024
 """Request bytes allowed beyond ``max_file_bytes``: multipart boundaries, part headers and the small fields."""
+DRAIN_LIMIT_BYTES = 1 << 30
+"""Most bytes of a refused body read and dropped before answering; past it the connection is closed."""
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop request body messages until the body ends, the client leaves, or ``budget`` bytes."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
 
 
 class BodySizeLimit:
@@ -35,6 +49,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _drain(receive, DRAIN_LIMIT_BYTES)
             response = error_response(
                 413, too_large_message(self.max_file_bytes), param="file", code="file_too_large"
             )
@@ -49,6 +64,8 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
+                    if message.get("more_body", False):
+                        await _drain(receive, DRAIN_LIMIT_BYTES)
                     # NOTE: an HTTPException passes through FastAPI's body parsing unchanged (any other
                     # exception becomes a 400) to the app's handler, which answers the 413 envelope.
                     raise HTTPException(413)

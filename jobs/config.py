@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     torch_num_threads: int | None = None
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
-    max_file_bytes: int = 200 * 1024 * 1024
+    max_file_bytes: int = 200_000_000
     # Where file bytes live (jobs/storage.py): "local" = files_dir on this host; "database" = shared by every host.
     file_storage: Literal["local", "database"] = "local"
     api_host: str = "127.0.0.1"

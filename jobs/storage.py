@@ -54,7 +54,8 @@ class FileStorage(Protocol):
     def read(self, key: str, *, session: Session | None = None) -> Iterator[bytes]:
         """The bytes under ``key`` in chunks of at most `CHUNK_BYTES`.
 
-        ``session``: read inside this transaction (else short transactions of their own).
+        ``session``: read inside this transaction (else short transactions of their own; on SQLite,
+        whose transactions take the write lock, a caller holding a transaction must pass it).
 
         Raises:
             FileNotFoundError: nothing is stored under ``key`` (raised by the first ``next``).
