@@ -7,7 +7,7 @@
 | `jobs.errors.NotFound`, unknown route | 404 | invalid_request_error / ``{kind}_not_found`` |
 | `jobs.status.IllegalTransition` (e.g. cancel a completed batch) | 409 | invalid_request_error / ``invalid_status`` |
 | `UploadTooLarge`, a request body over the size limit | 413 | invalid_request_error / ``file_too_large`` or ``too_many_lines`` |
-| `sqlalchemy.exc.OperationalError`, `sqlalchemy.exc.InterfaceError` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
+| SQLAlchemy's ``OperationalError`` or ``InterfaceError`` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
 | anything else | 500 | server_error |
 """
 

@@ -50,9 +50,7 @@ class BodySizeLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await _drain(receive, DRAIN_LIMIT_BYTES)
-            response = error_response(
-                413, too_large_message(self.max_file_bytes), param="file", code="file_too_large"
-            )
+            response = error_response(413, too_large_message(self.max_file_bytes), param="file", code="file_too_large")
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return

@@ -115,7 +115,10 @@ def main() -> None:
             base_url = f"http://127.0.0.1:{port}"
             api = subprocess.Popen(
                 [*cli, "api", "--host", "127.0.0.1", "--port", str(port)],
-                env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             try:
                 _wait_for_health(base_url)

@@ -61,7 +61,9 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
         # NOTE: the second pass reads inside this transaction: SQLite's BEGIN IMMEDIATE would block a
         # reader on a connection of its own (database storage) until this transaction ends.
         lines = (
-            validated_lines(file_chunks(file, storage=storage, session=session), endpoint=endpoint, model_names=model_names)
+            validated_lines(
+                file_chunks(file, storage=storage, session=session), endpoint=endpoint, model_names=model_names
+            )
             if result.ok and file is not None
             else ()
         )

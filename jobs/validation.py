@@ -158,7 +158,9 @@ def validate_batch_file(
         for line_number, raw in numbered_lines(chunks, max_bytes=max_bytes):
             result.num_lines += 1
             if result.num_lines > max_lines:
-                return _whole_file("too_many_lines", f"the file has more than {max_lines} requests; the limit is {max_lines}")
+                return _whole_file(
+                    "too_many_lines", f"the file has more than {max_lines} requests; the limit is {max_lines}"
+                )
             try:
                 _validate_line(line_number, raw, endpoint, model_names, first_line_of)
             except _LineProblem as problem:

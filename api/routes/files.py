@@ -117,7 +117,9 @@ def file_content(session: SessionDep, settings: SettingsDep, owner: OwnerDep, fi
 
     quoted = quote(file.filename)
     disposition = (
-        f'attachment; filename="{file.filename}"' if quoted == file.filename else f"attachment; filename*=utf-8''{quoted}"
+        f'attachment; filename="{file.filename}"'
+        if quoted == file.filename
+        else f"attachment; filename*=utf-8''{quoted}"
     )
     return StreamingResponse(
         body(),

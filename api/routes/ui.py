@@ -16,9 +16,9 @@ HTTP Basic password); workers are shown to every key.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Any

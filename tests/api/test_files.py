@@ -81,7 +81,9 @@ def test_upload_rejects_other_purposes_and_bad_requests(client: Any) -> None:
 
 
 @pytest.mark.parametrize("size", [11, 200_000])  # counted while stored; refused by the request's Content-Length
-def test_upload_over_the_byte_limit_is_a_413_naming_the_limit_and_not_kept(service_settings: Settings, size: int) -> None:
+def test_upload_over_the_byte_limit_is_a_413_naming_the_limit_and_not_kept(
+    service_settings: Settings, size: int
+) -> None:
     settings = service_settings.model_copy(update={"max_file_bytes": 10})
     with api_client(settings) as client:
         response = _upload(client, b"x" * size)

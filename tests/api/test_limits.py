@@ -7,7 +7,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -21,8 +20,8 @@ MB = 1_000_000
 
 def _multipart(file_chunks: Iterator[bytes], boundary: str = "batchinfer-test-boundary") -> Iterator[bytes]:
     yield (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
         "Content-Type: application/jsonl\r\n\r\n"
     ).encode()
     yield from file_chunks
@@ -55,7 +54,9 @@ def test_a_chunked_upload_over_the_limit_is_a_413_without_content_length(service
 
 
 @pytest.mark.parametrize("file_storage", ["local", "database"])
-def test_database_unreachable_is_a_503_naming_it_and_leaves_no_file(service_settings: Settings, file_storage: str) -> None:
+def test_database_unreachable_is_a_503_naming_it_and_leaves_no_file(
+    service_settings: Settings, file_storage: str
+) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed_port = probe.getsockname()[1]
@@ -118,5 +119,3 @@ def test_a_201_mb_upload_is_a_413_and_the_api_grows_by_under_50_mb(tmp_path: Pat
         growth_mb = (peak_kb - before_kb) / 1000
         assert growth_mb < 50, f"the API's resident set grew by {growth_mb:.1f} MB"
     assert not (tmp_path / "data" / "files").exists() or list((tmp_path / "data" / "files").iterdir()) == []
-
-

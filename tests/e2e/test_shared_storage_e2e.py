@@ -36,15 +36,21 @@ def test_a_worker_with_its_own_data_folder_writes_the_output_the_api_serves(tmp_
     port = free_port()
     api_log, worker_log = tmp_path / "api.log", tmp_path / "worker.log"
     with (
-        running(cli("api", "--host", "127.0.0.1", "--port", str(port)), child_env(data_dir=str(api_dir), **shared), api_log) as api,
+        running(
+            cli("api", "--host", "127.0.0.1", "--port", str(port)), child_env(data_dir=str(api_dir), **shared), api_log
+        ) as api,
         running(cli("worker", "--loglevel", "INFO"), child_env(data_dir=str(worker_dir), **shared), worker_log),
     ):
         base_url = f"http://127.0.0.1:{port}"
         wait_for_health(base_url, api, api_log)
         client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         lines = [
-            {"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": BUILTIN_MODEL, "prompt": f"{i} + {i} =", "max_tokens": 4, "temperature": 0}}
+            {
+                "custom_id": f"q{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": BUILTIN_MODEL, "prompt": f"{i} + {i} =", "max_tokens": 4, "temperature": 0},
+            }
             for i in range(3)
         ]
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()

@@ -131,7 +131,9 @@ def service_settings(
     if request.param == "postgres":
         database_url = request.getfixturevalue("postgres_url")
         with get_engine(database_url).begin() as connection:
-            connection.execute(text("TRUNCATE batch_requests, batches, files, file_chunks, schedules, workers, api_keys"))
+            connection.execute(
+                text("TRUNCATE batch_requests, batches, files, file_chunks, schedules, workers, api_keys")
+            )
     yield configure_service(monkeypatch, tmp_path / "data", database_url=database_url)
     _teardown()
 
@@ -219,9 +221,7 @@ def openai_client(test_client: Any, api_key: str = "unused") -> Any:
     """The ``openai`` SDK talking to ``test_client``'s app in process (no retries), sending ``api_key``."""
     import openai
 
-    return openai.OpenAI(
-        base_url=f"{test_client.base_url}/v1", api_key=api_key, http_client=test_client, max_retries=0
-    )
+    return openai.OpenAI(base_url=f"{test_client.base_url}/v1", api_key=api_key, http_client=test_client, max_retries=0)
 
 
 def chat_line(custom_id: str, content: str = "Say hi.", *, model: str = BUILTIN_MODEL, **body: Any) -> dict[str, Any]:

@@ -68,7 +68,14 @@ def test_a_rolled_back_write_leaves_nothing(storage: FileStorage, service_settin
 
 def test_a_write_over_the_limit_keeps_nothing(storage: FileStorage, service_settings: Settings) -> None:
     with pytest.raises(FileTooLarge), session_scope() as session:
-        write_file(session, chunks=[b"x" * 600, b"y" * 600], filename="in.jsonl", purpose="batch", storage=storage, max_bytes=1000)
+        write_file(
+            session,
+            chunks=[b"x" * 600, b"y" * 600],
+            filename="in.jsonl",
+            purpose="batch",
+            storage=storage,
+            max_bytes=1000,
+        )
     assert _stored_pieces(storage, service_settings) == 0
 
 

@@ -128,23 +128,19 @@ def service(tmp_path, monkeypatch):
 
 def make_batch(bodies: list[dict], endpoint: str = "/v1/completions") -> str:
     """An in-progress batch whose lines are ``bodies`` (custom_id ``line-N``), as the API leaves it."""
-    settings = get_settings()
     lines = [ValidatedLine(n, f"line-{n}", body) for n, body in enumerate(bodies, start=1)]
     raw = "".join(
         json.dumps({"custom_id": line.custom_id, "method": "POST", "url": endpoint, "body": line.body}) + "\n"
         for line in lines
     )
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch"
-        )
+        file = write_file(session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch")
         batch = repository.create_batch(session, input_file_id=file.id, endpoint=endpoint)
         repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=BUILTIN_MODEL)
         return batch.id
 
 
 def read_results(batch_id: str) -> tuple[object, dict[str, dict], dict[str, dict]]:
-    settings = get_settings()
     with session_scope() as session:
         batch = repository.get_batch(session, batch_id=batch_id)
         files = []
@@ -248,9 +244,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     ]
     settings = get_settings()
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch"
-        )
+        file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch")
         batch_id = repository.create_batch(session, input_file_id=file.id, endpoint="/v1/completions").id
     monkeypatch.setattr(intake, "enqueue_batch", lambda *args, **kwargs: None)
     assert intake.validate_and_start(batch_id, settings=settings) == BatchStatus.IN_PROGRESS
@@ -268,9 +262,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
     assert error["message"].startswith(f"{param}: must be ")
     with session_scope() as session:
-        envelopes = (
-            b"".join(file_chunks(get_file(session, file_id=batch.error_file_id))).decode().splitlines()
-        )
+        envelopes = b"".join(file_chunks(get_file(session, file_id=batch.error_file_id))).decode().splitlines()
     assert len(envelopes) == 1
 
 
