@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
+from api.admission import Admission
 from api.auth import get_owner
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
@@ -89,5 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     install_metrics(app, settings.database_url)
     install_ui(app, dependencies=[Depends(get_owner)])
+    app.add_middleware(Admission)
+    # NOTE: added last, so outermost: an oversized body is refused before it takes an admission slot.
     app.add_middleware(BodySizeLimit, max_file_bytes=settings.max_file_bytes)
     return app
