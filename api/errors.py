@@ -3,8 +3,11 @@
 | raised | status | ``type`` / ``code`` |
 |---|---|---|
 | `jobs.errors.InvalidRequest`, bad request fields, unknown ``after`` cursor | 400 | invalid_request_error / the error's code |
+| `api.auth.Unauthorized` (keys exist; none, a wrong or a revoked one sent) | 401 | invalid_request_error / ``invalid_api_key`` |
 | `jobs.errors.NotFound`, unknown route | 404 | invalid_request_error / ``{kind}_not_found`` |
 | `jobs.status.IllegalTransition` (e.g. cancel a completed batch) | 409 | invalid_request_error / ``invalid_status`` |
+| `UploadTooLarge`, a request body over the size limit | 413 | invalid_request_error / ``file_too_large`` or ``too_many_lines`` |
+| SQLAlchemy's ``OperationalError`` or ``InterfaceError`` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
 | anything else | 500 | server_error |
 """
 
@@ -16,8 +19,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.auth import Unauthorized
 from jobs.errors import InvalidRequest, NotFound, error_envelope
 from jobs.paging import UnknownCursor
 from jobs.status import IllegalTransition
@@ -37,6 +42,20 @@ def error_response(
     return JSONResponse(
         status_code=status_code, content=error_envelope(message, type=error_type, param=param, code=code)
     )
+
+
+class UploadTooLarge(Exception):
+    """An upload over a limit (a 413): ``code`` ``file_too_large`` or ``too_many_lines``; the message names it."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def too_large_message(max_file_bytes: int) -> str:
+    """The 413 message of an upload over ``max_file_bytes`` (``BATCHINFER_MAX_FILE_BYTES``)."""
+    return f"the file is larger than the limit of {max_file_bytes} bytes (BATCHINFER_MAX_FILE_BYTES)"
 
 
 def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
@@ -68,8 +87,36 @@ def _request_validation(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(400, message, param=param, code="invalid_value")
 
 
-def _http_exception(_request: Request, exc: Exception) -> JSONResponse:
+def _unauthorized(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Unauthorized)
+    response = error_response(401, exc.message, code="invalid_api_key")
+    # NOTE: a browser on /ui prompts for credentials on this header; the key goes in the password field.
+    response.headers["WWW-Authenticate"] = 'Basic realm="batchinfer"' if exc.browser else "Bearer"
+    return response
+
+
+def _upload_too_large(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, UploadTooLarge)
+    return error_response(413, exc.message, param="file", code=exc.code)
+
+
+def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("the database is unreachable: %s", exc)
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+    return error_response(
+        503,
+        f"the database is unavailable; try again later ({reason})",
+        error_type="server_error",
+        code="database_unavailable",
+    )
+
+
+def _http_exception(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 413:
+        # NOTE: api.limits.BodySizeLimit refused a chunked body as it went over the limit.
+        message = too_large_message(request.app.state.settings.max_file_bytes)
+        return error_response(413, message, param="file", code="file_too_large")
     code = "not_found" if exc.status_code == 404 else None
     return error_response(exc.status_code, str(exc.detail), code=code)
 
@@ -83,6 +130,10 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register every handler above on ``app``."""
     app.add_exception_handler(InvalidRequest, _invalid_request)
     app.add_exception_handler(NotFound, _not_found)
+    app.add_exception_handler(Unauthorized, _unauthorized)
+    app.add_exception_handler(UploadTooLarge, _upload_too_large)
+    app.add_exception_handler(OperationalError, _database_unavailable)
+    app.add_exception_handler(InterfaceError, _database_unavailable)
     app.add_exception_handler(IllegalTransition, _illegal_transition)
     app.add_exception_handler(UnknownCursor, _unknown_cursor)
     app.add_exception_handler(RequestValidationError, _request_validation)

@@ -3,6 +3,10 @@
 
 Serve with ``uvicorn --factory api.main:create_app`` (or ``batchinfer serve``, which also runs the
 migrations first). The app never imports torch or worker code: it validates and enqueues; workers run.
+
+Every ``/v1`` route and ``/ui`` page needs an API key once the deployment has one (`api.auth`);
+``/health``, ``/metrics`` and the static files stay open. Request bodies over the upload limit are
+refused with a 413 before they are read (docs/api.md, "Limits").
 """
 
 from __future__ import annotations
@@ -12,20 +16,42 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
+from api.admission import Admission
+from api.auth import get_owner
 from api.errors import install_error_handlers
+from api.limits import BodySizeLimit
 from api.routes import batches, files, health, jobs, models, schedules, workers
 from api.routes.metrics import install_metrics
 from api.routes.ui import install_ui
+from jobs.api_keys import keys_required
 from jobs.config import Settings, get_settings
+from jobs.db import session_scope
 from jobs.intake import resume_validating_batches
 from jobs.status import now_s
 
 logger = logging.getLogger(__name__)
 
 
-def _resume_validating(settings: Settings, started_at: int) -> None:
+def _log_access_mode(settings: Settings) -> None:
+    try:
+        with session_scope(settings.database_url) as session:
+            required = keys_required(session)
+    except Exception as exc:
+        logger.warning("could not tell whether API keys exist: %s", exc)
+        return
+    if required:
+        logger.info("API keys are required: each key sees only the files, batches and schedules it created")
+    else:
+        logger.warning(
+            "no API key exists, so the API is open to anyone who can reach it "
+            "(create one with 'batchinfer keys create' to require keys)"
+        )
+
+
+def _start_up(settings: Settings, started_at: int) -> None:
+    _log_access_mode(settings)
     try:
         resume_validating_batches(settings=settings, started_at=started_at)
     except Exception as exc:
@@ -34,11 +60,12 @@ def _resume_validating(settings: Settings, started_at: int) -> None:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """On start-up, validate in a background thread the batches an earlier process left ``validating``."""
+    """On start-up, in a background thread: say whether keys are required, then validate the batches an
+    earlier process left ``validating``."""
     threading.Thread(
-        target=_resume_validating,
+        target=_start_up,
         kwargs={"settings": app.state.settings, "started_at": now_s()},
-        name="resume-validating",
+        name="api-start-up",
         daemon=True,
     ).start()
     yield
@@ -49,16 +76,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     Start-up resumes batches an earlier process left ``validating`` (`jobs.intake.resume_validating_batches`).
     """
+    settings = settings or get_settings()
     app = FastAPI(
         title="batchinfer",
         version="0.1.0",
         summary="OpenAI Batch API over our own inference engine",
         lifespan=_lifespan,
     )
-    app.state.settings = settings or get_settings()
+    app.state.settings = settings
     install_error_handlers(app)
-    for module in (files, batches, jobs, schedules, workers, models, health):
-        app.include_router(module.router)
-    install_metrics(app, app.state.settings.database_url)
-    install_ui(app)
+    for module in (files, batches, jobs, schedules, workers, models):
+        app.include_router(module.router, dependencies=[Depends(get_owner)])
+    app.include_router(health.router)
+    install_metrics(app, settings.database_url)
+    install_ui(app, dependencies=[Depends(get_owner)])
+    app.add_middleware(Admission)
+    # NOTE: added last, so outermost: an oversized body is refused before it takes an admission slot.
+    app.add_middleware(BodySizeLimit, max_file_bytes=settings.max_file_bytes)
     return app

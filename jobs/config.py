@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,8 +43,11 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     torch_num_threads: int | None = None
+    # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
-    max_file_bytes: int = 200 * 1024 * 1024
+    max_file_bytes: int = 200_000_000
+    # Where file bytes live (jobs/storage.py): "local" = files_dir on this host; "database" = shared by every host.
+    file_storage: Literal["local", "database"] = "local"
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     # A worker's Prometheus /metrics (docs/architecture.md, "Observability"); None serves none.

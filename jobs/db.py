@@ -22,6 +22,9 @@ from jobs.config import get_settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 _SQLITE_BUSY_TIMEOUT_S = 30
+POOL_SIZE, MAX_OVERFLOW = 10, 10
+MAX_CONNECTIONS = POOL_SIZE + MAX_OVERFLOW
+"""Connections one process's engine opens at most (kept: ``POOL_SIZE``); the API admits fewer requests at once."""
 _lock = threading.Lock()
 
 
@@ -36,10 +39,15 @@ _sessionmakers: dict[str, sessionmaker[Session]] = {}
 def _create_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=MAX_OVERFLOW)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": _SQLITE_BUSY_TIMEOUT_S})
+    engine = create_engine(
+        url,
+        pool_size=POOL_SIZE,
+        max_overflow=MAX_OVERFLOW,
+        connect_args={"check_same_thread": False, "timeout": _SQLITE_BUSY_TIMEOUT_S},
+    )
 
     @event.listens_for(engine, "connect")
     def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:

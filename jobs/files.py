@@ -1,34 +1,31 @@
-"""A small file store: bytes on disk under ``files_dir`` (one file per id), metadata in the ``files`` table.
+"""Files: metadata in the ``files`` table, bytes in a `jobs.storage.FileStorage` (local disk or the database).
 
-Bytes are written to a temporary name and renamed into place, so a reader never sees a partial
-file. The bytes land on disk before the caller's transaction commits; a rolled-back transaction
-leaves an orphan file behind (harmless: nothing references it).
+`write_file` stores the bytes before the row is flushed; both belong to the caller's transaction, so
+a rollback leaves neither behind (the local store removes its bytes on rollback). ``owner`` is the
+API key that owns the file (`jobs.api_keys`); ``None`` in a lookup or a list means any owner.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from jobs.config import get_settings
 from jobs.models import FILE_ID_PREFIX, File, new_id
 from jobs.paging import keyset_page
 from jobs.status import now_s
+from jobs.storage import CHUNK_BYTES, FileStorage, storage_from_settings
 
-CHUNK_BYTES = 1 << 20
 MAX_FILENAME_CHARS = 255
 
 
-class FileTooLarge(ValueError):
-    """An upload went over ``max_bytes``; ``.max_bytes`` is the limit."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(f"the file is larger than the limit of {max_bytes} bytes")
-        self.max_bytes = max_bytes
+def default_storage() -> FileStorage:
+    """The store this process's settings name (`jobs.storage.storage_from_settings`)."""
+    return storage_from_settings(get_settings())
 
 
 def write_file(
@@ -37,30 +34,23 @@ def write_file(
     chunks: Iterable[bytes],
     filename: str,
     purpose: str,
-    files_dir: Path,
+    storage: FileStorage | None = None,
     max_bytes: int | None = None,
+    owner: str | None = None,
     now: int | None = None,
 ) -> File:
     """Store ``chunks`` as a new file and add its row to ``session`` (flushed, not committed).
 
+    Args:
+        storage: where the bytes go (default `default_storage()`).
+        owner: the owning API key's id (None: no key).
+
     Raises:
-        FileTooLarge: more than ``max_bytes`` bytes arrived (nothing is kept).
+        jobs.storage.FileTooLarge: more than ``max_bytes`` bytes arrived (nothing is kept).
     """
+    storage = storage or default_storage()
     file_id = new_id(FILE_ID_PREFIX)
-    files_dir.mkdir(parents=True, exist_ok=True)
-    final_path = files_dir / file_id
-    partial_path = files_dir / f".{file_id}.partial"
-    num_bytes = 0
-    try:
-        with partial_path.open("wb") as out:
-            for chunk in chunks:
-                num_bytes += len(chunk)
-                if max_bytes is not None and num_bytes > max_bytes:
-                    raise FileTooLarge(max_bytes)
-                out.write(chunk)
-        os.replace(partial_path, final_path)
-    finally:
-        partial_path.unlink(missing_ok=True)
+    num_bytes = storage.write(session, file_id, chunks, max_bytes=max_bytes)
     file = File(
         id=file_id,
         filename=(Path(filename).name or file_id)[:MAX_FILENAME_CHARS],
@@ -68,42 +58,60 @@ def write_file(
         num_bytes=num_bytes,
         created_at=now_s() if now is None else now,
         storage_path=file_id,
+        owner_key_id=owner,
     )
     session.add(file)
     session.flush()
     return file
 
 
-def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterable[bytes]:
+def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Chunks of a binary stream (anything with ``read(n) -> bytes``) until EOF."""
     while chunk := stream.read(chunk_bytes):
         yield chunk
 
 
-def file_path(file: File, files_dir: Path) -> Path:
-    """Where ``file``'s bytes live on disk."""
-    return files_dir / file.storage_path
+def file_chunks(file: File, *, storage: FileStorage | None = None, session: Session | None = None) -> Iterator[bytes]:
+    """``file``'s bytes in chunks of at most 1 MiB (``session``: read in that transaction).
+
+    Raises:
+        FileNotFoundError: its bytes are gone (raised by the first ``next``).
+    """
+    return (storage or default_storage()).read(file.storage_path, session=session)
 
 
-def get_file(session: Session, *, file_id: str) -> File | None:
-    return session.get(File, file_id)
+def get_file(session: Session, *, file_id: str, owner: str | None = None) -> File | None:
+    """The file ``file_id`` (None when there is none, or when ``owner`` is given and it owns it not)."""
+    file = session.get(File, file_id)
+    if file is None or (owner is not None and file.owner_key_id != owner):
+        return None
+    return file
 
 
 def list_files(
-    session: Session, *, purpose: str | None = None, after: str | None = None, limit: int = 10_000, order: str = "desc"
+    session: Session,
+    *,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: int = 10_000,
+    order: str = "desc",
+    owner: str | None = None,
 ) -> tuple[list[File], bool]:
-    """A page of files by creation time (``order`` "desc" = newest first), optionally of one purpose.
+    """A page of files by creation time (``order`` "desc" = newest first), optionally of one purpose
+    and one ``owner``.
 
-    Returns ``(files, has_more)``. Raises `UnknownCursor` when ``after`` names no file.
+    Returns ``(files, has_more)``. Raises `UnknownCursor` when ``after`` names no file (of ``owner``).
     """
     query = select(File)
     if purpose is not None:
         query = query.where(File.purpose == purpose)
-    return keyset_page(session, query, File, after=after, limit=limit, descending=order == "desc")
+    if owner is not None:
+        query = query.where(File.owner_key_id == owner)
+    return keyset_page(session, query, File, after=after, limit=limit, descending=order == "desc", owner=owner)
 
 
-def delete_file(session: Session, *, file: File, files_dir: Path) -> None:
-    """Remove ``file``'s row and its bytes (a missing bytes file is ignored)."""
+def delete_file(session: Session, *, file: File, storage: FileStorage | None = None) -> None:
+    """Remove ``file``'s row and its bytes (missing bytes are ignored)."""
     session.delete(file)
     session.flush()
-    file_path(file, files_dir).unlink(missing_ok=True)
+    (storage or default_storage()).delete(session, file.storage_path)

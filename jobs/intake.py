@@ -1,10 +1,11 @@
 """Validate a new batch's input file and start it: the step between ``POST /v1/batches`` and the worker.
 
-Runs in the API process right after the batch is created (FastAPI background task): read the
-input file, check every line (`jobs.validation`), then in one transaction either insert the lines
-and move to ``in_progress`` or move to ``failed`` with every error; enqueue ``RUN_BATCH`` only after
-that commit, so the worker always finds the lines. The file is read and checked outside any
-database transaction (a 200 MB file takes a while; SQLite would be locked meanwhile).
+Runs in the API process right after the batch is created (FastAPI background task): stream the
+input file through the checks (`jobs.validation`), then in one transaction either insert the lines
+(a second streaming pass) and move to ``in_progress``, or move to ``failed`` with every error;
+enqueue ``RUN_BATCH`` only after that commit, so the worker always finds the lines. The checking
+pass runs outside any database transaction (a 200 MB file takes a while; SQLite would be locked
+meanwhile). Neither pass holds the file in memory.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import logging
 
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
-from jobs.files import file_path, get_file
+from jobs.files import file_chunks, get_file
 from jobs.queue import enqueue_batch
 from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
 from jobs.status import BatchStatus, now_s
-from jobs.validation import ValidationResult, validate_batch_file
+from jobs.storage import storage_from_settings
+from jobs.validation import ValidationResult, validate_batch_file, validated_lines
 
 logger = logging.getLogger(__name__)
 
@@ -36,37 +38,45 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
             and is picked up if the task is enqueued again).
     """
     settings = settings or get_settings()
+    storage = storage_from_settings(settings)
+    model_names = {settings.served_model_name}
     with session_scope(settings.database_url) as session:
         batch = get_batch(session, batch_id=batch_id)
         endpoint, input_file_id = batch.endpoint, batch.input_file_id
         file = get_file(session, file_id=input_file_id)
-        path = None if file is None else file_path(file, settings.files_dir)
     try:
-        if path is None:
+        if file is None:
             raise FileNotFoundError(input_file_id)
-        data = path.read_bytes()
-    except OSError:
-        message = f"the input file {input_file_id!r} no longer exists or cannot be read"
-        result = ValidationResult(errors=[LineError(code="file_not_found", message=message, param="input_file_id")])
-    else:
         result = validate_batch_file(
-            data,
+            file_chunks(file, storage=storage),
             endpoint=endpoint,
-            model_names={settings.served_model_name},
+            model_names=model_names,
             max_lines=settings.max_file_lines,
             max_bytes=settings.max_file_bytes,
         )
+    except OSError:
+        message = f"the input file {input_file_id!r} no longer exists or cannot be read"
+        result = ValidationResult(errors=[LineError(code="file_not_found", message=message, param="input_file_id")])
     with session_scope(settings.database_url) as session:
+        # NOTE: the second pass reads inside this transaction: SQLite's BEGIN IMMEDIATE would block a
+        # reader on a connection of its own (database storage) until this transaction ends.
+        lines = (
+            validated_lines(
+                file_chunks(file, storage=storage, session=session), endpoint=endpoint, model_names=model_names
+            )
+            if result.ok and file is not None
+            else ()
+        )
         batch = apply_validation(
             session,
             batch_id=batch_id,
-            lines=result.lines,
+            lines=lines,
             errors=result.errors,
             model=settings.served_model_name,
-            files_dir=settings.files_dir,
+            storage=storage,
         )
         status = BatchStatus(batch.status)
-    logger.info("batch %s validated: %s (%d lines, %d errors)", batch_id, status, len(result.lines), len(result.errors))
+    logger.info("batch %s validated: %s (%d lines, %d errors)", batch_id, status, result.num_lines, len(result.errors))
     if status == BatchStatus.IN_PROGRESS:
         enqueue_batch(batch_id, broker_url=settings.broker_url)
     return status

@@ -1,5 +1,9 @@
 """SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line), ``schedules``,
-``workers`` (one heartbeat row per worker process).
+``workers`` (one heartbeat row per worker process), ``api_keys`` and ``file_chunks`` (file bytes kept
+in the database, `jobs.storage.DatabaseStorage`).
+
+``owner_key_id`` on files, batches and schedules is the API key that created the row (None: created
+while the deployment had no key); see `jobs.api_keys`.
 
 Timestamps are Unix seconds (``BigInteger``), as the API returns them. JSON columns hold what the
 API returns verbatim (``errors``, ``metadata``, a line's ``body``, ``response`` and ``error``).
@@ -12,7 +16,7 @@ import secrets
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from jobs.status import BatchStatus
@@ -21,6 +25,7 @@ FILE_ID_PREFIX = "file-"
 BATCH_ID_PREFIX = "batch_"
 REQUEST_ID_PREFIX = "batch_req_"
 SCHEDULE_ID_PREFIX = "sched_"
+API_KEY_ID_PREFIX = "key_"
 
 
 def new_id(prefix: str) -> str:
@@ -41,7 +46,8 @@ class RequestState(StrEnum):
 
 
 class File(Base):
-    """An uploaded input file or a generated output/error file; bytes live at ``files_dir / storage_path``."""
+    """An uploaded input file or a generated output/error file; its bytes are stored under ``storage_path``
+    (`jobs.storage`)."""
 
     __tablename__ = "files"
 
@@ -52,6 +58,36 @@ class File(Base):
     created_at: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[int | None] = mapped_column(BigInteger)
     storage_path: Mapped[str] = mapped_column(String(512))
+    owner_key_id: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (Index("ix_files_owner_key_id_created_at", "owner_key_id", "created_at"),)
+
+
+class FileChunk(Base):
+    """One piece (at most 1 MiB) of a file's bytes when files live in the database; ``seq`` counts from 0."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class ApiKey(Base):
+    """A bearer key of the HTTP API; only its SHA-256 (``key_hash``, hex) is stored.
+
+    ``key_prefix`` is the key's first characters, shown by ``batchinfer keys ls`` so a person can tell
+    keys apart; ``revoked_at`` (Unix seconds) is set once the key is revoked.
+    """
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(256))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Batch(Base):
@@ -84,6 +120,7 @@ class Batch(Base):
     cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
     cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
     started_at: Mapped[int | None] = mapped_column(BigInteger)
+    owner_key_id: Mapped[str | None] = mapped_column(String(64))
 
     total_requests: Mapped[int] = mapped_column(Integer, default=0)
     completed_requests: Mapped[int] = mapped_column(Integer, default=0)
@@ -92,7 +129,10 @@ class Batch(Base):
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
-    __table_args__ = (Index("ix_batches_created_at_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_batches_created_at_id", "created_at", "id"),
+        Index("ix_batches_owner_key_id_created_at", "owner_key_id", "created_at"),
+    )
 
 
 class BatchRequest(Base):
@@ -144,9 +184,11 @@ class Schedule(Base):
     next_run_at: Mapped[int] = mapped_column(BigInteger)
     last_run_at: Mapped[int | None] = mapped_column(BigInteger)
     last_batch_id: Mapped[str | None] = mapped_column(String(64))
+    owner_key_id: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
         Index("ix_schedules_created_at_id", "created_at", "id"),
+        Index("ix_schedules_owner_key_id_created_at", "owner_key_id", "created_at"),
         Index("ix_schedules_next_run_at", "next_run_at"),
     )
 

@@ -26,19 +26,22 @@ def keyset_page(
     after: str | None,
     limit: int,
     descending: bool = True,
+    owner: str | None = None,
 ) -> tuple[list[Row], bool]:
     """One page of ``query`` (rows of ``model``) after the row with id ``after``.
+
+    ``owner``: the cursor must be a row of that API key (``model.owner_key_id``), as the rows are.
 
     Returns:
         ``(rows, has_more)``: at most ``limit`` rows, and whether more follow.
 
     Raises:
-        UnknownCursor: ``after`` is not the id of a ``model`` row.
+        UnknownCursor: ``after`` is not the id of a ``model`` row (of ``owner``).
     """
     created_at, row_id = model.created_at, model.id
     if after is not None:
         cursor = session.get(model, after)
-        if cursor is None:
+        if cursor is None or (owner is not None and cursor.owner_key_id != owner):
             raise UnknownCursor(f"no object with id {after!r} to page after")
         if descending:
             past = or_(created_at < cursor.created_at, and_(created_at == cursor.created_at, row_id < cursor.id))

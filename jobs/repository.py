@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from itertools import islice
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Result, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from jobs.config import get_settings
 from jobs.errors import InvalidRequest, NotFound
 from jobs.files import get_file, write_file
 from jobs.models import BATCH_ID_PREFIX, REQUEST_ID_PREFIX, Batch, BatchRequest, File, RequestState, new_id
@@ -51,8 +50,11 @@ from jobs.schemas import (
     LineError,
 )
 from jobs.status import BatchStatus, IllegalTransition, now_s, transition
+from jobs.storage import FileStorage
 from jobs.validation import ValidatedLine
 
+INSERT_ROWS = 1000
+"""Lines `apply_validation` inserts per statement (and holds in memory at once)."""
 INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 _NEVER_RUN_MESSAGES = {
@@ -72,14 +74,14 @@ class RequestAlreadyRecorded(ValueError):
     """`record_result` for a line that already has a result (each line is recorded exactly once)."""
 
 
-def get_batch_input_file(session: Session, *, file_id: str) -> File:
-    """The stored file ``file_id``, checked usable as a batch input.
+def get_batch_input_file(session: Session, *, file_id: str, owner: str | None = None) -> File:
+    """The stored file ``file_id`` (of API key ``owner``, when given), checked usable as a batch input.
 
     Raises:
         InvalidRequest: no such file (``code="file_not_found"``), or its purpose is not "batch";
             ``param="input_file_id"`` either way.
     """
-    file = get_file(session, file_id=file_id)
+    file = get_file(session, file_id=file_id, owner=owner)
     if file is None:
         raise InvalidRequest(f"no file with id {file_id!r}", param="input_file_id", code="file_not_found")
     if file.purpose != INPUT_PURPOSE:
@@ -97,18 +99,22 @@ def create_batch(
     endpoint: str,
     completion_window: str = COMPLETION_WINDOW,
     metadata: dict[str, str] | None = None,
+    owner: str | None = None,
     now: int | None = None,
 ) -> Batch:
-    """Insert a ``validating`` batch; ``expires_at = created_at + 24 h``.
+    """Insert a ``validating`` batch owned by API key ``owner`` (None: no key); ``expires_at = created_at + 24 h``.
+
+    The input file must belong to ``owner`` too (when given).
 
     Raises:
         InvalidRequest: unknown input file or not of purpose "batch" (``param="input_file_id"``),
             or what `check_batch_params` rejects.
     """
     check_batch_params(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
-    get_batch_input_file(session, file_id=input_file_id)
+    get_batch_input_file(session, file_id=input_file_id, owner=owner)
     created_at = now_s() if now is None else now
     batch = Batch(
+        owner_key_id=owner,
         id=new_id(BATCH_ID_PREFIX),
         endpoint=endpoint,
         input_file_id=input_file_id,
@@ -161,26 +167,32 @@ def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[
             )
 
 
-def get_batch(session: Session, *, batch_id: str, for_update: bool = False) -> Batch:
+def get_batch(session: Session, *, batch_id: str, for_update: bool = False, owner: str | None = None) -> Batch:
     """The batch (re-read from the database); ``for_update`` locks its row on PostgreSQL.
 
     Raises:
-        NotFound: no batch has this id.
+        NotFound: no batch has this id (owned by API key ``owner``, when given).
     """
     query = select(Batch).where(Batch.id == batch_id).execution_options(populate_existing=True)
+    if owner is not None:
+        query = query.where(Batch.owner_key_id == owner)
     batch = session.scalar(query.with_for_update() if for_update else query)
     if batch is None:
         raise NotFound("batch", batch_id)
     return batch
 
 
-def list_batches(session: Session, *, after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
-    """A page of batches, newest first, after the batch ``after``; returns ``(batches, has_more)``.
+def list_batches(
+    session: Session, *, after: str | None = None, limit: int = 20, owner: str | None = None
+) -> tuple[list[Batch], bool]:
+    """A page of batches (of API key ``owner``, when given), newest first, after the batch ``after``;
+    returns ``(batches, has_more)``.
 
     Raises:
-        jobs.paging.UnknownCursor: ``after`` is not a batch id.
+        jobs.paging.UnknownCursor: ``after`` is not a batch id (of ``owner``).
     """
-    return keyset_page(session, select(Batch), Batch, after=after, limit=limit)
+    query = select(Batch) if owner is None else select(Batch).where(Batch.owner_key_id == owner)
+    return keyset_page(session, query, Batch, after=after, limit=limit, owner=owner)
 
 
 def batches_left_validating(session: Session, *, created_before: int) -> list[str]:
@@ -201,11 +213,12 @@ def apply_validation(
     errors: list[LineError],
     model: str,
     now: int | None = None,
-    files_dir: Path | None = None,
+    storage: FileStorage | None = None,
 ) -> Batch:
     """Store the outcome of validating a batch's input file.
 
-    No ``errors``: one ``pending`` row per line, ``request_counts.total``, ``model``, and
+    No ``errors``: one ``pending`` row per line (``lines`` is consumed `INSERT_ROWS` at a time, so
+    an iterator never sits in memory whole), ``request_counts.total``, ``model``, and
     ``validating -> in_progress``. Errors: ``validating -> failed`` with ``errors``, no rows.
     A batch cancelled while it was validating goes to ``cancelled`` instead (its lines, if valid,
     all reported as ``batch_cancelled``).
@@ -224,30 +237,33 @@ def apply_validation(
             transition(batch, BatchStatus.FAILED, now)
             return batch
     else:
-        rows = [
-            {
-                "id": new_id(REQUEST_ID_PREFIX),
-                "batch_id": batch_id,
-                "line_number": line.line_number,
-                "custom_id": line.custom_id,
-                "body": line.body,
-                "state": RequestState.PENDING.value,
-                "prompt_tokens": 0,
-                "completion_tokens": 0,
-                "cached_tokens": 0,
-            }
-            for line in lines
-        ]
-        if rows:
-            session.execute(insert(BatchRequest), rows)
-        batch.total_requests = len(rows)
+        num_lines = 0
+        line_iter = iter(lines)
+        while group := list(islice(line_iter, INSERT_ROWS)):
+            session.execute(insert(BatchRequest), [_pending_row(batch_id, line) for line in group])
+            num_lines += len(group)
+        batch.total_requests = num_lines
         batch.model = model
     if status == BatchStatus.CANCELLING:
         session.flush()
-        return finalize_batch(session, batch_id=batch_id, now=now, files_dir=files_dir)
+        return finalize_batch(session, batch_id=batch_id, now=now, storage=storage)
     transition(batch, BatchStatus.IN_PROGRESS, now)
     session.flush()
     return batch
+
+
+def _pending_row(batch_id: str, line: ValidatedLine) -> dict[str, Any]:
+    return {
+        "id": new_id(REQUEST_ID_PREFIX),
+        "batch_id": batch_id,
+        "line_number": line.line_number,
+        "custom_id": line.custom_id,
+        "body": line.body,
+        "state": RequestState.PENDING.value,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+    }
 
 
 def claim_batch(session: Session, *, batch_id: str, now: int | None = None) -> bool:
@@ -368,7 +384,14 @@ def is_past_expiry(batch: Batch, now: int | None = None) -> bool:
     return (now_s() if now is None else now) >= batch.expires_at
 
 
-def cancel_batch(session: Session, *, batch_id: str, now: int | None = None, files_dir: Path | None = None) -> Batch:
+def cancel_batch(
+    session: Session,
+    *,
+    batch_id: str,
+    now: int | None = None,
+    storage: FileStorage | None = None,
+    owner: str | None = None,
+) -> Batch:
     """Cancel a batch: ``validating | in_progress -> cancelling``.
 
     An ``in_progress`` batch no worker has claimed (`claim_batch`) is finalized to ``cancelled``
@@ -377,10 +400,12 @@ def cancel_batch(session: Session, *, batch_id: str, now: int | None = None, fil
     validation ends (`apply_validation`). Cancelling a cancelling or cancelled batch is a no-op.
 
     Raises:
-        NotFound: no batch has this id.
+        NotFound: no batch has this id (owned by API key ``owner``, when given).
         IllegalTransition: the batch is failed, completed, expired or finalizing.
     """
     now = now_s() if now is None else now
+    if owner is not None:
+        get_batch(session, batch_id=batch_id, owner=owner)
     # NOTE: the conditional UPDATE comes first so that it, not a read, takes the row lock; a worker's
     # claim either committed before (started_at set) or will find the batch no longer in progress.
     moved = _num_rows_updated(
@@ -400,11 +425,13 @@ def cancel_batch(session: Session, *, batch_id: str, now: int | None = None, fil
             return batch
         raise IllegalTransition(status, BatchStatus.CANCELLING)
     if batch.in_progress_at is not None and batch.started_at is None:
-        return finalize_batch(session, batch_id=batch_id, now=now, files_dir=files_dir)
+        return finalize_batch(session, batch_id=batch_id, now=now, storage=storage)
     return batch
 
 
-def finalize_batch(session: Session, *, batch_id: str, now: int | None = None, files_dir: Path | None = None) -> Batch:
+def finalize_batch(
+    session: Session, *, batch_id: str, now: int | None = None, storage: FileStorage | None = None
+) -> Batch:
     """Write the output and error files from the lines and stamp the terminal status.
 
     ``in_progress`` (no pending line) ``-> finalizing -> completed``; ``in_progress`` past
@@ -415,7 +442,8 @@ def finalize_batch(session: Session, *, batch_id: str, now: int | None = None, f
     not created (its id stays null). Already terminal: returned unchanged (idempotent).
 
     Args:
-        files_dir: where to write (default ``settings.files_dir``).
+        storage: where the files' bytes go (default: the settings' store, `jobs.files.default_storage`);
+            they belong to the batch's owner.
 
     Raises:
         NotFound: no batch has this id.
@@ -449,7 +477,6 @@ def finalize_batch(session: Session, *, batch_id: str, now: int | None = None, f
         )
         batch.failed_requests += num_pending
 
-    files_dir = files_dir or get_settings().files_dir
     for state, attribute, suffix in (
         (RequestState.COMPLETED, "output_file_id", "output"),
         (RequestState.FAILED, "error_file_id", "error"),
@@ -460,7 +487,8 @@ def finalize_batch(session: Session, *, batch_id: str, now: int | None = None, f
                 chunks=_envelope_lines(session, batch_id, state),
                 filename=f"{batch_id}_{suffix}.jsonl",
                 purpose=OUTPUT_PURPOSE,
-                files_dir=files_dir,
+                storage=storage,
+                owner=batch.owner_key_id,
                 now=now,
             )
             setattr(batch, attribute, file.id)

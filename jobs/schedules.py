@@ -122,9 +122,12 @@ def create_schedule(
     endpoint: str,
     metadata: dict[str, str] | None = None,
     completion_window: str = COMPLETION_WINDOW,
+    owner: str | None = None,
     now: int | None = None,
 ) -> Schedule:
     """Insert a schedule whose first run is the first ``cron`` time after ``now`` (flushed, not committed).
+
+    ``owner``: the API key that owns it, its input file and the batches it creates (None: no key).
 
     Checks now what each run's ``POST /v1/batches`` would check (so a run fails only when the file
     is deleted later): endpoint, completion window, metadata with room for ``schedule_id``, and an
@@ -143,8 +146,9 @@ def create_schedule(
         completion_window=completion_window,
         metadata={**(metadata or {}), SCHEDULE_ID_METADATA_KEY: schedule_id},
     )
-    get_batch_input_file(session, file_id=input_file_id)
+    get_batch_input_file(session, file_id=input_file_id, owner=owner)
     schedule = Schedule(
+        owner_key_id=owner,
         id=schedule_id,
         cron=cron,
         input_file_id=input_file_id,
@@ -159,35 +163,41 @@ def create_schedule(
     return schedule
 
 
-def get_schedule(session: Session, *, schedule_id: str) -> Schedule:
+def get_schedule(session: Session, *, schedule_id: str, owner: str | None = None) -> Schedule:
     """The schedule, re-read from the database.
 
     Raises:
-        NotFound: no schedule has this id.
+        NotFound: no schedule has this id (owned by API key ``owner``, when given).
     """
     query = select(Schedule).where(Schedule.id == schedule_id).execution_options(populate_existing=True)
+    if owner is not None:
+        query = query.where(Schedule.owner_key_id == owner)
     schedule = session.scalar(query)
     if schedule is None:
         raise NotFound("schedule", schedule_id)
     return schedule
 
 
-def list_schedules(session: Session, *, after: str | None = None, limit: int = 20) -> tuple[list[Schedule], bool]:
-    """A page of schedules, newest first, after the schedule ``after``; returns ``(schedules, has_more)``.
+def list_schedules(
+    session: Session, *, after: str | None = None, limit: int = 20, owner: str | None = None
+) -> tuple[list[Schedule], bool]:
+    """A page of schedules (of API key ``owner``, when given), newest first, after the schedule
+    ``after``; returns ``(schedules, has_more)``.
 
     Raises:
-        jobs.paging.UnknownCursor: ``after`` is not a schedule id.
+        jobs.paging.UnknownCursor: ``after`` is not a schedule id (of ``owner``).
     """
-    return keyset_page(session, select(Schedule), Schedule, after=after, limit=limit)
+    query = select(Schedule) if owner is None else select(Schedule).where(Schedule.owner_key_id == owner)
+    return keyset_page(session, query, Schedule, after=after, limit=limit, owner=owner)
 
 
-def delete_schedule(session: Session, *, schedule_id: str) -> None:
+def delete_schedule(session: Session, *, schedule_id: str, owner: str | None = None) -> None:
     """Delete the schedule (batches it already created are kept).
 
     Raises:
-        NotFound: no schedule has this id.
+        NotFound: no schedule has this id (owned by API key ``owner``, when given).
     """
-    session.delete(get_schedule(session, schedule_id=schedule_id))
+    session.delete(get_schedule(session, schedule_id=schedule_id, owner=owner))
     session.flush()
 
 
@@ -223,6 +233,7 @@ def fire_schedule(session: Session, *, schedule_id: str, now: int) -> ScheduledR
             endpoint=schedule.endpoint,
             completion_window=schedule.completion_window,
             metadata=batch_metadata(schedule),
+            owner=schedule.owner_key_id,
             now=now,
         )
     except InvalidRequest as exc:

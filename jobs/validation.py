@@ -25,12 +25,17 @@ Whole-file problems have ``line = None``: ``file_too_large`` (over ``max_file_by
 ``empty_file`` (no non-blank line), ``too_many_lines`` (over ``max_file_lines`` non-blank lines).
 Line numbers are 1-based physical lines; blank lines are skipped but counted; a UTF-8 BOM and
 CRLF line ends are accepted.
+
+The file arrives as chunks and is read once per pass, line by line, so memory holds one line, the
+``custom_id`` set and the errors, never the file: `validate_batch_file` checks it, then
+`validated_lines` reads it again for the lines to store. `limit_lines` counts lines on the way in
+(uploads, docs/api.md "Limits").
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,14 +56,22 @@ class ValidatedLine:
 
 @dataclass(slots=True)
 class ValidationResult:
-    """Either ``lines`` (all good, in file order) or ``errors`` (at least one); never both used."""
+    """``errors`` (empty when the file is good) and the number of non-blank lines read."""
 
-    lines: list[ValidatedLine] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
+    num_lines: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+
+class TooManyLines(ValueError):
+    """A file has more than ``max_lines`` non-blank lines (`limit_lines`)."""
+
+    def __init__(self, max_lines: int) -> None:
+        super().__init__(f"the file has more than the limit of {max_lines} requests (non-blank lines)")
+        self.max_lines = max_lines
 
 
 class _LineProblem(Exception):
@@ -67,8 +80,59 @@ class _LineProblem(Exception):
         self.code, self.message, self.param = code, message, param
 
 
+class _FileTooLarge(Exception):
+    pass
+
+
+def numbered_lines(chunks: Iterable[bytes], *, max_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of a file given as chunks, with their 1-based physical line numbers.
+
+    A leading UTF-8 BOM is dropped; a line keeps its ``\\r`` (JSON ignores it). Holds one line at a time.
+    """
+    pending = b""
+    line_number = 0
+    num_bytes = 0
+    first = True
+    for chunk in chunks:
+        num_bytes += len(chunk)
+        if max_bytes is not None and num_bytes > max_bytes:
+            raise _FileTooLarge
+        if first:
+            chunk, first = chunk.removeprefix(_UTF8_BOM), False
+        pieces = (pending + chunk).split(b"\n")
+        pending = pieces.pop()
+        for raw in pieces:
+            line_number += 1
+            if raw.strip():
+                yield line_number, raw
+    if pending.strip():
+        yield line_number + 1, pending
+
+
+def limit_lines(chunks: Iterable[bytes], max_lines: int) -> Iterator[bytes]:
+    """``chunks`` unchanged, counting non-blank lines as they pass (one flag of state, no line held).
+
+    Raises:
+        TooManyLines: the count went over ``max_lines`` (raised when that line's end arrives).
+    """
+    count = 0
+    in_line = False  # the current, unfinished line has a non-blank byte
+    for chunk in chunks:
+        pieces = chunk.split(b"\n")
+        for piece in pieces[:-1]:
+            if in_line or piece.strip():
+                count += 1
+                if count > max_lines:
+                    raise TooManyLines(max_lines)
+            in_line = False
+        in_line = in_line or bool(pieces[-1].strip().removeprefix(_UTF8_BOM))
+        yield chunk
+    if in_line and count + 1 > max_lines:
+        raise TooManyLines(max_lines)
+
+
 def validate_batch_file(
-    data: bytes,
+    chunks: Iterable[bytes],
     *,
     endpoint: str,
     model_names: Collection[str],
@@ -78,36 +142,50 @@ def validate_batch_file(
     """Check every line of a batch input file against the batch's endpoint and the served model.
 
     Args:
-        data: the raw file bytes.
+        chunks: the raw file bytes, in chunks (any sizes).
         endpoint: the batch's endpoint; every line's ``url`` must equal it.
         model_names: names accepted in ``body.model``.
         max_lines: most non-blank lines allowed.
         max_bytes: largest file size allowed, in bytes.
 
     Returns:
-        `ValidationResult`: the validated lines, or one `LineError` per bad line (file order).
+        `ValidationResult`: no error and the line count, or one `LineError` per bad line (file
+        order), or a single whole-file error.
     """
-    if len(data) > max_bytes:
-        return _whole_file("file_too_large", f"the file is {len(data)} bytes; the limit is {max_bytes} bytes")
-    raw_lines = data.removeprefix(_UTF8_BOM).split(b"\n")
-    numbered = [(idx, raw) for idx, raw in enumerate(raw_lines, start=1) if raw.strip()]
-    if not numbered:
-        return _whole_file("empty_file", "the file has no requests (it is empty or blank)")
-    if len(numbered) > max_lines:
-        return _whole_file("too_many_lines", f"the file has {len(numbered)} requests; the limit is {max_lines}")
-
     result = ValidationResult()
     first_line_of: dict[str, int] = {}
-    for line_number, raw in numbered:
-        try:
-            result.lines.append(_validate_line(line_number, raw, endpoint, model_names, first_line_of))
-        except _LineProblem as problem:
-            result.errors.append(
-                LineError(code=problem.code, message=problem.message, param=problem.param, line=line_number)
-            )
-    if result.errors:
-        result.lines.clear()
+    try:
+        for line_number, raw in numbered_lines(chunks, max_bytes=max_bytes):
+            result.num_lines += 1
+            if result.num_lines > max_lines:
+                return _whole_file(
+                    "too_many_lines", f"the file has more than {max_lines} requests; the limit is {max_lines}"
+                )
+            try:
+                _validate_line(line_number, raw, endpoint, model_names, first_line_of)
+            except _LineProblem as problem:
+                result.errors.append(
+                    LineError(code=problem.code, message=problem.message, param=problem.param, line=line_number)
+                )
+    except _FileTooLarge:
+        return _whole_file("file_too_large", f"the file is larger than the limit of {max_bytes} bytes")
+    if not result.num_lines:
+        return _whole_file("empty_file", "the file has no requests (it is empty or blank)")
     return result
+
+
+def validated_lines(chunks: Iterable[bytes], *, endpoint: str, model_names: Collection[str]) -> Iterator[ValidatedLine]:
+    """The lines of a file `validate_batch_file` found good, in file order, one at a time.
+
+    Raises:
+        ValueError: a line fails a check after all (the file changed between the two passes).
+    """
+    first_line_of: dict[str, int] = {}
+    for line_number, raw in numbered_lines(chunks):
+        try:
+            yield _validate_line(line_number, raw, endpoint, model_names, first_line_of)
+        except _LineProblem as problem:
+            raise ValueError(f"line {line_number} no longer validates: {problem.message}") from None
 
 
 def _whole_file(code: str, message: str) -> ValidationResult:

@@ -9,8 +9,13 @@
     batchinfer submit FILE [--endpoint URL] [--wait] [--output PATH]
     batchinfer status BATCH_ID        one batch's status, counts, tokens and files
     batchinfer ls [--limit N]         the latest batches
+    batchinfer keys create [--name N] a new API key (printed once; stored hashed)
+    batchinfer keys ls                every API key (id, name, first characters, created, revoked)
+    batchinfer keys revoke KEY_ID     revoke a key
 
-Everything is configured by ``BATCHINFER_*`` environment variables (`jobs.config.Settings`). Heavy
+Everything is configured by ``BATCHINFER_*`` environment variables (`jobs.config.Settings`);
+``submit``, ``status`` and ``ls`` send ``BATCHINFER_API_KEY`` (else ``OPENAI_API_KEY``) as the
+bearer key when one is set, and ``keys`` works on the database directly. Heavy
 imports (torch, the API app) happen inside the command that needs them, so this module imports
 nothing of ``api`` and starts fast.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -96,6 +102,17 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--limit", type=int, default=20)
     _add_base_url_arg(ls, settings.api_host, settings.api_port)
     ls.set_defaults(handler=_ls)
+
+    keys = commands.add_parser("keys", help="API keys (docs/api.md, 'API keys')").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    create_key = keys.add_parser("create", help="create a key and print it (shown only this once)")
+    create_key.add_argument("--name", default="", help="a label for people (e.g. who uses the key)")
+    create_key.set_defaults(handler=_keys_create)
+    keys.add_parser("ls", help="list the keys").set_defaults(handler=_keys_ls)
+    revoke_key = keys.add_parser("revoke", help="revoke a key (its objects stay, reachable by no key)")
+    revoke_key.add_argument("key_id")
+    revoke_key.set_defaults(handler=_keys_revoke)
     return parser
 
 
@@ -117,6 +134,51 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
     print(prepare_model(args.model, get_settings().model_cache_dir))
     return 0
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    from jobs.api_keys import create_key
+    from jobs.db import session_scope
+
+    with session_scope() as session:
+        created = create_key(session, name=args.name)
+    print(f"created {created.key.id} {args.name!r}; the key, shown only now:", file=sys.stderr)
+    print(created.secret)
+    return 0
+
+
+def _keys_ls(args: argparse.Namespace) -> int:
+    from jobs.api_keys import list_keys
+    from jobs.db import session_scope
+
+    with session_scope() as session:
+        keys = list_keys(session)
+    print("id\tname\tkey\tcreated_at\trevoked_at")
+    for key in keys:
+        revoked = "" if key.revoked_at is None else str(key.revoked_at)
+        print(f"{key.id}\t{key.name}\t{key.key_prefix}...\t{key.created_at}\t{revoked}")
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    from jobs.api_keys import revoke_key
+    from jobs.db import session_scope
+    from jobs.errors import NotFound
+
+    try:
+        with session_scope() as session:
+            key = revoke_key(session, key_id=args.key_id)
+    except NotFound as exc:
+        print(f"batchinfer: {exc}", file=sys.stderr)
+        return 1
+    print(f"revoked {key.id} at {key.revoked_at}")
+    return 0
+
+
+def _auth_headers() -> dict[str, str]:
+    """The bearer header for ``BATCHINFER_API_KEY`` (else ``OPENAI_API_KEY``); none when neither is set."""
+    key = os.environ.get("BATCHINFER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -271,7 +333,7 @@ def _status(args: argparse.Namespace) -> int:
 
         from worker.cli_views import print_status
 
-        with httpx.Client(base_url=server_root(args.base_url), timeout=30) as client:
+        with httpx.Client(base_url=server_root(args.base_url), headers=_auth_headers(), timeout=30) as client:
             print_status(_json_or_exit(client.get(f"/v1/batches/{args.batch_id}")), sys.stdout)
         return 0
 
@@ -284,7 +346,7 @@ def _ls(args: argparse.Namespace) -> int:
 
         from worker.cli_views import print_batches
 
-        with httpx.Client(base_url=server_root(args.base_url), timeout=30) as client:
+        with httpx.Client(base_url=server_root(args.base_url), headers=_auth_headers(), timeout=30) as client:
             page = _json_or_exit(client.get("/v1/batches", params={"limit": args.limit}))
         print_batches(page["data"], sys.stdout)
         return 0
@@ -296,7 +358,7 @@ def _submit_file(args: argparse.Namespace) -> int:
     import httpx
 
     metadata = dict(_key_value(item) for item in args.metadata)
-    with httpx.Client(base_url=server_root(args.base_url), timeout=120) as client:
+    with httpx.Client(base_url=server_root(args.base_url), headers=_auth_headers(), timeout=120) as client:
         with args.file.open("rb") as f:
             data = {"endpoint": args.endpoint}
             if metadata:

@@ -14,11 +14,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, BackgroundTasks, Query
 from pydantic import BaseModel, ConfigDict
 
+from api.auth import OwnerDep
 from api.deps import SessionDep, SettingsDep
 from jobs.config import Settings
 from jobs.intake import validate_and_start
 from jobs.repository import cancel_batch, create_batch, get_batch, list_batches
 from jobs.schemas import COMPLETION_WINDOW, BatchObject, ListPage
+from jobs.storage import storage_from_settings
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -46,7 +48,11 @@ def validate_in_background(batch_id: str, settings: Settings) -> None:
 
 @router.post("", response_model=BatchObject)
 def create(
-    request: BatchCreateRequest, session: SessionDep, settings: SettingsDep, background_tasks: BackgroundTasks
+    request: BatchCreateRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    background_tasks: BackgroundTasks,
 ) -> BatchObject:
     batch = create_batch(
         session,
@@ -54,6 +60,7 @@ def create(
         endpoint=request.endpoint,
         completion_window=request.completion_window,
         metadata=request.metadata,
+        owner=owner,
     )
     background_tasks.add_task(validate_in_background, batch.id, settings)
     return BatchObject.from_row(batch)
@@ -61,19 +68,20 @@ def create(
 
 @router.get("", response_model=ListPage[BatchObject])
 def list_all(
-    session: SessionDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+    session: SessionDep, owner: OwnerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
 ) -> ListPage[BatchObject]:
     """Batches, newest first; ``after`` is the last id of the previous page."""
-    batches, has_more = list_batches(session, after=after, limit=limit)
+    batches, has_more = list_batches(session, after=after, limit=limit, owner=owner)
     data = [BatchObject.from_row(batch) for batch in batches]
     return ListPage[BatchObject].of(data, has_more)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve(session: SessionDep, batch_id: str) -> BatchObject:
-    return BatchObject.from_row(get_batch(session, batch_id=batch_id))
+def retrieve(session: SessionDep, owner: OwnerDep, batch_id: str) -> BatchObject:
+    return BatchObject.from_row(get_batch(session, batch_id=batch_id, owner=owner))
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
-def cancel(session: SessionDep, settings: SettingsDep, batch_id: str) -> BatchObject:
-    return BatchObject.from_row(cancel_batch(session, batch_id=batch_id, files_dir=settings.files_dir))
+def cancel(session: SessionDep, settings: SettingsDep, owner: OwnerDep, batch_id: str) -> BatchObject:
+    storage = storage_from_settings(settings)
+    return BatchObject.from_row(cancel_batch(session, batch_id=batch_id, storage=storage, owner=owner))

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Form, UploadFile
 
+from api.auth import OwnerDep
 from api.deps import SessionDep, SettingsDep
 from api.routes.batches import validate_in_background
 from api.routes.files import store_upload
@@ -38,6 +39,7 @@ def _parse_metadata(raw: str | None) -> dict[str, str] | None:
 def create_job(
     session: SessionDep,
     settings: SettingsDep,
+    owner: OwnerDep,
     background_tasks: BackgroundTasks,
     file: UploadFile,
     endpoint: Annotated[str, Form()],
@@ -46,13 +48,14 @@ def create_job(
 ) -> BatchObject:
     parsed_metadata = _parse_metadata(metadata)
     check_batch_params(endpoint=endpoint, completion_window=completion_window, metadata=parsed_metadata)
-    stored = store_upload(session, settings, file)
+    stored = store_upload(session, settings, file, owner)
     batch = create_batch(
         session,
         input_file_id=stored.id,
         endpoint=endpoint,
         completion_window=completion_window,
         metadata=parsed_metadata,
+        owner=owner,
     )
     background_tasks.add_task(validate_in_background, batch.id, settings)
     return BatchObject.from_row(batch)

@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
+from api.auth import OwnerDep
 from api.deps import SessionDep
 from jobs.schedules import (
     ScheduleDeleted,
@@ -39,7 +40,7 @@ class ScheduleCreateRequest(BaseModel):
 
 
 @router.post("", response_model=ScheduleObject)
-def create(request: ScheduleCreateRequest, session: SessionDep) -> ScheduleObject:
+def create(request: ScheduleCreateRequest, session: SessionDep, owner: OwnerDep) -> ScheduleObject:
     schedule = create_schedule(
         session,
         cron=request.cron,
@@ -47,26 +48,27 @@ def create(request: ScheduleCreateRequest, session: SessionDep) -> ScheduleObjec
         endpoint=request.endpoint,
         metadata=request.metadata,
         completion_window=request.completion_window,
+        owner=owner,
     )
     return ScheduleObject.from_row(schedule)
 
 
 @router.get("", response_model=ListPage[ScheduleObject])
 def list_all(
-    session: SessionDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+    session: SessionDep, owner: OwnerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
 ) -> ListPage[ScheduleObject]:
     """Schedules, newest first; ``after`` is the last id of the previous page."""
-    schedules, has_more = list_schedules(session, after=after, limit=limit)
+    schedules, has_more = list_schedules(session, after=after, limit=limit, owner=owner)
     data = [ScheduleObject.from_row(schedule) for schedule in schedules]
     return ListPage[ScheduleObject].of(data, has_more)
 
 
 @router.get("/{schedule_id}", response_model=ScheduleObject)
-def retrieve(session: SessionDep, schedule_id: str) -> ScheduleObject:
-    return ScheduleObject.from_row(get_schedule(session, schedule_id=schedule_id))
+def retrieve(session: SessionDep, owner: OwnerDep, schedule_id: str) -> ScheduleObject:
+    return ScheduleObject.from_row(get_schedule(session, schedule_id=schedule_id, owner=owner))
 
 
 @router.delete("/{schedule_id}", response_model=ScheduleDeleted)
-def remove(session: SessionDep, schedule_id: str) -> ScheduleDeleted:
-    delete_schedule(session, schedule_id=schedule_id)
+def remove(session: SessionDep, owner: OwnerDep, schedule_id: str) -> ScheduleDeleted:
+    delete_schedule(session, schedule_id=schedule_id, owner=owner)
     return ScheduleDeleted(id=schedule_id)

@@ -9,27 +9,35 @@ Pages (docs/api.md, "Jobs page"):
 
 A page showing a running batch carries ``data-refresh``; ``/ui/static/ui.js`` then re-fetches it
 every few seconds and swaps its ``<main>`` in place. No build step, no client framework.
+
+Each page shows only what the request's API key owns (`api.auth`; a browser sends the key as the
+HTTP Basic password); workers are shown to every key.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from api.auth import OwnerDep
 from api.deps import SessionDep, SettingsDep
 from jobs.errors import NotFound
-from jobs.files import file_path, get_file
+from jobs.files import file_chunks, get_file
 from jobs.progress import FinishPoint, batch_progress, finish_series, first_failed_lines
 from jobs.repository import get_batch, list_batches
 from jobs.schedules import list_schedules
 from jobs.status import now_s
+from jobs.storage import storage_from_settings
+from jobs.validation import numbered_lines
 from jobs.workers import list_live_workers
 
 HERE = Path(__file__).resolve().parent.parent
@@ -86,11 +94,11 @@ def _plot(series: list[FinishPoint], start_s: int | None, width: int = 600, heig
 
 
 @router.get("", response_class=HTMLResponse)
-def index(request: Request, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
+def index(request: Request, session: SessionDep, settings: SettingsDep, owner: OwnerDep) -> HTMLResponse:
     now = now_s()
-    batches, _ = list_batches(session, limit=MAX_BATCHES)
+    batches, _ = list_batches(session, limit=MAX_BATCHES, owner=owner)
     progress = [batch_progress(batch, now=now) for batch in batches]
-    schedules, _ = list_schedules(session, limit=MAX_BATCHES)
+    schedules, _ = list_schedules(session, limit=MAX_BATCHES, owner=owner)
     live = list_live_workers(session, now=now, live_s=settings.worker_live_s)
     return templates.TemplateResponse(
         request,
@@ -105,8 +113,8 @@ def index(request: Request, session: SessionDep, settings: SettingsDep) -> HTMLR
 
 
 @router.get("/batches/{batch_id}", response_class=HTMLResponse)
-def batch_page(request: Request, session: SessionDep, batch_id: str) -> HTMLResponse:
-    batch = get_batch(session, batch_id=batch_id)
+def batch_page(request: Request, session: SessionDep, owner: OwnerDep, batch_id: str) -> HTMLResponse:
+    batch = get_batch(session, batch_id=batch_id, owner=owner)
     progress = batch_progress(batch, now=now_s())
     return templates.TemplateResponse(
         request,
@@ -121,12 +129,15 @@ def batch_page(request: Request, session: SessionDep, batch_id: str) -> HTMLResp
 
 
 @router.get("/files/{file_id}", response_class=HTMLResponse)
-def file_page(request: Request, session: SessionDep, settings: SettingsDep, file_id: str) -> HTMLResponse:
-    file = get_file(session, file_id=file_id)
+def file_page(
+    request: Request, session: SessionDep, settings: SettingsDep, owner: OwnerDep, file_id: str
+) -> HTMLResponse:
+    file = get_file(session, file_id=file_id, owner=owner)
     if file is None:
         raise NotFound("file", file_id)
-    with file_path(file, settings.files_dir).open(encoding="utf-8", errors="replace") as f:
-        lines = [line.rstrip("\n") for line in islice(f, MAX_FILE_LINES + 1)]
+    chunks = file_chunks(file, storage=storage_from_settings(settings), session=session)
+    first = islice(numbered_lines(chunks), MAX_FILE_LINES + 1)
+    lines = [raw.rstrip(b"\r").decode("utf-8", errors="replace") for _, raw in first]
     return templates.TemplateResponse(
         request,
         "file.html",
@@ -134,7 +145,8 @@ def file_page(request: Request, session: SessionDep, settings: SettingsDep, file
     )
 
 
-def install_ui(app: FastAPI) -> None:
-    """Mount the pages and their static files (``/ui/static``) on ``app``."""
-    app.include_router(router)
+def install_ui(app: FastAPI, *, dependencies: Sequence[Any] = ()) -> None:
+    """Mount the pages (behind ``dependencies``, e.g. the API key check) and their static files
+    (``/ui/static``, open) on ``app``."""
+    app.include_router(router, dependencies=list(dependencies))
     app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from jobs.config import Settings
 from tests.helpers.service import api_client, chat_line, jsonl
 
@@ -78,15 +80,33 @@ def test_upload_rejects_other_purposes_and_bad_requests(client: Any) -> None:
     assert bad_cursor.status_code == 400 and bad_cursor.json()["error"]["param"] == "after"
 
 
-def test_upload_over_the_byte_limit_is_refused_and_not_kept(service_settings: Settings) -> None:
+@pytest.mark.parametrize("size", [11, 200_000])  # counted while stored; refused by the request's Content-Length
+def test_upload_over_the_byte_limit_is_a_413_naming_the_limit_and_not_kept(
+    service_settings: Settings, size: int
+) -> None:
     settings = service_settings.model_copy(update={"max_file_bytes": 10})
     with api_client(settings) as client:
-        response = _upload(client, b"x" * 11)
-        assert response.status_code == 400
-        assert response.json()["error"]["code"] == "file_too_large"
+        response = _upload(client, b"x" * size)
+        assert response.status_code == 413
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("file_too_large", "file")
+        assert "limit of 10 bytes" in error["message"]
+        assert client.get("/v1/files").json()["data"] == []
+        assert not settings.files_dir.exists() or list(settings.files_dir.iterdir()) == []
+        assert _upload(client, b"x" * 10).status_code == 200
+
+
+def test_upload_over_the_line_limit_is_a_413_naming_the_limit_and_not_kept(service_settings: Settings) -> None:
+    settings = service_settings.model_copy(update={"max_file_lines": 2})
+    with api_client(settings) as client:
+        response = _upload(client, jsonl([chat_line("a"), "", chat_line("b"), chat_line("c")]))
+        assert response.status_code == 413
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("too_many_lines", "file")
+        assert "limit of 2 requests" in error["message"]
         assert client.get("/v1/files").json()["data"] == []
         assert list(settings.files_dir.iterdir()) == []
-        assert _upload(client, b"x" * 10).status_code == 200
+        assert _upload(client, jsonl([chat_line("a"), "", chat_line("b")])).status_code == 200
 
 
 def test_unknown_route_is_an_openai_style_404(client: Any) -> None:

@@ -84,7 +84,7 @@ def test_batch_page_plots_lines_shows_errors_and_links_files(client: Any, servic
     running = client.get(f"/ui/batches/{batch_id}").text
     assert "data-refresh=" in running and 'id="output-file"' not in running
     with session_scope(service_settings.database_url) as session:
-        repository.finalize_batch(session, batch_id=batch_id, files_dir=service_settings.files_dir)
+        repository.finalize_batch(session, batch_id=batch_id)
 
     html = client.get(f"/ui/batches/{batch_id}").text
 

@@ -14,8 +14,9 @@ Fixtures:
 - ``postgres_url`` (session scope): a fresh database ``batchinfer_test_<hex>`` on the server at
   ``BATCHINFER_TEST_POSTGRES_URL`` (default ``postgresql+psycopg://root@127.0.0.1:5432/postgres``),
   migrated, dropped at the end; the test is skipped with the reason when the server is unreachable.
-- ``redis_broker_url``: ``redis://127.0.0.1:6379/15`` flushed before and after; skipped when
-  Redis is unreachable. Mark such tests ``redis``.
+- ``redis_broker_url``: database 15 of the Redis at ``BATCHINFER_TEST_REDIS_URL`` (default
+  ``redis://127.0.0.1:6379/0``), flushed before and after; skipped when Redis is unreachable. Mark
+  such tests ``redis``.
 
 Helpers: `configure_service` (the env + settings + migrations step, for custom fixtures),
 `queued_tasks` (drain the broker and return the ``(task name, args)`` sent), `api_client`
@@ -46,7 +47,7 @@ from jobs.db import dispose_engines, get_engine, upgrade_database
 from jobs.queue import celery_app, configure_celery
 
 POSTGRES_ADMIN_URL = os.environ.get("BATCHINFER_TEST_POSTGRES_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres")
-REDIS_TEST_URL = "redis://127.0.0.1:6379/15"
+REDIS_TEST_URL = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/15"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -130,7 +131,9 @@ def service_settings(
     if request.param == "postgres":
         database_url = request.getfixturevalue("postgres_url")
         with get_engine(database_url).begin() as connection:
-            connection.execute(text("TRUNCATE batch_requests, batches, files, schedules, workers"))
+            connection.execute(
+                text("TRUNCATE batch_requests, batches, files, file_chunks, schedules, workers, api_keys")
+            )
     yield configure_service(monkeypatch, tmp_path / "data", database_url=database_url)
     _teardown()
 
@@ -214,13 +217,11 @@ def serve_http(settings: Settings, timeout_s: float = 30) -> Iterator[str]:
         thread.join(timeout_s)
 
 
-def openai_client(test_client: Any) -> Any:
-    """The ``openai`` SDK talking to ``test_client``'s app in process (no retries)."""
+def openai_client(test_client: Any, api_key: str = "unused") -> Any:
+    """The ``openai`` SDK talking to ``test_client``'s app in process (no retries), sending ``api_key``."""
     import openai
 
-    return openai.OpenAI(
-        base_url=f"{test_client.base_url}/v1", api_key="unused", http_client=test_client, max_retries=0
-    )
+    return openai.OpenAI(base_url=f"{test_client.base_url}/v1", api_key=api_key, http_client=test_client, max_retries=0)
 
 
 def chat_line(custom_id: str, content: str = "Say hi.", *, model: str = BUILTIN_MODEL, **body: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ def test_defaults_live_under_absolute_data_dir(tmp_path: Path, monkeypatch: pyte
     assert settings.broker_url == f"sqla+sqlite:///{tmp_path / 'rel' / 'broker.db'}"
     assert settings.files_dir == tmp_path / "rel" / "files"
     assert settings.max_file_lines == 50_000
-    assert settings.max_file_bytes == 200 * 1024 * 1024
+    assert settings.max_file_bytes == 200_000_000
 
 
 def test_env_overrides_and_postgres_driver_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:

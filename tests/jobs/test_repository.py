@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from jobs.config import Settings
 from jobs.db import get_engine, session_scope
 from jobs.errors import InvalidRequest, NotFound
-from jobs.files import file_path, get_file, write_file
+from jobs.files import file_chunks, get_file, write_file
 from jobs.models import Base, Batch
 from jobs.repository import (
     BatchNotFinished,
@@ -48,9 +48,7 @@ def _ok(request_id: str, tokens: int = 3) -> dict[str, Any]:
 
 def _new_batch(session: Session, settings: Settings, num_lines: int = NUM_LINES) -> Batch:
     lines = [chat_line(f"line-{idx}") for idx in range(num_lines)]
-    file = write_file(
-        session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
-    )
+    file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch")
     batch = create_batch(session, input_file_id=file.id, endpoint=CHAT, metadata={"k": "v"}, now=T0)
     validated = [
         ValidatedLine(line_number=idx + 1, custom_id=line["custom_id"], body=line["body"])
@@ -64,7 +62,7 @@ def _read_jsonl(settings: Settings, session: Session, file_id: str | None) -> li
         return []
     file = get_file(session, file_id=file_id)
     assert file is not None and file.purpose == "batch_output"
-    data = file_path(file, settings.files_dir).read_bytes()
+    data = b"".join(file_chunks(file))
     assert file.num_bytes == len(data)
     return [json.loads(line) for line in data.decode().splitlines()]
 
@@ -95,9 +93,7 @@ def test_migrations_match_models(service_settings: Settings) -> None:
 
 def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
-        )
+        file = write_file(session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch")
         cases = [
             ({"input_file_id": "file-nope", "endpoint": CHAT}, "input_file_id"),
             ({"input_file_id": file.id, "endpoint": "/v1/embeddings"}, "endpoint"),
@@ -118,9 +114,7 @@ def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None
 
 def test_failed_validation_stores_errors_and_no_lines(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[b"x\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
-        )
+        file = write_file(session, chunks=[b"x\n"], filename="in.jsonl", purpose="batch")
         batch = create_batch(session, input_file_id=file.id, endpoint=CHAT, now=T0)
         errors = [LineError(code="invalid_json", message="bad", param=None, line=1)]
         batch = apply_validation(session, batch_id=batch.id, lines=[], errors=errors, model="m", now=T0 + 2)
@@ -222,9 +216,7 @@ def test_cancel_before_any_worker_claims_finalizes_at_once(service_settings: Set
 
 def test_cancel_while_validating_ends_cancelled_when_validation_lands(service_settings: Settings) -> None:
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch", files_dir=service_settings.files_dir
-        )
+        file = write_file(session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch")
         batch_id = create_batch(session, input_file_id=file.id, endpoint=CHAT, now=T0).id
     with session_scope() as session:
         assert cancel_batch(session, batch_id=batch_id, now=T0 + 1).status == "cancelling"

@@ -58,9 +58,7 @@ def settings(service_settings: Settings) -> Iterator[Settings]:
 
 def _input_file_id(session: Session, settings: Settings, num_lines: int = 2) -> str:
     lines = [chat_line(f"q-{idx}") for idx in range(num_lines)]
-    file = write_file(
-        session, chunks=[jsonl(lines)], filename="eval.jsonl", purpose="batch", files_dir=settings.files_dir
-    )
+    file = write_file(session, chunks=[jsonl(lines)], filename="eval.jsonl", purpose="batch")
     return file.id
 
 
@@ -97,9 +95,7 @@ def test_bad_cron_is_refused_naming_the_field(cron: str) -> None:
 def test_create_schedule_checks_what_each_batch_will_need(settings: Settings) -> None:
     with session_scope() as session:
         file_id = _input_file_id(session, settings)
-        output = write_file(
-            session, chunks=[b"{}\n"], filename="o.jsonl", purpose="batch_output", files_dir=settings.files_dir
-        )
+        output = write_file(session, chunks=[b"{}\n"], filename="o.jsonl", purpose="batch_output")
         cases = [
             ({"cron": "0 * * *"}, "cron"),
             ({"input_file_id": "file-nope"}, "input_file_id"),
@@ -166,7 +162,7 @@ def test_tick_with_a_deleted_input_file_creates_nothing_but_advances(settings: S
     with session_scope() as session:
         file_id = _input_file_id(session, settings)
         schedule_id = create_schedule(session, cron="0 * * * *", input_file_id=file_id, endpoint=CHAT, now=T0 - 10).id
-        delete_file(session, file=get_file(session, file_id=file_id), files_dir=settings.files_dir)
+        delete_file(session, file=get_file(session, file_id=file_id))
 
     [run] = run_due_schedules(now=T0)
 

@@ -12,14 +12,23 @@ from typing import Any
 import pytest
 
 from jobs.config import BUILTIN_MODEL
-from jobs.validation import validate_batch_file
+from jobs.validation import TooManyLines, ValidatedLine, limit_lines, validate_batch_file, validated_lines
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, jsonl
 
 
-def _validate(data: bytes, endpoint: str = CHAT, *, max_lines: int = 100, max_bytes: int = 1 << 20):
+def _chunks(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def _validate(data: bytes, endpoint: str = CHAT, *, max_lines: int = 100, max_bytes: int = 1 << 20, chunk: int = 7):
+    """Validate ``data`` fed in small chunks (lines split across chunk boundaries), as storage streams it."""
     return validate_batch_file(
-        data, endpoint=endpoint, model_names={BUILTIN_MODEL}, max_lines=max_lines, max_bytes=max_bytes
+        _chunks(data, chunk), endpoint=endpoint, model_names={BUILTIN_MODEL}, max_lines=max_lines, max_bytes=max_bytes
     )
+
+
+def _lines(data: bytes, endpoint: str = CHAT) -> list[ValidatedLine]:
+    return list(validated_lines(_chunks(data, 5), endpoint=endpoint, model_names={BUILTIN_MODEL}))
 
 
 def _with_body(custom_id: str, **fields: Any) -> dict[str, Any]:
@@ -29,10 +38,13 @@ def _with_body(custom_id: str, **fields: Any) -> dict[str, Any]:
 
 
 def test_good_file_yields_every_line_in_order() -> None:
-    result = _validate(jsonl([chat_line("a"), chat_line("b", max_tokens=5, temperature=0)]))
+    data = jsonl([chat_line("a"), chat_line("b", max_tokens=5, temperature=0)])
+    result = _validate(data)
     assert result.ok
-    assert [(line.line_number, line.custom_id) for line in result.lines] == [(1, "a"), (2, "b")]
-    assert result.lines[1].body["max_tokens"] == 5
+    assert result.num_lines == 2
+    lines = _lines(data)
+    assert [(line.line_number, line.custom_id) for line in lines] == [(1, "a"), (2, "b")]
+    assert lines[1].body["max_tokens"] == 5
 
 
 def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_per_bad_line() -> None:
@@ -63,7 +75,6 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
     result = _validate(data + bad_utf8 + jsonl([chat_line("ok-3")]))
 
     assert not result.ok
-    assert result.lines == []
     got = [(error.line, error.code) for error in result.errors]
     assert got == [
         (2, "invalid_json"),
@@ -111,7 +122,7 @@ def test_bom_crlf_and_non_ascii_are_accepted() -> None:
     data = b"\xef\xbb\xbf" + jsonl([chat_line("a", "Ça va? 日本語"), chat_line("b")]).replace(b"\n", b"\r\n")
     result = _validate(data)
     assert result.ok, result.errors
-    assert result.lines[0].body["messages"][0]["content"] == "Ça va? 日本語"
+    assert _lines(data)[0].body["messages"][0]["content"] == "Ça va? 日本語"
 
 
 def test_line_limit_counts_requests_not_blank_lines() -> None:
@@ -119,7 +130,22 @@ def test_line_limit_counts_requests_not_blank_lines() -> None:
     assert _validate(data, max_lines=3).ok
     result = _validate(data, max_lines=2)
     assert [(e.code, e.line) for e in result.errors] == [("too_many_lines", None)]
-    assert "3" in result.errors[0].message and "2" in result.errors[0].message
+    assert "limit is 2" in result.errors[0].message
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_limit_lines_counts_non_blank_lines_across_chunk_boundaries(chunk: int) -> None:
+    data = b"\xef\xbb\xbf" + jsonl([chat_line("a"), "", "  ", chat_line("b")]) + b'{"last": "no newline"}'
+    assert b"".join(limit_lines(_chunks(data, chunk), 3)) == data
+    with pytest.raises(TooManyLines, match="limit of 2"):
+        b"".join(limit_lines(_chunks(data, chunk), 2))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 64])
+def test_lines_split_across_chunks_read_as_whole_lines(chunk: int) -> None:
+    data = jsonl([chat_line("a", "x" * 100), "", chat_line("b")]).replace(b"\n", b"\r\n")
+    assert _validate(data, chunk=chunk).ok
+    assert [(line.line_number, line.custom_id) for line in _lines(data)] == [(1, "a"), (3, "b")]
 
 
 def test_byte_limit() -> None:
@@ -159,7 +185,7 @@ def test_bodies_the_endpoint_rejects_pass_structural_validation() -> None:
     ]
     result = _validate(jsonl(lines))
     assert result.ok, result.errors
-    assert [line.custom_id for line in result.lines] == ["a", "b", "c", "d", "e"]
+    assert [line.custom_id for line in _lines(jsonl(lines))] == ["a", "b", "c", "d", "e"]
 
 
 def test_missing_model_is_invalid_body() -> None:

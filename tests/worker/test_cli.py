@@ -181,3 +181,24 @@ def test_submit_explains_a_missing_file_and_an_unreachable_server(tmp_path, caps
     code = cli.main(["submit", str(path), "--endpoint", "/v1/completions", "--base-url", "http://127.0.0.1:1"])
     err = capsys.readouterr().err
     assert code == 1 and "cannot reach batchinfer at http://127.0.0.1:1" in err and "Traceback" not in err
+
+
+def test_keys_create_ls_revoke(data_dir, capsys):
+    """``batchinfer keys``: the secret is printed once, listed by its first characters, then revoked."""
+    from jobs.api_keys import find_key
+    from jobs.db import session_scope
+
+    assert cli.main(["db", "upgrade"]) == 0
+    assert cli.main(["keys", "create", "--name", "ci"]) == 0
+    secret = capsys.readouterr().out.strip()
+    assert secret.startswith("bi-")
+    assert cli.main(["keys", "ls"]) == 0
+    _header, row = capsys.readouterr().out.rstrip("\n").splitlines()
+    key_id, name, shown, _created, revoked = row.split("\t")
+    assert (name, revoked) == ("ci", "") and secret.startswith(shown.removesuffix("...")) and shown != secret
+    with session_scope() as session:
+        assert find_key(session, secret=secret) is not None
+    assert cli.main(["keys", "revoke", key_id]) == 0
+    with session_scope() as session:
+        assert find_key(session, secret=secret) is None
+    assert cli.main(["keys", "revoke", "key_nope"]) == 1

@@ -18,7 +18,7 @@ import pytest
 from jobs import intake, repository
 from jobs.config import BUILTIN_MODEL, get_settings
 from jobs.db import dispose_engines, session_scope, upgrade_database
-from jobs.files import file_path, get_file, write_file
+from jobs.files import file_chunks, get_file, write_file
 from jobs.status import BatchStatus
 from jobs.validation import ValidatedLine
 from tests.helpers.service import completion_line, jsonl
@@ -128,23 +128,19 @@ def service(tmp_path, monkeypatch):
 
 def make_batch(bodies: list[dict], endpoint: str = "/v1/completions") -> str:
     """An in-progress batch whose lines are ``bodies`` (custom_id ``line-N``), as the API leaves it."""
-    settings = get_settings()
     lines = [ValidatedLine(n, f"line-{n}", body) for n, body in enumerate(bodies, start=1)]
     raw = "".join(
         json.dumps({"custom_id": line.custom_id, "method": "POST", "url": endpoint, "body": line.body}) + "\n"
         for line in lines
     )
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
-        )
+        file = write_file(session, chunks=[raw.encode()], filename="in.jsonl", purpose="batch")
         batch = repository.create_batch(session, input_file_id=file.id, endpoint=endpoint)
         repository.apply_validation(session, batch_id=batch.id, lines=lines, errors=[], model=BUILTIN_MODEL)
         return batch.id
 
 
 def read_results(batch_id: str) -> tuple[object, dict[str, dict], dict[str, dict]]:
-    settings = get_settings()
     with session_scope() as session:
         batch = repository.get_batch(session, batch_id=batch_id)
         files = []
@@ -152,7 +148,7 @@ def read_results(batch_id: str) -> tuple[object, dict[str, dict], dict[str, dict
             if file_id is None:
                 files.append({})
                 continue
-            text = file_path(get_file(session, file_id=file_id), settings.files_dir).read_text()
+            text = b"".join(file_chunks(get_file(session, file_id=file_id))).decode()
             files.append({(e := json.loads(line))["custom_id"]: e for line in text.splitlines()})
     return batch, files[0], files[1]
 
@@ -248,9 +244,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     ]
     settings = get_settings()
     with session_scope() as session:
-        file = write_file(
-            session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
-        )
+        file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch")
         batch_id = repository.create_batch(session, input_file_id=file.id, endpoint="/v1/completions").id
     monkeypatch.setattr(intake, "enqueue_batch", lambda *args, **kwargs: None)
     assert intake.validate_and_start(batch_id, settings=settings) == BatchStatus.IN_PROGRESS
@@ -268,9 +262,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
     assert error["message"].startswith(f"{param}: must be ")
     with session_scope() as session:
-        envelopes = (
-            file_path(get_file(session, file_id=batch.error_file_id), settings.files_dir).read_text().splitlines()
-        )
+        envelopes = b"".join(file_chunks(get_file(session, file_id=batch.error_file_id))).decode().splitlines()
     assert len(envelopes) == 1
 
 

@@ -1,0 +1,68 @@
+"""Who is asking: the API key behind a request, and so whose files, batches and schedules it may see.
+
+``Authorization: Bearer <key>`` (what the ``openai`` SDK sends), or HTTP Basic with the key as the
+password (what a browser prompts for on ``/ui``). While the deployment has no key at all the API is
+open and every request is the anonymous owner ``None`` (`jobs.api_keys.keys_required`); once a key
+exists, a request without a live key is a 401 ``invalid_api_key``. Design: docs/api.md, "API keys".
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.deps import SessionDep
+from jobs.api_keys import find_key, keys_required
+
+
+class Unauthorized(Exception):
+    """No live API key in a request to a deployment that has keys (a 401); ``browser``: a ``/ui`` page."""
+
+    def __init__(self, message: str, *, browser: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.browser = browser
+
+
+def _presented_secret(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip() or None
+    if scheme.lower() == "basic":
+        try:
+            _user, _, password = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        return password or None
+    return None
+
+
+def get_owner(request: Request, session: SessionDep) -> str | None:
+    """The id of the request's API key, or None while the deployment has no key.
+
+    Raises:
+        Unauthorized: the deployment has keys and the request carries none, or a wrong or revoked one.
+    """
+    secret = _presented_secret(request)
+    browser = request.url.path.startswith("/ui")
+    if secret is not None:
+        key = find_key(session, secret=secret)
+        if key is not None:
+            return key.id
+        if keys_required(session):
+            raise Unauthorized("Incorrect API key provided (unknown or revoked).", browser=browser)
+        return None
+    if keys_required(session):
+        raise Unauthorized(
+            "You didn't provide an API key: send it as 'Authorization: Bearer <key>' (create one with "
+            "'batchinfer keys create').",
+            browser=browser,
+        )
+    return None
+
+
+OwnerDep = Annotated[str | None, Depends(get_owner)]
