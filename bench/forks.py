@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     parser.add_argument("--hf-batch", type=int, default=16, help="prompts per HF generate call")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 4 + 2 prompts, 1 round, no warm-up round")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 + 1 prompts, 1 round, no warm-up round")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument(
@@ -247,7 +247,7 @@ def main() -> None:
         return
 
     if args.quick:
-        args.num_prompts, args.beam_prompts, args.rounds = 4, 2, 1
+        args.num_prompts, args.beam_prompts, args.rounds = 1, 1, 1
     from transformers import AutoTokenizer
     from workload import humaneval_prompts
 
