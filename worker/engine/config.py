@@ -17,7 +17,11 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the per-step token budget, ``max_num_seqs`` the cap on running
     sequences; ``max_model_len`` (prompt + output tokens) defaults to the model's
     ``max_position_embeddings``. ``enable_prefix_caching`` reuses KV blocks of identical prefixes
-    (invisible in the output).
+    (invisible in the output). ``enable_forks`` shares a request's KV blocks between its branches
+    (``n``/``best_of`` samples, beams) by copy-on-write forks; off, every branch holds its own copy
+    (samples are prefilled separately, a beam fork copies all its parent's blocks, and the prefix cache
+    never shares blocks between branches), which gives the same tokens with more blocks: the baseline
+    of bench/forks.py (docs/engine.md, "Requests and sequences").
 
     Raises:
         ValueError: on a non-positive size.
@@ -33,6 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_forks: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):

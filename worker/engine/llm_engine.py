@@ -61,7 +61,9 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.enable_forks
+        )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
@@ -138,6 +140,13 @@ class LLMEngine:
         self.requests[request_id] = request
         if params.use_beam_search:
             request.beam_search = BeamSearchState(params.n, params.length_penalty, params.early_stopping, [seqs[0]])
+        if not self.config.enable_forks:
+            # Every branch prefills on its own, and the prefix cache must not share the prompt between them.
+            for seq in seqs:
+                if seq.sample_index > 0:
+                    seq.cache_salt = seq.seq_id
+                self.scheduler.add_seq(seq)
+            return
         # Only the first branch prefills; the others are forked off it when its prompt is computed.
         seqs[0].pending_forks = seqs[1:]
         for seq in seqs[1:]:
@@ -231,6 +240,7 @@ class LLMEngine:
         stats.num_waiting_reqs = len(self.scheduler.waiting)
         stats.prefix_cache_queries = prefix_cache_stats.queries
         stats.prefix_cache_hits = prefix_cache_stats.hits
+        stats.num_kv_blocks_peak = self.kv_cache_manager.block_pool.take_num_used_peak()
         return stats
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput, *, start_s: float) -> None:
@@ -338,6 +348,8 @@ class LLMEngine:
                 beam = parent
                 if id(parent) in continued:
                     beam = parent.fork(next(self._seq_ids), len(request.seqs))
+                    if not self.config.enable_forks:
+                        beam.cache_salt = beam.seq_id
                     self.scheduler.fork_seq(parent, beam)
                     request.seqs.append(beam)
                 continued.add(id(parent))

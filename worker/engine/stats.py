@@ -20,6 +20,8 @@ class EngineStats:
         num_preemptions, num_prefix_holds: the scheduler's counters (``SchedulerStats``).
         prefix_cache_queries, prefix_cache_hits: vLLM's prefix-cache counters in tokens (``PrefixCacheStats``).
         kv_cache_usage: fraction of KV blocks in use after the last step (vLLM's ``kv_cache_usage``).
+        num_kv_blocks_peak: most KV blocks referenced at once at any moment of the window (within steps too,
+            before finished sequences free theirs).
         num_running_reqs, num_waiting_reqs: sequences in the running batch and in the waiting queue
             when the stats were taken (vLLM V1 counts each of ``n`` samples as a request too).
         num_tokens_per_step: tokens scheduled in each step (vLLM's ``iteration_tokens_total`` observations).
@@ -42,6 +44,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_cache_usage: float = 0.0
+    num_kv_blocks_peak: int = 0
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     num_tokens_per_step: list[int] = field(default_factory=list)

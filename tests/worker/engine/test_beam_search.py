@@ -139,6 +139,35 @@ def test_beams_are_unchanged_by_batch_neighbours(tmp_path):
     assert crowded[1] == alone[0]
 
 
+def test_beams_with_forks_disabled_are_the_same_and_hold_more_blocks(tmp_path):
+    """``enable_forks=False`` copies every block at each beam fork (bench/forks.py's baseline): the same
+    beams, more blocks at the peak, and every block free at the end."""
+    from tests.helpers.tiny_llama import save_tiny_llama
+
+    model_dir = str(save_tiny_llama(tmp_path))
+    prompts = [[5 + (7 * i + j) % 250 for j in range(9 + i)] for i in range(3)]
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=10, ignore_eos=True)
+
+    def run(enable_forks):
+        fields = {"model": model_dir, "block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 32}
+        engine = LLMEngine(EngineConfig(**fields, enable_forks=enable_forks))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out) for out in engine.step())
+            engine.kv_cache_manager.check_invariants()
+        assert engine.kv_cache_manager.num_free_blocks == engine.model_runner.num_blocks
+        stats = engine.make_stats()
+        assert stats.num_preemptions == 0
+        return [[c.token_ids for c in outputs[str(i)].outputs] for i in range(len(prompts))], stats
+
+    forked, forked_stats = run(enable_forks=True)
+    copied, copied_stats = run(enable_forks=False)
+    assert copied == forked
+    assert copied_stats.num_kv_blocks_peak > forked_stats.num_kv_blocks_peak
+
+
 def test_beams_survive_preemption_and_match_the_unpreempted_run(tmp_path):
     """A KV cache too small for every line's beams at once preempts beams; the search still ends (no
     beam waits forever for a preempted sibling) with the beams of a roomy cache."""

@@ -161,3 +161,20 @@ def test_abort_before_the_fork_frees_everything(model_dir, prompts):
     engine.kv_cache_manager.check_invariants()
     assert not engine.scheduler.has_unfinished_seqs()
     assert engine.kv_cache_manager.num_free_blocks == engine.model_runner.num_blocks
+
+
+def test_disabled_forks_sample_the_same_tokens_with_every_branch_its_own_blocks(model_dir, prompts):
+    """``enable_forks=False`` (bench/forks.py's baseline): each branch prefills on its own, the prefix cache
+    (on here) does not share the prompt between branches either, and the seeded samples are unchanged."""
+    forked_engine, copied_engine = make_engine(model_dir), make_engine(model_dir, enable_forks=False)
+    [forked], peak_forked = run_checked(forked_engine, prompts[:1], SAMPLED)
+    [copied], peak_copied = run_checked(copied_engine, prompts[:1], SAMPLED)
+    forked_stats, copied_stats = forked_engine.make_stats(), copied_engine.make_stats()
+    assert samples(copied) == samples(forked)
+    assert copied_stats.num_prompt_tokens_computed == 4 * len(prompts[0])
+    assert copied_stats.prefix_cache_hits == 0
+    # 13 + 10 tokens, the last never written: 22 slots = 6 blocks per branch, none shared.
+    assert peak_copied == 4 * 6
+    # The 3 full prompt blocks once, then each branch's copy of the partial one and its own 2 more.
+    assert peak_forked == 3 + 4 * 3
+    assert (forked_stats.num_kv_blocks_peak, copied_stats.num_kv_blocks_peak) == (peak_forked, peak_copied)

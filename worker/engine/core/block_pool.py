@@ -109,6 +109,15 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self._next_prefix_id = ROOT_PREFIX_ID + 1
         self.num_evictions = 0
+        self._num_used_peak = 0
+
+    def take_num_used_peak(self) -> int:
+        """Most blocks referenced at once since the last call (take and reset to the blocks referenced now)."""
+        peak, self._num_used_peak = self._num_used_peak, self.num_blocks - self.free_block_queue.num_free_blocks
+        return peak
+
+    def _note_used(self) -> None:
+        self._num_used_peak = max(self._num_used_peak, self.num_blocks - self.free_block_queue.num_free_blocks)
 
     def get_num_free_blocks(self) -> int:
         """Blocks with ``ref_cnt == 0`` (cached or not)."""
@@ -129,6 +138,7 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
+        self._note_used()
         return new_blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -148,6 +158,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+        self._note_used()
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> PrefixId:
         """Enter a full, computed block into the prefix cache; returns the prefix id of its contents.

@@ -11,7 +11,12 @@ its parent's whole block table by reference count. The first time a sequence is 
 block it shares (only ever a partially filled last block: full blocks are never written again),
 ``allocate_slots`` gives it a fresh block and records the copy ``(src, dst)``; the model runner executes
 the step's recorded copies before its forward pass (``take_blocks_to_copy``). Freeing a branch drops only
-its own references.
+its own references. With forks disabled (``enable_forks=False``, the baseline that shows what sharing
+saves) ``fork`` copies every block of the parent at once instead.
+
+A sequence with a ``cache_salt`` keys its blocks under its own root instead of the shared one, so the
+prefix cache never shares its blocks with other sequences (vLLM's ``cache_salt``): the engine salts the
+branches of a request when forks are disabled.
 """
 
 from __future__ import annotations
@@ -58,9 +63,10 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of all sequences holding KV blocks, over one :class:`BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, enable_forks: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.enable_forks = enable_forks
         self.block_pool = BlockPool(num_blocks, block_size, enable_caching)
         self.seq_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -185,12 +191,17 @@ class KVCacheManager:
         self._num_slots[seq_id] = num_tokens
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give ``child`` ``parent``'s block table by reference (one more reference to every block).
 
         ``child`` must hold no blocks and already equal ``parent`` over the computed tokens (same
         ``num_computed_tokens``, same leading ``token_ids``); nothing is allocated or copied now, the
-        first write into a shared block copies it (:meth:`allocate_slots`).
+        first write into a shared block copies it (:meth:`allocate_slots`). With forks disabled, ``child``
+        gets fresh blocks instead and a copy of each of ``parent``'s is recorded for
+        :meth:`take_blocks_to_copy`; its blocks start outside the prefix cache.
+
+        Returns:
+            False, changing nothing, when forks are disabled and the pool lacks the blocks to copy into.
 
         Raises:
             ValueError: ``child`` already holds blocks, ``parent`` holds none, or they differ in
@@ -203,11 +214,20 @@ class KVCacheManager:
         if child.num_computed_tokens != parent.num_computed_tokens:
             raise ValueError("a fork must start with its parent's num_computed_tokens")
         blocks = self.seq_to_blocks[parent.seq_id]
-        self.block_pool.touch(blocks)
-        self.seq_to_blocks[child.seq_id] = list(blocks)
+        if self.enable_forks:
+            self.block_pool.touch(blocks)
+            self.seq_to_blocks[child.seq_id] = list(blocks)
+            self._prefix_ids[child.seq_id] = list(self._prefix_ids[parent.seq_id])
+        else:
+            if len(blocks) > self.block_pool.get_num_free_blocks():
+                return False
+            copies = self.block_pool.get_new_blocks(len(blocks))
+            self._blocks_to_copy += [(src.block_id, dst.block_id) for src, dst in zip(blocks, copies, strict=True)]
+            self.seq_to_blocks[child.seq_id] = copies
+            self._prefix_ids[child.seq_id] = []
         self._seqs[child.seq_id] = child
         self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
-        self._prefix_ids[child.seq_id] = list(self._prefix_ids[parent.seq_id])
+        return True
 
     def take_blocks_to_copy(self) -> list[tuple[BlockId, BlockId]]:
         """The copy-on-write copies ``(src, dst)`` recorded since the last call, in order (take and reset).
@@ -297,6 +317,10 @@ class KVCacheManager:
 
 
 def _root_prefix_id(seq: Sequence) -> PrefixId:
-    """The prefix-cache root of ``seq``'s chain: batch-invariant sequences share blocks only among themselves
-    (their K/V must be the bits their own attention path computes; see :mod:`.block_pool`)."""
+    """The parent prefix id of ``seq``'s first block. Batch-invariant sequences share blocks only among
+    themselves (their K/V must be the bits their own attention path computes; see :mod:`.block_pool`); a
+    salted sequence has a root of its own. Every root but the shared one is negative, so it never equals a
+    prefix id the pool hands out."""
+    if seq.cache_salt is not None:
+        return PrefixId(BATCH_INVARIANT_ROOT_PREFIX_ID - 1 - seq.cache_salt)
     return BATCH_INVARIANT_ROOT_PREFIX_ID if seq.params.batch_invariant else ROOT_PREFIX_ID

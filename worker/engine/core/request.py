@@ -44,6 +44,8 @@ class Sequence:
     generated tokens are recomputed as if they were prompt). ``output_text`` is set at finish (stop
     handling applied). ``num_cached_tokens`` is how many prompt tokens the prefix cache supplied at first admission.
     ``pending_forks`` are the request's other branches, forked off this sequence once its prompt is computed.
+    ``cache_salt`` (None: unsalted) keeps the prefix cache from sharing this sequence's blocks with any other
+    (core/kv_cache_manager.py; set on branches when forks are disabled).
     """
 
     seq_id: int
@@ -63,6 +65,7 @@ class Sequence:
     stop_reason: str | int | None = None
     output_text: str = ""
     pending_forks: list[Sequence] = field(default_factory=list)
+    cache_salt: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

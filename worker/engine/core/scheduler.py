@@ -287,9 +287,9 @@ class Scheduler:
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         """Add ``child``, a fork of ``parent`` (``Sequence.fork``) made after a step: a running parent shares
-        its blocks with it (copy-on-write) and it runs; a preempted parent's child waits to recompute too."""
-        if parent.status is SequenceStatus.RUNNING:
-            self.kv_cache_manager.fork(parent, child)
+        its blocks with it (copy-on-write, or copies them with forks disabled) and it runs; the child of a
+        preempted parent, or one the pool has no blocks to copy into, waits to recompute."""
+        if parent.status is SequenceStatus.RUNNING and self.kv_cache_manager.fork(parent, child):
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         else:
