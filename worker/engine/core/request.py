@@ -44,6 +44,9 @@ class Sequence:
     generated tokens are recomputed as if they were prompt). ``output_text`` is set at finish (stop
     handling applied). ``num_cached_tokens`` is how many prompt tokens the prefix cache supplied at first admission.
     ``pending_forks`` are the request's other branches, forked off this sequence once its prompt is computed.
+    ``spec_token_ids`` are draft tokens proposed for this step (speculative decoding, docs/engine.md,
+    "Speculative decoding"): the scheduler schedules them after the last token and the step verifies them;
+    they are never part of ``token_ids`` until accepted.
     """
 
     seq_id: int
@@ -63,6 +66,7 @@ class Sequence:
     stop_reason: str | int | None = None
     output_text: str = ""
     pending_forks: list[Sequence] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
