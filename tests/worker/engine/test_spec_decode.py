@@ -163,7 +163,8 @@ def test_greedy_unchanged_in_a_batch_mixing_sampled_lines_and_under_preemption(m
     params = [greedy] * 3 + sampled
     expected = [plain.generate([prompt], greedy)[0] for prompt in PROMPTS]
     # 14 blocks of 8 tokens cannot hold every line: the youngest are preempted and recomputed.
-    for engine in (make_engine(model_dir, **METHODS[method]), make_engine(model_dir, **METHODS[method], num_gpu_blocks_override=14, max_model_len=96)):
+    small = dict(num_gpu_blocks_override=14, max_model_len=96)
+    for engine in (make_engine(model_dir, **METHODS[method]), make_engine(model_dir, **METHODS[method], **small)):
         outputs = run_checked(engine, prompts, params)
         for ref, out in zip(expected, outputs[:3]):
             assert_same_completion(ref, out)

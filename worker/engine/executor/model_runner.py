@@ -4,9 +4,10 @@ As vLLM's ``GPUModelRunner``: all scheduled tokens of all sequences become one f
 padding), sequence by sequence in the scheduler's order; K/V are written through ``slot_mapping``;
 logits are computed only for rows where a token is sampled (the last token of a sequence that reaches
 the end of its known tokens this step: a finished prefill or a decode) and, for requests asking for
-prompt logprobs, at their prompt positions. A sequence with draft tokens (``spec_token_ids``) is one extend
-of ``k + 1`` positions in the same batch; its ``k + 1`` rows go to the rejection sampler. The batch is built with NumPy over per-sequence arrays, so
-the Python work per step grows with the number of sequences, not of tokens.
+prompt logprobs, at their prompt positions. A sequence with draft tokens (``spec_token_ids``) is one
+extend of ``k + 1`` positions in the same batch; its ``k + 1`` rows go to the rejection sampler. The batch
+is built with NumPy over per-sequence arrays, so the Python work per step grows with the number of
+sequences, not of tokens.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         *,
         num_blocks: int,
         block_size: int,
@@ -111,7 +111,7 @@ class DraftModelProposer(Proposer):
         eos_token_id: int | None,
     ) -> None:
         self.model = model
-        config = model.config
+        config: Any = model.config
         num_layers = getattr(model, "num_layers", None) or int(config.num_hidden_layers)
         num_kv_heads = num_kv_heads_of(config)
         self.num_queries_per_kv = int(config.num_attention_heads) // num_kv_heads
@@ -119,7 +119,9 @@ class DraftModelProposer(Proposer):
         self.device, self.dtype = parameter.device, parameter.dtype
         self.block_size = block_size
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size_of(config), dtype=self.dtype, device=self.device)
+            torch.zeros(
+                2, num_blocks, block_size, num_kv_heads, head_size_of(config), dtype=self.dtype, device=self.device
+            )
             for _ in range(num_layers)
         ]
         self.cost_per_token = cost_per_token
@@ -140,7 +142,7 @@ class DraftModelProposer(Proposer):
         """
         target = model_runner.model
         num_target_layers = len(target.model.layers)
-        draft: torch.nn.Module
+        draft: Any
         if config.speculative_model is not None:
             from worker.engine.executor.model_loader import load_model
 

@@ -68,12 +68,12 @@ class NgramProposer(Proposer):
                 index.last_end[n - 1][tuple(token_ids[end - n + 1 : end + 1])] = end
         index.num_indexed = max(index.num_indexed, num_tokens - 1)
         for n in range(min(self.prompt_lookup_max, num_tokens - 1), self.prompt_lookup_min - 1, -1):
-            end = index.last_end[n - 1].get(tuple(token_ids[num_tokens - n :]))
-            if end is None:
+            match_end = index.last_end[n - 1].get(tuple(token_ids[num_tokens - n :]))
+            if match_end is None:
                 continue
             draft: list[int] = []
             for j in range(k):
-                source = end + 1 + j
+                source = match_end + 1 + j
                 draft.append(token_ids[source] if source < num_tokens else draft[source - num_tokens])
             return draft
         return []

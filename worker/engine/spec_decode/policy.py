@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECAY = 0.8  # weight of the past per decision: about the last five draft steps count
-# NOTE: measured on CPU at batch 1 with SmolLM2-135M (docs/engine.md, "Speculative decoding"): one more
+# NOTE: an estimate for CPU at small batches (docs/engine.md, "Speculative decoding"), not measured per machine: one more
 # verified position costs about this fraction of a decode step.
 VERIFY_COST_PER_TOKEN = 0.1
 
@@ -54,9 +54,7 @@ class SpecDecodePolicy:
         ValueError: on a non-positive ``max_spec_tokens`` or ``disable_by_batch_size``, or a negative cost.
     """
 
-    def __init__(
-        self, *, force: bool, max_spec_tokens: int, disable_by_batch_size: int, cost_per_token: float
-    ) -> None:
+    def __init__(self, *, force: bool, max_spec_tokens: int, disable_by_batch_size: int, cost_per_token: float) -> None:
         if max_spec_tokens < 1 or disable_by_batch_size < 1 or cost_per_token < 0:
             raise ValueError("max_spec_tokens and disable_by_batch_size must be >= 1, cost_per_token >= 0")
         self.force = force
