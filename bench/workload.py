@@ -16,11 +16,13 @@ from pathlib import Path
 
 @dataclass(slots=True)
 class Workload:
-    """``prompt_token_ids[i]`` is generated for exactly ``max_tokens[i]`` tokens (``ignore_eos``, greedy)."""
+    """``prompt_token_ids[i]`` is generated greedily for ``max_tokens[i]`` tokens (exactly, with ``ignore_eos``;
+    at most, without it)."""
 
     name: str
     prompt_token_ids: list[list[int]]
     max_tokens: list[int]
+    ignore_eos: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,4 +90,39 @@ def humaneval_fewshot(
         name=f"humaneval-fewshot-{len(preamble_ids)}x{len(lines)}",
         prompt_token_ids=lines,
         max_tokens=[max_tokens] * len(lines),
+    )
+
+
+def humaneval_batch_one(tokenizer, num_prompts: int = 16, max_tokens: int = 128) -> Workload:
+    """The batch-1 decode workload of ``bench/spec.py``: the first ``num_prompts`` HumanEval prompts as they
+    are (code completion), ``max_tokens`` each, stopping at EOS."""
+    prompts = humaneval_prompts()[:num_prompts]
+    return Workload(
+        name=f"humaneval-b1-{num_prompts}",
+        prompt_token_ids=[tokenizer(p)["input_ids"] for p in prompts],
+        max_tokens=[max_tokens] * len(prompts),
+        ignore_eos=False,
+    )
+
+
+EDIT_INSTRUCTION = "Repeat this Python function exactly, adding type hints to its signature:\n\n```python\n{code}```"
+
+
+def humaneval_edit(tokenizer, num_prompts: int = 16, max_tokens: int = 128) -> Workload:
+    """The input-grounded workload of ``bench/spec.py``: each HumanEval prompt plus its canonical solution,
+    in a chat turn asking to repeat the function with type hints added (most of the answer copies the
+    prompt, where prompt lookup drafts well); ``max_tokens`` each, stopping at EOS."""
+    problems = humaneval_problems()[:num_prompts]
+    prompt_ids = []
+    for problem in problems:
+        content = EDIT_INSTRUCTION.format(code=problem["prompt"] + problem["canonical_solution"])
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids.append(tokenizer(text)["input_ids"])
+    return Workload(
+        name=f"humaneval-edit-{num_prompts}",
+        prompt_token_ids=prompt_ids,
+        max_tokens=[max_tokens] * len(problems),
+        ignore_eos=False,
     )

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Speculative decoding (docs/engine.md, "Speculative decoding"): "auto" speculates while the batch is
+    # small and drafts are accepted; "on" / "off" force it. No request can turn it on for itself.
+    speculative_mode: str = "auto"
+    speculative_method: str = "ngram"
+    num_speculative_tokens: int = 4
+    speculative_disable_by_batch_size: int = 4
     torch_num_threads: int | None = None
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000

@@ -60,6 +60,10 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         enable_prefix_caching=settings.enable_prefix_caching,
+        speculative_mode=settings.speculative_mode,
+        speculative_method=settings.speculative_method,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
     )
 
 

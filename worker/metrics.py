@@ -20,6 +20,10 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:request_decode_time_seconds`` | histogram | first to last token |
 | ``batchinfer:request_prompt_tokens`` / ``request_generation_tokens`` | histogram | per finished request |
 | ``batchinfer:request_success_total`` | counter | finished requests by ``finished_reason`` |
+| ``batchinfer:spec_decode_num_drafts_total`` | counter | sequence-steps that verified draft tokens |
+| ``batchinfer:spec_decode_num_draft_tokens_total`` | counter | draft tokens verified |
+| ``batchinfer:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
+| ``batchinfer:spec_decode_num_accepted_tokens_per_pos_total`` | counter | accepted drafts by draft ``position`` (0-based) |
 
 Processes: metrics live in a `CollectorRegistry` of this process. When ``PROMETHEUS_MULTIPROC_DIR``
 is set before the process starts, prometheus_client keeps every value in files of that folder, and
@@ -145,6 +149,16 @@ class EngineMetrics:
         )
         # NOTE: one child per reason up front (as vLLM does), so every series exists from the first scrape.
         self.request_success = {reason: request_success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
 
     def record_step(self, stats: EngineStats) -> None:
         """Add one window of engine statistics (usually one step's) to the counters; set the gauges."""
@@ -163,6 +177,11 @@ class EngineMetrics:
             self.time_to_first_token.observe(ttft_s)
         for itl_s in stats.inter_token_latencies_s:
             self.inter_token_latency.observe(itl_s)
+        self.spec_decode_num_drafts.inc(stats.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, num_accepted in enumerate(stats.num_accepted_tokens_per_pos):
+            self._accepted_per_pos.labels(self._model_name, str(position)).inc(num_accepted)
 
     def record_finished(self, output: RequestOutput) -> None:
         """Observe a finished request's latencies and sizes (from ``output.metrics``, monotonic seconds)."""

@@ -106,6 +106,24 @@ def test_step_stats_map_to_vllm_names():
     assert {name: pytest.approx(samples[name]) for name in expected} == expected
 
 
+def test_spec_decoding_counters_map_to_vllm_names():
+    metrics = EngineMetrics("m")
+    for per_pos in ([3, 2], [1, 1, 1]):
+        stats = EngineStats(num_drafts=3, num_draft_tokens=9, num_accepted_tokens=sum(per_pos))
+        stats.num_accepted_tokens_per_pos = per_pos
+        metrics.record_step(stats)
+    samples = scrape(metrics.registry)
+    expected = {
+        "batchinfer:spec_decode_num_drafts_total{}": 6,
+        "batchinfer:spec_decode_num_draft_tokens_total{}": 18,
+        "batchinfer:spec_decode_num_accepted_tokens_total{}": 8,
+        "batchinfer:spec_decode_num_accepted_tokens_per_pos_total{position=0}": 4,
+        "batchinfer:spec_decode_num_accepted_tokens_per_pos_total{position=1}": 3,
+        "batchinfer:spec_decode_num_accepted_tokens_per_pos_total{position=2}": 1,
+    }
+    assert {name: samples[name] for name in expected} == expected
+
+
 def test_token_count_buckets_follow_vllms_1_2_5_series():
     assert token_count_buckets(120) == (1, 2, 5, 10, 20, 50, 100)
 

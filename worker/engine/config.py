@@ -23,6 +23,14 @@ class EngineConfig:
     never shares blocks between branches), which gives the same tokens with more blocks: the baseline
     of bench/forks.py (docs/engine.md, "Requests and sequences").
 
+    Speculative decoding (docs/engine.md, "Speculative decoding"; vLLM's names where it has them):
+    ``speculative_mode`` is ``"off"``, ``"auto"`` (speculate while at most
+    ``speculative_disable_by_batch_size`` sequences run and the measured acceptance pays) or ``"on"``
+    (always, at any batch size). ``speculative_method`` is ``"ngram"`` (prompt lookup of
+    ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens) or ``"draft"`` (a draft model: the folder
+    ``speculative_model``, or by default the target's first ``speculative_draft_num_layers`` layers with its
+    final norm and LM head). ``num_speculative_tokens`` is the most drafts per step.
+
     Raises:
         ValueError: on a non-positive size.
     """
@@ -38,6 +46,14 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_forks: bool = True
+    speculative_mode: str = "off"
+    speculative_method: str = "ngram"
+    num_speculative_tokens: int = 4
+    speculative_disable_by_batch_size: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_model: str | None = None
+    speculative_draft_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
@@ -47,3 +63,14 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.speculative_mode not in ("off", "auto", "on"):
+            raise ValueError(f"speculative_mode must be 'off', 'auto' or 'on', got {self.speculative_mode!r}")
+        if self.speculative_method not in ("ngram", "draft"):
+            raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
+        for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "prompt_lookup_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min")
+        if self.speculative_draft_num_layers is not None and self.speculative_draft_num_layers < 1:
+            raise ValueError(f"speculative_draft_num_layers must be >= 1, got {self.speculative_draft_num_layers}")

@@ -22,7 +22,9 @@ from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
 from worker.engine.output.stop_checker import check_finish
 from worker.engine.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from worker.engine.sample.rejection_sampler import VerifiedTokens
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.spec_decode.speculator import Speculator, build_speculator
 from worker.engine.stats import EngineStats
 
 _MAX_IDS_SHOWN = 8  # token ids quoted in an error message
@@ -65,6 +67,7 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching, config.enable_forks
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.speculator: Speculator | None = build_speculator(config, self.model_runner, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -160,6 +163,8 @@ class LLMEngine:
             return
         self.scheduler.finish_seqs(request.seqs)
         self.model_runner.free_seqs(request.seqs)
+        if self.speculator is not None:
+            self.speculator.free(request.seqs, finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -167,18 +172,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, process samples; returns the requests that finished this step."""
         start_s = time.perf_counter()
+        speculator = self.speculator
+        draft_probs = speculator.propose(self.scheduler.running) if speculator is not None else {}
         scheduler_output = self.scheduler.schedule()
+        if speculator is not None and scheduler_output.preempted_seqs:
+            speculator.free(scheduler_output.preempted_seqs, finished=False)
         if scheduler_output.is_empty:
             return []
         block_ids = [self.kv_cache_manager.get_block_ids(seq.seq_id) for seq in scheduler_output.seqs]
         self._count_scheduled(scheduler_output, start_s=time.monotonic())
-        runner_output = self.model_runner.execute_model(scheduler_output, block_ids)
+        runner_output = self.model_runner.execute_model(scheduler_output, block_ids, draft_probs)
+        sampled_s = time.monotonic()
+        # Verified tokens are appended before the scheduler marks them computed (it needs their ids).
+        finished_seqs = self._process_verified(runner_output.verified_seqs, runner_output.verified, sampled_s)
         self.scheduler.update_from_output(scheduler_output)
-        finished_seqs = self._process_samples(runner_output, sampled_s=time.monotonic())
+        finished_seqs += self._process_samples(runner_output, sampled_s=sampled_s)
         finished_seqs += self._process_beams(runner_output.beam_seqs, runner_output.beam_candidates)
         self._record_prompt_logprobs(runner_output)
         self.scheduler.finish_seqs(finished_seqs)
         self.model_runner.free_seqs(finished_seqs)
+        if speculator is not None:
+            speculator.free(finished_seqs, finished=True)
 
         outputs = []
         for request_id in dict.fromkeys(seq.request_id for seq in finished_seqs):
@@ -241,6 +255,12 @@ class LLMEngine:
         stats.prefix_cache_queries = prefix_cache_stats.queries
         stats.prefix_cache_hits = prefix_cache_stats.hits
         stats.num_kv_blocks_peak = self.kv_cache_manager.block_pool.take_num_used_peak()
+        if self.speculator is not None:
+            spec_stats = self.speculator.make_stats()
+            stats.num_drafts = spec_stats.num_drafts
+            stats.num_draft_tokens = spec_stats.num_draft_tokens
+            stats.num_accepted_tokens = spec_stats.num_accepted_tokens
+            stats.num_accepted_tokens_per_pos = spec_stats.num_accepted_tokens_per_pos
         return stats
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput, *, start_s: float) -> None:
@@ -253,7 +273,9 @@ class LLMEngine:
         num_decode_tokens = sum(
             1
             for seq, num_tokens in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens)
-            if num_tokens == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1
+            if num_tokens == 1 + len(seq.spec_token_ids)
+            and seq.output_token_ids
+            and seq.num_computed_tokens == seq.num_tokens - 1
         )
         self._stats.num_prompt_tokens_computed += scheduler_output.total_num_scheduled_tokens - num_decode_tokens
 
@@ -266,7 +288,6 @@ class LLMEngine:
         if sampler_output is None:
             return []
         finished = []
-        stats, tokenizer = self._stats, self.tokenizer
         logprobs = sampler_output.logprobs or [0.0] * len(runner_output.sampled_seqs)
         for seq, token_id, logprob, top in zip(
             runner_output.sampled_seqs,
@@ -274,52 +295,80 @@ class LLMEngine:
             logprobs,
             sampler_output.top_logprobs,
         ):
-            if not seq.output_token_ids:
-                stats.num_cached_tokens += seq.num_cached_tokens or 0
-            request = self.requests[seq.request_id]
-            metrics = request.metrics
-            if metrics.last_token_time != sampled_s:
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = sampled_s
-                    stats.time_to_first_tokens_s.append(sampled_s - metrics.arrival_time)
-                    stats.num_prompt_tokens += len(request.prompt_token_ids)
-                elif metrics.last_token_time is not None:
-                    stats.inter_token_latencies_s.append(sampled_s - metrics.last_token_time)
-                metrics.last_token_time = sampled_s
-            seq.append_token(token_id)
-            seq.cumulative_logprob += logprob
-            stats.num_generation_tokens += 1
-            if seq.logprobs is not None:
-                entry: PositionLogprobs = {token_id: Logprob(logprob, decode_token(tokenizer, token_id))}
-                for top_id, top_logprob in top or ():
-                    if top_id not in entry:
-                        entry[top_id] = Logprob(top_logprob, decode_token(tokenizer, top_id))
-                seq.logprobs.append(entry)
-            detokenizer = seq.detokenizer
-            assert detokenizer is not None
-            new_text = detokenizer.append(token_id)
-            finish = check_finish(
-                params=seq.params,
-                last_token_id=token_id,
-                num_output_tokens=len(seq.output_token_ids),
-                num_prompt_tokens=seq.num_prompt_tokens,
-                max_model_len=self.max_model_len,
-                eos_token_id=self.eos_token_id,
-                output_text=detokenizer.output_text,
-                new_char_count=len(new_text),
-            )
-            if finish is None:
-                continue
-            seq.finish_reason, seq.stop_reason, seq.output_text = (
-                finish.finish_reason,
-                finish.stop_reason,
-                finish.output_text,
-            )
-            if finish.finish_reason == "length":
-                # NOTE: text held back for an incomplete character is emitted (as U+FFFD) at the end.
-                seq.output_text += detokenizer.flush()
-            finished.append(seq)
+            if self._append_token(seq, token_id, logprob, top, sampled_s):
+                finished.append(seq)
         return finished
+
+    def _process_verified(
+        self, seqs: list[Sequence], verified: list[VerifiedTokens], sampled_s: float
+    ) -> list[Sequence]:
+        """Append each sequence's verified tokens one at a time, with every per-token rule (stop strings,
+        stop ids, EOS, ``max_tokens``, ``min_tokens``): a sequence that finishes inside its accepted run
+        keeps the tokens up to that one only, as the non-speculative run would. Returns finished sequences."""
+        finished = []
+        speculator = self.speculator
+        for seq, result in zip(seqs, verified, strict=True):
+            if speculator is not None:
+                speculator.record(seq, result.num_draft_tokens, result.num_accepted_tokens)
+            logprobs = result.logprobs or [0.0] * len(result.token_ids)
+            for token_id, logprob, top in zip(result.token_ids, logprobs, result.top_logprobs, strict=True):
+                if self._append_token(seq, token_id, logprob, top, sampled_s):
+                    finished.append(seq)
+                    break
+        return finished
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob: float, top: list[tuple[int, float]] | None, sampled_s: float
+    ) -> bool:
+        """Append one sampled token: token times, logprobs, incremental text, stop checks. True if ``seq``
+        finished with it (its finish reason, stop reason and final text are set)."""
+        stats = self._stats
+        if not seq.output_token_ids:
+            stats.num_cached_tokens += seq.num_cached_tokens or 0
+        request = self.requests[seq.request_id]
+        metrics = request.metrics
+        if metrics.last_token_time != sampled_s:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = sampled_s
+                stats.time_to_first_tokens_s.append(sampled_s - metrics.arrival_time)
+                stats.num_prompt_tokens += len(request.prompt_token_ids)
+            elif metrics.last_token_time is not None:
+                stats.inter_token_latencies_s.append(sampled_s - metrics.last_token_time)
+            metrics.last_token_time = sampled_s
+        seq.append_token(token_id)
+        seq.cumulative_logprob += logprob
+        stats.num_generation_tokens += 1
+        if seq.logprobs is not None:
+            tokenizer = self.tokenizer
+            entry: PositionLogprobs = {token_id: Logprob(logprob, decode_token(tokenizer, token_id))}
+            for top_id, top_logprob in top or ():
+                if top_id not in entry:
+                    entry[top_id] = Logprob(top_logprob, decode_token(tokenizer, top_id))
+            seq.logprobs.append(entry)
+        detokenizer = seq.detokenizer
+        assert detokenizer is not None
+        new_text = detokenizer.append(token_id)
+        finish = check_finish(
+            params=seq.params,
+            last_token_id=token_id,
+            num_output_tokens=len(seq.output_token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id,
+            output_text=detokenizer.output_text,
+            new_char_count=len(new_text),
+        )
+        if finish is None:
+            return False
+        seq.finish_reason, seq.stop_reason, seq.output_text = (
+            finish.finish_reason,
+            finish.stop_reason,
+            finish.output_text,
+        )
+        if finish.finish_reason == "length":
+            # NOTE: text held back for an incomplete character is emitted (as U+FFFD) at the end.
+            seq.output_text += detokenizer.flush()
+        return True
 
     def _process_beams(self, beam_seqs: list[Sequence], beam_candidates: list[list[Candidate]]) -> list[Sequence]:
         """Report each beam's candidates; run the beam step of every request whose live beams all reported

@@ -32,6 +32,9 @@ class EngineStats:
             those blocks' slots, summed over steps (their ratio is :attr:`kv_slot_utilization`).
         forward_s: model forward and logits; sampling_s: the sampler and prompt logprobs;
             step_s: whole steps (scheduling and output processing included).
+        num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos: vLLM's
+            spec-decoding counters: sequence-steps that verified drafts, drafts verified, drafts accepted,
+            and per draft position ``j`` the drafts accepted there (docs/engine.md, "Speculative decoding").
     """
 
     num_steps: int = 0
@@ -55,6 +58,10 @@ class EngineStats:
     forward_s: float = 0.0
     sampling_s: float = 0.0
     step_s: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def kv_slot_utilization(self) -> float:
@@ -66,3 +73,14 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         """``prefix_cache_hits / prefix_cache_queries`` in [0, 1] (0 before any query)."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """vLLM's mean acceptance length: tokens per verification step, ``1 + num_accepted_tokens / num_drafts``
+        (the accepted drafts plus the token the target adds); 0 before any draft."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """``num_accepted_tokens / num_draft_tokens`` in [0, 1] (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

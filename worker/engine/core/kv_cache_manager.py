@@ -251,6 +251,21 @@ class KVCacheManager:
             parent = self.block_pool.cache_full_block(blocks[block_idx], block_hash)
             prefix_ids.append(parent)
 
+    def trim_slots(self, seq: Sequence) -> None:
+        """Shrink ``seq``'s table to its computed tokens: blocks past ``ceil(num_computed_tokens / block_size)``
+        are freed (last first) and the slots after ``num_computed_tokens`` count as empty again.
+
+        Used after speculative verification: the slots of rejected draft tokens are rolled back (later
+        tokens overwrite them) and blocks that held only rejected drafts go back to the pool. Those blocks
+        were written this step, so they are neither shared nor cached.
+        """
+        blocks = self.seq_to_blocks[seq.seq_id]
+        num_kept = cdiv(seq.num_computed_tokens, self.block_size)
+        rejected = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.block_pool.free_blocks(reversed(rejected))
+        self._num_slots[seq.seq_id] = seq.num_computed_tokens
+
     def free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, last block first (so its tail is evicted first); no-op if it has none."""
         blocks = self.seq_to_blocks.pop(seq.seq_id, None)
@@ -296,7 +311,7 @@ class KVCacheManager:
         for seq_id, blocks in self.seq_to_blocks.items():
             seq, num_slots, prefix_ids = self._seqs[seq_id], self._num_slots[seq_id], self._prefix_ids[seq_id]
             assert len(blocks) == cdiv(num_slots, block_size), "block table does not cover its tokens exactly"
-            assert seq.num_computed_tokens <= num_slots <= seq.num_tokens
+            assert seq.num_computed_tokens <= num_slots <= seq.num_tokens + len(seq.spec_token_ids)
             assert len(prefix_ids) * block_size <= seq.num_computed_tokens
             for block_idx, block in enumerate(blocks[: len(prefix_ids)]):
                 if block.block_hash is None:

@@ -46,6 +46,9 @@ class Sequence:
     ``pending_forks`` are the request's other branches, forked off this sequence once its prompt is computed.
     ``cache_salt`` (None: unsalted) keeps the prefix cache from sharing this sequence's blocks with any other
     (core/kv_cache_manager.py; set on branches when forks are disabled).
+    ``spec_token_ids`` are draft tokens proposed for this step (speculative decoding, docs/engine.md,
+    "Speculative decoding"): the scheduler schedules them after the last token and the step verifies them;
+    they are never part of ``token_ids`` until accepted.
     """
 
     seq_id: int
@@ -66,6 +69,7 @@ class Sequence:
     output_text: str = ""
     pending_forks: list[Sequence] = field(default_factory=list)
     cache_salt: int | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -112,10 +112,13 @@ class Scheduler:
         handled = 0  # running[:handled] are scheduled this step, or beams waiting for their siblings
         while handled < len(self.running) and budget > 0:
             seq = self.running[handled]
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_known = seq.num_tokens - seq.num_computed_tokens
+            num_new_tokens = min(num_known + len(seq.spec_token_ids), budget)
             if num_new_tokens == 0:  # a beam waiting for its siblings' candidates
                 handled += 1
                 continue
+            # Draft tokens beyond the budget are dropped (the verification extends fewer positions).
+            del seq.spec_token_ids[max(num_new_tokens - num_known, 0) :]
             while not kv.allocate_slots(seq, num_new_tokens):
                 num_handled = handled
                 for position, victim in self._preempt_group(self.running[-1]):
@@ -265,6 +268,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -272,10 +276,21 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """Mark the scheduled tokens computed (the forward pass ran), offer full blocks to the prefix cache,
-        and fork ``out.forks``' branches off their parents (they join the running batch)."""
+        and fork ``out.forks``' branches off their parents (they join the running batch).
+
+        A sequence that verified draft tokens (``spec_token_ids``) must already hold its accepted tokens
+        (the engine appends them first): its computed tokens end before its last token, the slots of
+        rejected drafts are rolled back and blocks that held only rejected drafts are freed
+        (``KVCacheManager.trim_slots``), and its drafts are cleared.
+        """
         kv = self.kv_cache_manager
         for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens, strict=True):
-            seq.num_computed_tokens += num_tokens
+            if seq.spec_token_ids:
+                seq.num_computed_tokens = min(seq.num_computed_tokens + num_tokens, seq.num_tokens - 1)
+                seq.spec_token_ids = []
+                kv.trim_slots(seq)
+            else:
+                seq.num_computed_tokens += num_tokens
             kv.cache_blocks(seq)
         for parent, children in out.forks:
             parent.pending_forks = []

