@@ -61,7 +61,14 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        model = self.model_runner.model
+        # NOTE: only a model whose every layer is windowed frees blocks behind the window (KVCacheManager).
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=model.sliding_window if model.all_layers_sliding else None,
+        )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()

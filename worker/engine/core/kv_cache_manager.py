@@ -12,6 +12,15 @@ block it shares (only ever a partially filled last block: full blocks are never 
 ``allocate_slots`` gives it a fresh block and records the copy ``(src, dst)``; the model runner executes
 the step's recorded copies before its forward pass (``take_blocks_to_copy``). Freeing a branch drops only
 its own references.
+
+Sliding window (vLLM's ``SlidingWindowManager``): when every layer of the model attends only its last
+``sliding_window`` positions (Mistral), a query at position ``p`` never reads a key at ``p - sliding_window``
+or before, and later queries sit further on. So when a sequence has computed ``n`` tokens, its blocks whose
+positions are all ``<= n - sliding_window`` are returned to the pool (``allocate_slots``, before it counts
+what it needs); in its block table they are replaced by a pinned *null block* that is never written, so
+logical block ``i`` still sits at index ``i`` and every id in a table is valid. A freed block keeps its
+prefix-cache entry until the pool reuses it. Models that mix local and global layers (Gemma 2/3) pass no
+window: their global layers still read every block.
 """
 
 from __future__ import annotations
@@ -50,7 +59,17 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of all sequences holding KV blocks, over one :class:`BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+    ) -> None:
+        """``sliding_window``: the window of a model whose every layer is windowed (blocks before it are freed);
+        it takes one block of the pool for the null block.
+
+        Raises:
+            ValueError: ``num_blocks < 1``, a window below 1, or a window with fewer than 2 blocks.
+        """
+        if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
+            raise ValueError(f"sliding_window={sliding_window} needs a window >= 1 and at least 2 blocks")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, block_size, enable_caching)
@@ -63,6 +82,11 @@ class KVCacheManager:
         # Copy-on-write copies recorded since the last take_blocks_to_copy(), in order.
         self._blocks_to_copy: list[tuple[BlockId, BlockId]] = []
         self.prefix_cache_stats = PrefixCacheStats()
+        self.sliding_window = sliding_window
+        # Stands for freed blocks before the window in block tables; its pool reference pins it (never freed).
+        self.null_block: KVCacheBlock | None = None
+        if sliding_window is not None:
+            self.null_block = self.block_pool.get_new_blocks(1)[0]
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,12 +164,17 @@ class KVCacheManager:
         is shared with another sequence (after :meth:`fork`) is replaced by a fresh block and the copy is
         recorded for :meth:`take_blocks_to_copy` (copy-on-write).
 
+        With a sliding window, blocks wholly before the window of the first new token go back to the pool
+        first (module docstring), whatever the outcome.
+
         Returns:
-            False, changing nothing, when the pool lacks free blocks (the scheduler then preempts).
+            False, changing nothing else, when the pool lacks free blocks (the scheduler then preempts).
         """
         block_size, seq_id = self.block_size, seq.seq_id
         blocks = self.seq_to_blocks.get(seq_id)
         assert not new_computed_blocks or not blocks, "prefix hits only for a sequence without blocks"
+        if blocks and self.sliding_window is not None:
+            self._free_blocks_before_window(blocks, seq.num_computed_tokens)
         num_tokens = seq.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, block_size) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
         shared_idx: list[int] = []
@@ -166,6 +195,8 @@ class KVCacheManager:
             for block in new_computed_blocks:
                 assert block.prefix_id is not None  # a prefix-cache hit is a cached block
                 self._prefix_ids[seq_id].append(block.prefix_id)
+            if self.sliding_window is not None:
+                self._free_blocks_before_window(blocks, len(new_computed_blocks) * block_size)
         if shared_idx:
             for block_idx, fresh in zip(shared_idx, self.block_pool.get_new_blocks(len(shared_idx)), strict=True):
                 shared = blocks[block_idx]
@@ -176,6 +207,21 @@ class KVCacheManager:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._num_slots[seq_id] = num_tokens
         return True
+
+    def _free_blocks_before_window(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Return the blocks whose positions are all ``<= num_computed - sliding_window`` to the pool (the last
+        first, so the earliest are evicted last), putting the null block in their place."""
+        assert self.sliding_window is not None and self.null_block is not None
+        null_block = self.null_block
+        freed = []
+        for block_idx in range((num_computed - self.sliding_window + 1) // self.block_size - 1, -1, -1):
+            if blocks[block_idx] is null_block:
+                break  # the ones before were freed by an earlier step
+            freed.append(blocks[block_idx])
+            blocks[block_idx] = null_block
+        if freed:
+            self.block_pool.touch([null_block] * len(freed))
+            self.block_pool.free_blocks(freed)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` ``parent``'s block table by reference (one more reference to every block).
@@ -245,7 +291,8 @@ class KVCacheManager:
         share one) holds as many tokens as the sharer that computed the most of it.
         """
         block_size = self.block_size
-        num_slots = (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * block_size
+        num_used = self.block_pool.num_blocks - self.block_pool.get_num_free_blocks() - (self.null_block is not None)
+        num_slots = num_used * block_size
         filled: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
             blocks, num_computed = self.seq_to_blocks[seq_id], seq.num_computed_tokens
@@ -259,9 +306,13 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table references, table sizes, cached
         contents; a block about to be written (slots allocated past ``num_computed_tokens``) is not shared;
-        recorded copies go into distinct, referenced blocks."""
+        recorded copies go into distinct, referenced blocks; with a sliding window, no table holds a block
+        wholly before its window, and the null block (one pinning reference more) is never cached."""
         self.block_pool.check_invariants()
         references = Counter(id(block) for blocks in self.seq_to_blocks.values() for block in blocks)
+        if self.null_block is not None:
+            references[id(self.null_block)] += 1
+            assert self.null_block.block_hash is None, "the null block is cached"
         for block in self.block_pool.blocks:
             assert block.ref_cnt == references[id(block)], f"block {block.block_id} ref_cnt != table references"
         block_size = self.block_size
@@ -283,6 +334,11 @@ class KVCacheManager:
             if num_slots > seq.num_computed_tokens:
                 written = blocks[seq.num_computed_tokens // block_size :]
                 assert all(block.ref_cnt == 1 for block in written), "a shared block is about to be written"
+            if self.sliding_window is not None and num_slots > seq.num_computed_tokens:
+                # allocate_slots ran this step: it freed what lies before the window of the next token.
+                num_skipped = max(0, (seq.num_computed_tokens - self.sliding_window + 1) // block_size)
+                assert all(block is self.null_block for block in blocks[:num_skipped]), "a block before the window"
+                assert self.null_block not in blocks[num_skipped:], "the null block inside the window"
         dsts = [dst for _, dst in self._blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "two copies into one block"
         assert all(self.block_pool.blocks[dst].ref_cnt > 0 for dst in dsts), "a copy into a free block"

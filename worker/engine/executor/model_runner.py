@@ -125,7 +125,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
-        self.model = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        self.model = load_model(config.model, self.dtype, self.device)
         model_config = self.model.config
         num_layers = int(model_config.num_hidden_layers)
         num_kv_heads = num_kv_heads_of(model_config)
@@ -133,6 +133,7 @@ class ModelRunner:
         self.num_queries_per_kv = int(model_config.num_attention_heads) // num_kv_heads
         self.use_cpu_kernels = cpu_kernels_apply(self.device, self.dtype)
         self.use_triton_kernels = triton_kernels_apply(self.device)
+        self.sliding_window = self.model.sliding_window
         bytes_per_block = kv_cache_bytes_per_block(num_layers, self.block_size, num_kv_heads, head_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks_override or config.kv_cache_memory_bytes // bytes_per_block
         if self.num_blocks < 1:
@@ -191,6 +192,7 @@ class ModelRunner:
             use_cpu_kernels=self.use_cpu_kernels,
             use_triton_kernels=self.use_triton_kernels,
             device=self.device,
+            sliding_window=self.sliding_window,
         )
         if attn_metadata.num_tokens == len(seqs):  # pure decode: one token per sequence, its last one
             input_ids = [seq.token_ids[-1] for seq in seqs]

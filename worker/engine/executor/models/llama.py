@@ -51,6 +51,20 @@ def head_size_of(config: PretrainedConfig) -> int:
     return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
 
 
+def layer_sliding_windows(config: PretrainedConfig) -> list[int | None]:
+    """Per layer, the keys a sliding-window layer attends to (Hugging Face: ``q_pos - k_pos < sliding_window``),
+    or ``None`` for a global layer. Configs with ``layer_types`` (Qwen2/Qwen3, Gemma 2/3) window their
+    ``sliding_attention`` layers; Mistral's and Phi-3's ``sliding_window`` applies to every layer."""
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None:
+        return [int(window)] * num_layers
+    return [int(window) if layer_type == "sliding_attention" else None for layer_type in layer_types]
+
+
 def num_kv_heads_of(config: PretrainedConfig) -> int:
     """KV heads (grouped-query attention); a config without ``num_key_value_heads`` has one per query head."""
     return int(config.num_key_value_heads or config.num_attention_heads)
@@ -63,7 +77,8 @@ class DecoderOptions:
     ``qkv_bias``/``o_bias``: bias on the q/k/v and on the output projections (Qwen2: q/k/v only).
     ``qk_norm``: RMSNorm over each head's ``head_size`` on q and k before RoPE (Qwen3), with
     ``norm_unit_offset`` Gemma's ``1 + weight`` form. ``query_scale``: the attention scale when it is not
-    ``head_size ** -0.5`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
+    ``head_size ** -0.5`` (Gemma 2/3: ``query_pre_attn_scalar ** -0.5``). ``logits_soft_cap``: Gemma 2's
+    attention soft-cap, ``cap * tanh(s / cap)`` on the scaled scores.
     """
 
     qkv_bias: bool = False
@@ -71,6 +86,7 @@ class DecoderOptions:
     qk_norm: bool = False
     norm_unit_offset: bool = False
     query_scale: float | None = None
+    logits_soft_cap: float | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -127,7 +143,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
+    """Self-attention over the paged KV cache; ``sliding_window`` makes it a local layer that sees only
+    its last ``sliding_window`` positions."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        options: DecoderOptions,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = num_kv_heads_of(config)
@@ -141,6 +166,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
         self.rotary_emb = rotary_emb
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = options.logits_soft_cap
 
     def forward(
         self,
@@ -159,7 +186,16 @@ class LlamaAttention(nn.Module):
         qk = self.rotary_emb(positions, qk)
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention_forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        out = paged_attention_forward(
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
         return projected
 
@@ -181,10 +217,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        options: DecoderOptions,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb, options)
+        self.self_attn = LlamaAttention(config, rotary_emb, options, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -228,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
+        self.layer_sliding_windows = layer_sliding_windows(config)
         self.model = self.build_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -235,12 +278,13 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def build_model(cls, config: PretrainedConfig) -> LlamaModel:
-        """The decoder stack: Llama layers with :meth:`decoder_options`, sharing one rotary table."""
+        """The decoder stack: Llama layers with :meth:`decoder_options` and their sliding windows
+        (:func:`layer_sliding_windows`), sharing one rotary table."""
         options = cls.decoder_options(config)
         rotary_emb = RotaryEmbedding(config, head_size_of(config))
         return LlamaModel(
             nn.Embedding(config.vocab_size, config.hidden_size),
-            (LlamaDecoderLayer(config, rotary_emb, options) for _ in range(config.num_hidden_layers)),
+            (LlamaDecoderLayer(config, rotary_emb, options, window) for window in layer_sliding_windows(config)),
             RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
 
@@ -249,6 +293,16 @@ class LlamaForCausalLM(nn.Module):
         """Llama: ``attention_bias`` on all four projections, no q/k norm."""
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderOptions(qkv_bias=bias, o_bias=bias)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the model's sliding-window layers (all share one), or None when every layer is global."""
+        return next((window for window in self.layer_sliding_windows if window is not None), None)
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Every layer is windowed (Mistral): blocks wholly before the window are never read again."""
+        return None not in self.layer_sliding_windows
 
     def forward(
         self,
