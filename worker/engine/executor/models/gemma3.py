@@ -3,7 +3,8 @@
 Gemma 2's layout (:mod:`.gemma2`: ``1 + w`` norms, four norms per layer, scaled embeddings, GeGLU,
 alternating local/global layers, soft-capping) with per-head q/k RMSNorm (``1 + w``) and one RoPE table
 per layer type (local base for ``sliding_attention`` layers, possibly scaled global base for
-``full_attention``).
+``full_attention``). ``attn_logit_softcapping`` is ignored, as Hugging Face's ``Gemma3Attention`` ignores it
+(Gemma 3 replaced soft-capping with the q/k norms; its released configs set it to null).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             qk_norm=True,
             norm_unit_offset=True,
             query_scale=float(config.query_pre_attn_scalar) ** -0.5,
-            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
         rotary = {t: RotaryEmbedding(config, head_size, layer_type=t) for t in sorted(set(config.layer_types))}
         windows = layer_sliding_windows(config)
