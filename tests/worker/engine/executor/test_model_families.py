@@ -187,7 +187,7 @@ def test_unsupported_architecture_fails_at_start_up_naming_what_is_supported(tmp
     _set_architectures(path, ["MambaForCausalLM"])
 
     with pytest.raises(
-        UnsupportedModelError, match=r"MambaForCausalLM.*supported: Gemma3ForCausalLM, LlamaForCausalLM"
+        UnsupportedModelError, match=r"MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"
     ) as info:
         LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))
 
@@ -202,7 +202,7 @@ def test_config_without_architectures_is_resolved_by_model_type(tmp_path):
 
     assert type(load_model(path, torch.float32, "cpu")).__name__ == "Qwen2ForCausalLM"
     with pytest.raises(
-        UnsupportedModelError, match=r"none listed; model_type 'gpt2'.*supported: Gemma3ForCausalLM, Llama"
+        UnsupportedModelError, match=r"none listed; model_type 'gpt2'.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM"
     ):
         load_model(tmp_path / "gpt2", torch.float32, "cpu")
 
