@@ -25,6 +25,9 @@ from kernels import reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+# Fault injection for scripts/gpu_check.sh's own test (tests/test_gpu_check.py): when set, the attention
+# kernel's output is perturbed before it is compared, so that the check must report a mismatch.
+INJECT_FAULT = os.environ.get("BATCHINFER_INJECT_KERNEL_FAULT") == "1"
 
 
 def _make_batch(
@@ -137,6 +140,8 @@ def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=
         num_kv_splits=num_kv_splits,
         **options,
     )
+    if INJECT_FAULT:
+        out.view(-1)[0] += 0.5
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.cpu().float(), twin.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
