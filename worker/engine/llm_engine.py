@@ -68,6 +68,7 @@ class LLMEngine:
             config.block_size,
             config.enable_prefix_caching,
             sliding_window=model.sliding_window if model.all_layers_sliding else None,
+            long_rope_len=model.long_rope_original_max,
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}

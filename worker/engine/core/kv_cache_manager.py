@@ -21,6 +21,14 @@ what it needs); in its block table they are replaced by a pinned *null block* th
 logical block ``i`` still sits at index ``i`` and every id in a table is valid. A freed block keeps its
 prefix-cache entry until the pool reuses it. Models that mix local and global layers (Gemma 2/3) pass no
 window: their global layers still read every block.
+
+Long-RoPE classes: under Phi-3's ``longrope`` scaling a sequence's K are rotated with the long factors when
+it is longer than ``original_max_position_embeddings`` (``long_rope_len`` here), with the short ones
+otherwise (:func:`~worker.engine.executor.models.llama.long_rope_positions`). A sequence's class is fixed
+when it gets its blocks; blocks of the long class hash from a root prefix of their own
+(:data:`LONG_ROPE_ROOT_PREFIX_ID`), so the two classes never share a cached block, and a short-class
+sequence that grows past the limit must be recomputed (:meth:`KVCacheManager.needs_recompute`; the
+scheduler does it), as Hugging Face's Phi-3 drops its cache at that point.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ from dataclasses import dataclass
 
 from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockId, BlockPool, KVCacheBlock, PrefixId
 from worker.engine.core.request import Sequence
+
+
+# The parent of a long-RoPE sequence's first block (pool-issued prefix ids start at 1).
+LONG_ROPE_ROOT_PREFIX_ID = PrefixId(-1)
 
 
 @dataclass(slots=True)
@@ -60,10 +72,16 @@ class KVCacheManager:
     """Block tables of all sequences holding KV blocks, over one :class:`BlockPool`."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int | None = None,
+        long_rope_len: int | None = None,
     ) -> None:
         """``sliding_window``: the window of a model whose every layer is windowed (blocks before it are freed);
-        it takes one block of the pool for the null block.
+        it takes one block of the pool for the null block. ``long_rope_len``: sequences longer than this are
+        of the long-RoPE class (module docstring).
 
         Raises:
             ValueError: ``num_blocks < 1``, a window below 1, or a window with fewer than 2 blocks.
@@ -83,10 +101,33 @@ class KVCacheManager:
         self._blocks_to_copy: list[tuple[BlockId, BlockId]] = []
         self.prefix_cache_stats = PrefixCacheStats()
         self.sliding_window = sliding_window
+        self.long_rope_len = long_rope_len
+        self._long_rope: dict[int, bool] = {}  # class of each holder's blocks, with long_rope_len
         # Stands for freed blocks before the window in block tables; its pool reference pins it (never freed).
         self.null_block: KVCacheBlock | None = None
         if sliding_window is not None:
             self.null_block = self.block_pool.get_new_blocks(1)[0]
+
+    def _is_long_rope(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s K are (a holder) or will be (otherwise) of the long-RoPE class."""
+        assert self.long_rope_len is not None
+        return self._long_rope.get(seq.seq_id, seq.num_tokens > self.long_rope_len)
+
+    def _root_prefix_id(self, seq: Sequence) -> PrefixId:
+        """The parent prefix of ``seq``'s first block: one root per long-RoPE class (module docstring)."""
+        if self.long_rope_len is not None and self._is_long_rope(seq):
+            return LONG_ROPE_ROOT_PREFIX_ID
+        return ROOT_PREFIX_ID
+
+    def needs_recompute(self, seq: Sequence) -> bool:
+        """A holder whose K were computed with the short RoPE factors but that is now longer than
+        ``long_rope_len``: its blocks must be dropped and every token computed again (module docstring)."""
+        return (
+            self.long_rope_len is not None
+            and seq.seq_id in self._long_rope
+            and not self._long_rope[seq.seq_id]
+            and seq.num_tokens > self.long_rope_len
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -108,7 +149,7 @@ class KVCacheManager:
             return [], 0
         block_size, token_ids = self.block_size, seq.token_ids
         blocks: list[KVCacheBlock] = []
-        parent = ROOT_PREFIX_ID
+        parent = self._root_prefix_id(seq)
         for start in range(0, (seq.num_tokens - 1) // block_size * block_size, block_size):
             block = self.block_pool.get_cached_block(BlockHash((parent, tuple(token_ids[start : start + block_size]))))
             if block is None:
@@ -131,10 +172,10 @@ class KVCacheManager:
         block_size = self.block_size
         if seq.seq_id in self.seq_to_blocks:
             prefix_ids = self._prefix_ids[seq.seq_id]
-            parent = prefix_ids[-1] if prefix_ids else ROOT_PREFIX_ID
+            parent = prefix_ids[-1] if prefix_ids else self._root_prefix_id(seq)
             start, limit = len(prefix_ids) * block_size, seq.num_tokens
         else:
-            last = computed_blocks[-1].prefix_id if computed_blocks else ROOT_PREFIX_ID
+            last = computed_blocks[-1].prefix_id if computed_blocks else self._root_prefix_id(seq)
             assert last is not None
             parent, start, limit = last, len(computed_blocks) * block_size, seq.num_tokens - 1
         if start + block_size > limit:
@@ -189,6 +230,8 @@ class KVCacheManager:
             blocks = self.seq_to_blocks[seq_id] = []
             self._seqs[seq_id] = seq
             self._prefix_ids[seq_id] = []
+            if self.long_rope_len is not None:
+                self._long_rope[seq_id] = seq.num_tokens > self.long_rope_len
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -246,6 +289,8 @@ class KVCacheManager:
         self._seqs[child.seq_id] = child
         self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
         self._prefix_ids[child.seq_id] = list(self._prefix_ids[parent.seq_id])
+        if parent.seq_id in self._long_rope:
+            self._long_rope[child.seq_id] = self._long_rope[parent.seq_id]
 
     def take_blocks_to_copy(self) -> list[tuple[BlockId, BlockId]]:
         """The copy-on-write copies ``(src, dst)`` recorded since the last call, in order (take and reset).
@@ -262,7 +307,7 @@ class KVCacheManager:
             return
         block_size, token_ids = self.block_size, seq.token_ids
         blocks, prefix_ids = self.seq_to_blocks[seq.seq_id], self._prefix_ids[seq.seq_id]
-        parent = prefix_ids[-1] if prefix_ids else ROOT_PREFIX_ID
+        parent = prefix_ids[-1] if prefix_ids else self._root_prefix_id(seq)
         for block_idx in range(len(prefix_ids), seq.num_computed_tokens // block_size):
             start = block_idx * block_size
             block_hash = BlockHash((parent, tuple(token_ids[start : start + block_size])))
@@ -275,6 +320,7 @@ class KVCacheManager:
         if blocks is None:
             return
         del self._seqs[seq.seq_id], self._num_slots[seq.seq_id], self._prefix_ids[seq.seq_id]
+        self._long_rope.pop(seq.seq_id, None)
         self.block_pool.free_blocks(reversed(blocks))
         if self._blocks_to_copy:
             pool_blocks = self.block_pool.blocks
@@ -324,7 +370,7 @@ class KVCacheManager:
             for block_idx, block in enumerate(blocks[: len(prefix_ids)]):
                 if block.block_hash is None:
                     continue
-                parent = prefix_ids[block_idx - 1] if block_idx else ROOT_PREFIX_ID
+                parent = prefix_ids[block_idx - 1] if block_idx else self._root_prefix_id(seq)
                 start = block_idx * block_size
                 assert block.block_hash == (parent, tuple(seq.token_ids[start : start + block_size])), (
                     "cached block content"

@@ -38,6 +38,20 @@ def _prompts(seed: int) -> list[list[int]]:
     return prompts
 
 
+def _hf_logits(hf_model, prompt, output_ids):
+    """HF's logits at every generated position, as its ``generate`` computed them: one forward over the whole
+    sequence, except under Phi-3's ``longrope``, where a position's logits come from a call over a sequence of
+    ``max(len(prompt), position + 1)`` tokens, with the short factors when that is within the limit."""
+    tokens = torch.tensor([prompt + output_ids[:-1]])
+    with torch.inference_mode():
+        logits = hf_model(tokens).logits[0]
+        rope = getattr(hf_model.config, "rope_parameters", None) or {}
+        if rope.get("rope_type") == "longrope" and len(prompt) <= rope["original_max_position_embeddings"]:
+            limit = rope["original_max_position_embeddings"]
+            logits[:limit] = hf_model(tokens[:, :limit]).logits[0]
+    return logits[len(prompt) - 1 :]
+
+
 def _check_engine_against_hugging_face(path, family, prompts, engine_config=None):
     """Cold and warm (prefix-cached) greedy runs of ``prompts`` with chunked prefill: HF's ids (near-tie
     rule) and logprobs within 1e-4. Returns the engine."""
@@ -59,9 +73,7 @@ def _check_engine_against_hugging_face(path, family, prompts, engine_config=None
         assert warm_out.outputs[0].token_ids == out.token_ids
         reference = hf_greedy_reference(hf_model, prompt, MAX_TOKENS)
         assert_greedy_close(reference.token_ids, reference.top2, out.token_ids, label=f"{family} prompt {i}")
-        with torch.inference_mode():
-            hf_logits = hf_model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
-        hf_logprobs = torch.log_softmax(hf_logits.float(), dim=-1)
+        hf_logprobs = torch.log_softmax(_hf_logits(hf_model, prompt, out.token_ids).float(), dim=-1)
         assert out.logprobs is not None
         for pos, (token_id, position) in enumerate(zip(out.token_ids, out.logprobs)):
             assert position[token_id].logprob == pytest.approx(float(hf_logprobs[pos, token_id]), abs=1e-4)
@@ -207,15 +219,25 @@ def test_config_without_architectures_is_resolved_by_model_type(tmp_path):
         load_model(tmp_path / "gpt2", torch.float32, "cpu")
 
 
-def test_phi3_longrope_is_refused_at_start_up(tmp_path):
+def test_phi3_longrope_matches_hugging_face(tmp_path):
+    """``longrope`` with a pretraining context of 24: the 30-token prompt takes the long factors throughout,
+    the 21-token one switches to them at position 24 while it generates, the short ones never do. The
+    30- and 21-token prompts share their first 16 tokens, but not their cached blocks (their K differ);
+    chunked prefill (12-token budget) and the prefix-cached second run must not change any of it."""
     rope = {
         "rope_type": "longrope",
         "rope_theta": 10000.0,
-        "short_factor": [1.0] * 8,
-        "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 128,
+        "partial_rotary_factor": 0.5,  # 8 rotated channels: 4 factors
+        "short_factor": [1.0, 1.1, 1.3, 1.6],
+        "long_factor": [1.0, 2.0, 6.0, 20.0],
+        "original_max_position_embeddings": 24,
     }
-    path = save_tiny_model(tmp_path, "phi3", rope_parameters=rope, original_max_position_embeddings=128)
+    path = save_tiny_model(tmp_path, "phi3", seed=4, rope_parameters=rope, original_max_position_embeddings=24)
+    prompts = _prompts(seed=9)
+    assert [len(p) for p in prompts] == PROMPT_LENS and prompts[1][:16] == prompts[3][:16]
 
-    with pytest.raises(ValueError, match="longrope rope scaling is not supported"):
-        LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))
+    engine = _check_engine_against_hugging_face(path, "phi3", prompts)
+
+    assert engine.kv_cache_manager.long_rope_len == 24
+    rotary = engine.model_runner.model.model.layers[0].self_attn.rotary_emb
+    assert rotary.long_rope_offset == 512 and rotary.cos.shape[0] == 2 * 512

@@ -99,9 +99,14 @@ class RotaryEmbedding(nn.Module):
     below 1 rotates only each head's first ``rotary_dim = head_size * factor`` channels (Phi-3 family).
     ``layer_type`` picks that entry of per-layer-type ``rope_parameters`` (Gemma 3).
 
+    ``longrope`` (Phi-3 128k; Ding et al. 2024, "LongRoPE") has two frequency sets, ``short_factor`` and
+    ``long_factor``, both with the config's attention scaling. The table then holds the short set at rows
+    ``0 .. max_position_embeddings - 1`` and the long set at the next ``max_position_embeddings`` rows
+    (``long_rope_offset``); the caller picks a set per token by offsetting its position
+    (:func:`long_rope_positions`).
+
     Raises:
-        ValueError: for ``dynamic`` or ``longrope`` scaling, whose frequencies depend on the running
-            sequence length.
+        ValueError: for ``dynamic`` scaling, whose frequencies depend on the running sequence length.
     """
 
     def __init__(self, config: PretrainedConfig, head_size: int, layer_type: str | None = None) -> None:
@@ -109,10 +114,8 @@ class RotaryEmbedding(nn.Module):
         # Per-layer-type parameters (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``).
         rope_parameters = (config.rope_parameters or {}) if layer_type is None else config.rope_parameters[layer_type]
         rope_type = str(rope_parameters.get("rope_type", "default"))
-        if rope_type in ("dynamic", "longrope"):
-            raise ValueError(
-                f"{rope_type} rope scaling is not supported (its frequencies depend on the sequence length)"
-            )
+        if rope_type == "dynamic":
+            raise ValueError("dynamic rope scaling is not supported (its frequencies depend on the sequence length)")
         self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
         # NOTE: tables are built on the CPU whatever the default device; the module is moved afterwards.
         cpu = torch.device("cpu")
@@ -123,8 +126,15 @@ class RotaryEmbedding(nn.Module):
             attention_scaling = 1.0
         else:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, layer_type=layer_type)
+        self.long_rope_offset: int | None = None
+        if rope_type == "longrope":
+            # transformers picks the long factors for a seq_len past original_max_position_embeddings.
+            original_max = int(rope_parameters["original_max_position_embeddings"])
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, seq_len=original_max + 1)
+            self.long_rope_offset = int(config.max_position_embeddings)
+            inv_freq = torch.stack((inv_freq, long_inv_freq))  # [2, rotary_dim // 2]: short, long
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = (positions[:, None] * inv_freq.view(-1, 1, inv_freq.shape[-1])).flatten(0, 1)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)
         self.sin = nn.Buffer(emb.sin() * attention_scaling, persistent=False)
@@ -140,6 +150,28 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim == x.shape[-1]:
             return out
         return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
+
+
+def long_rope_positions(
+    positions: torch.Tensor, seq_lens: torch.Tensor, original_max_position_embeddings: int, long_rope_offset: int
+) -> torch.Tensor:
+    """Rows of a ``longrope`` table (:class:`RotaryEmbedding`) for each token: the long set when its sequence
+    (all its tokens, prompt and output so far) is longer than ``original_max_position_embeddings``.
+
+    That is what Hugging Face's Phi-3 ``generate`` computes: a forward pass picks the set from its longest
+    position (``longrope_frequency_update``), and when a sequence first grows past the limit its cache is
+    dropped and every token recomputed with the long set (``prepare_inputs_for_generation``); the engine's
+    scheduler recomputes such a sequence likewise (:meth:`KVCacheManager.needs_recompute`).
+
+    Args:
+        positions: ``LongTensor[num_tokens]``; seq_lens: ``LongTensor[num_tokens]``, the length of each token's
+            sequence (``Sequence.num_tokens``).
+        original_max_position_embeddings: the pretraining context; long_rope_offset: the long set's first row.
+
+    Returns:
+        ``LongTensor[num_tokens]`` rows of the cos/sin table.
+    """
+    return positions + (seq_lens > original_max_position_embeddings).long() * long_rope_offset
 
 
 class LlamaAttention(nn.Module):
@@ -298,6 +330,15 @@ class LlamaForCausalLM(nn.Module):
     def sliding_window(self) -> int | None:
         """The window of the model's sliding-window layers (all share one), or None when every layer is global."""
         return next((window for window in self.layer_sliding_windows if window is not None), None)
+
+    @property
+    def long_rope_original_max(self) -> int | None:
+        """``original_max_position_embeddings`` when the model uses ``longrope`` scaling (its tokens' rotary
+        rows then depend on their sequence's length: :func:`long_rope_positions`), else None."""
+        rope_parameters = getattr(self.config, "rope_parameters", None) or {}
+        if rope_parameters.get("rope_type") != "longrope":
+            return None
+        return int(rope_parameters["original_max_position_embeddings"])
 
     @property
     def all_layers_sliding(self) -> bool:
