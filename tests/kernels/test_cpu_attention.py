@@ -195,9 +195,7 @@ def test_logits_soft_cap_matches_reference(window):
 
     out = paged_attention_cpu(*args, 1.0, lse_out=lse, sliding_window=window, logits_soft_cap=5.0)
 
-    expected = paged_attention_reference(
-        *args, 1.0, lse_out=expected_lse, sliding_window=window, logits_soft_cap=5.0
-    )
+    expected = paged_attention_reference(*args, 1.0, lse_out=expected_lse, sliding_window=window, logits_soft_cap=5.0)
     uncapped = paged_attention_reference(*args, 1.0, sliding_window=window)
     assert not torch.allclose(expected, uncapped, atol=1e-2)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from worker.engine.core.block_pool import ROOT_PREFIX_ID, BlockHash, BlockId, BlockPool, KVCacheBlock, PrefixId
 from worker.engine.core.request import Sequence
 
-
 # The parent of a long-RoPE sequence's first block (pool-issued prefix ids start at 1).
 LONG_ROPE_ROOT_PREFIX_ID = PrefixId(-1)
 

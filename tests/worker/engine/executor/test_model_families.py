@@ -199,7 +199,8 @@ def test_unsupported_architecture_fails_at_start_up_naming_what_is_supported(tmp
     _set_architectures(path, ["MambaForCausalLM"])
 
     with pytest.raises(
-        UnsupportedModelError, match=r"MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"
+        UnsupportedModelError,
+        match=r"MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM",
     ) as info:
         LLMEngine(EngineConfig(model=str(path), max_model_len=64, kv_cache_memory_bytes=1 << 20))
 

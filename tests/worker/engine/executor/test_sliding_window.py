@@ -86,7 +86,9 @@ def test_windowed_layer_matches_reference_on_every_path(use_cpu_kernels, logits_
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     # The global layer of the same step (full context, no cap) differs: the window is really applied.
-    torch.testing.assert_close(global_out, paged_attention_reference(query, expected_cache, *args), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        global_out, paged_attention_reference(query, expected_cache, *args), atol=2e-5, rtol=1e-5
+    )
     assert not torch.allclose(out, global_out, atol=1e-3)
 
 

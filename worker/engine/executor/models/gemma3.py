@@ -49,6 +49,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         windows = layer_sliding_windows(config)
         return LlamaModel(
             ScaledEmbedding(config.vocab_size, config.hidden_size, config.hidden_size**0.5),
-            (GemmaDecoderLayer(config, rotary[t], options, w) for t, w in zip(config.layer_types, windows, strict=True)),
+            (
+                GemmaDecoderLayer(config, rotary[t], options, w)
+                for t, w in zip(config.layer_types, windows, strict=True)
+            ),
             RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True),
         )

@@ -305,7 +305,7 @@ def build_attention_plan(
     # A fresh prompt longer than the window needs the window's mask: it joins the masked group.
     fresh_limit = math.inf if sliding_window is None else sliding_window
     fresh_ids = [i for i, q in enumerate(query_lens_list) if 1 < q == seq_lens_list[i] <= fresh_limit]
-    other_ids = [i for i, q in enumerate(query_lens_list) if 1 < q and not q == seq_lens_list[i] <= fresh_limit]
+    other_ids = [i for i, q in enumerate(query_lens_list) if q > 1 and not q == seq_lens_list[i] <= fresh_limit]
     decode_kernel = _build_kernel_plan(batch, decode_ids, cu_query_lens) if use_kernel and decode_ids else None
     groups = [
         _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype, sliding_window)
