@@ -62,12 +62,16 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
         model = self.model_runner.model
-        # NOTE: only a model whose every layer is windowed frees blocks behind the window (KVCacheManager).
+        # NOTE: only a model whose every layer is windowed frees blocks behind the window (KVCacheManager), and
+        # only a window shorter than max_model_len ever leaves a block behind.
+        window = model.sliding_window
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            sliding_window=model.sliding_window if model.all_layers_sliding else None,
+            sliding_window=window
+            if window is not None and model.all_layers_sliding and window < self.max_model_len
+            else None,
             long_rope_len=model.long_rope_original_max,
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)

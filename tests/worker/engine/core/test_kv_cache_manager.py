@@ -317,3 +317,26 @@ def test_sliding_window_frees_blocks_behind_the_window_and_keeps_table_indices()
     kv.free(seq)
     assert kv.num_free_blocks == 7
     kv.check_invariants()
+
+
+def test_long_rope_classes_never_share_blocks_and_a_short_holder_past_the_limit_needs_recompute():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_caching=True, long_rope_len=10)
+    short, long = make_seq(0, range(9)), make_seq(1, range(12))  # same first 8 tokens, other classes
+    for seq in (short, long):
+        assert kv.allocate_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_blocks(seq)
+    assert kv.get_computed_blocks(make_seq(2, range(9)))[1] == 8  # a short twin hits the short blocks
+    long_twin = make_seq(3, range(12))
+    hits, _ = kv.get_computed_blocks(long_twin)
+    assert [b.block_id for b in hits] == kv.get_block_ids(long.seq_id)[:2]  # the long blocks, not the short ones
+    assert not kv.needs_recompute(short) and not kv.needs_recompute(long)
+    short.append_token(9)
+    assert kv.allocate_slots(short, 1)
+    short.num_computed_tokens = 10
+    assert not kv.needs_recompute(short)  # 10 tokens: still within the limit
+    short.append_token(10)
+    assert kv.needs_recompute(short) and not kv.needs_recompute(long)
+    kv.check_invariants()
+    kv.free(short)
+    assert not kv.needs_recompute(short)
