@@ -10,10 +10,14 @@
 // other keys (cascade attention, worker/engine/executor/layers/attention/cascade.py).
 //
 // Batch invariant: a token's output is a fixed sequence of float operations on its query, its context
-// length and the cached K/V, whatever other tokens share the call or which thread runs it. Every
-// reduction has a fixed lane structure (`dot`, `lane_sum`) and score rows start 64-byte aligned, so the
-// compiler's vectorised loops never split a row differently from one call to the next
-// (docs/engine.md, "Batch-invariant numerics").
+// and the cached K/V, whatever other tokens share the call or which thread runs it. Every reduction has
+// a fixed lane structure (`dot`, `lane_sum`) and score rows start 64-byte aligned, so the compiler's
+// vectorised loops never split a row differently from one call to the next (docs/engine.md,
+// "Batch-invariant numerics").
+//
+// A sliding window limits each token to its last `sliding_window` positions (itself included), and only
+// those are read: blocks before the window may have been returned to the pool. A soft-cap replaces each
+// scaled score s by cap * tanh(s / cap) (Gemma 2); without one the softmax pass is unchanged.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -98,33 +102,36 @@ struct Shapes {
   int64_t cache_stride_kv;  // elements between the K and the V half of the cache
 };
 
-// Calls visit(position, row) for positions 0 .. context_len - 1 of one half of the cache (K or V), where
+// Calls visit(position, row) for positions context_start .. context_end - 1 of one half of the cache (K or V), where
 // `row` holds that position's num_kv_heads * head_size floats (`token_stride`). Blocks are walked in order
 // while the same row of the next block is prefetched (block ids are random, so the hardware prefetcher
 // cannot guess them).
 template <typename Visit>
-inline void for_each_position(const float* cache_half, const int32_t* block_table, int64_t context_len,
-                              int64_t block_size, int64_t token_stride, Visit&& visit) {
+inline void for_each_position(const float* cache_half, const int32_t* block_table, int64_t context_start,
+                              int64_t context_end, int64_t block_size, int64_t token_stride, Visit&& visit) {
   const int64_t block_stride = block_size * token_stride;
-  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t num_blocks = (context_end + block_size - 1) / block_size;
+  for (int64_t b = context_start / block_size; b < num_blocks; ++b) {
     const float* block = cache_half + block_table[b] * block_stride;
     const float* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-    const int64_t pos = b * block_size, n = std::min(block_size, context_len - pos);
-    for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
+    for (int64_t j = std::max<int64_t>(0, context_start - pos); j < n; ++j) {
       for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
       visit(pos + j, block + j * token_stride);
     }
   }
 }
 
-// Attention of all heads of one query token over the first `context_len` positions of its sequence.
+// Attention of all heads of one query token over positions context_start .. context_end - 1 of its sequence.
 // Each position's K (then V) row, all KV heads together, is read once and contiguously
-// (for_each_position). `scores` holds num_heads rows of aligned_row(context_len) floats, 64-byte aligned;
-// `q_scaled` num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads it from `s`.
+// (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
+// 64-byte aligned; `q_scaled` num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads
+// it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
 template <int64_t kHeadSize>
 void attend_token(const Shapes& s, const float* query, const float* cache, const int32_t* block_table,
-                  int64_t context_len, float scale, float* out, float* lse, float* scores, float* q_scaled) {
+                  int64_t context_start, int64_t context_end, float scale, float soft_cap, float* out, float* lse,
+                  float* scores, float* q_scaled) {
+  const int64_t context_len = context_end - context_start;
   const int64_t r = s.num_queries_per_kv, block_size = s.block_size, num_heads = s.num_heads;
   const int64_t num_kv_heads = s.num_kv_heads;
   const int64_t head_size = kHeadSize > 0 ? kHeadSize : s.head_size;
@@ -138,12 +145,13 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
   float max_score[kMaxHeads];
   std::fill(max_score, max_score + num_heads, -std::numeric_limits<float>::infinity());
 
-  for_each_position(cache, block_table, context_len, block_size, token_stride, [&](int64_t pos, const float* row) {
+  for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
+                    [&](int64_t pos, const float* row) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       const float* k = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
         const float score = dot<kHeadSize>(q_scaled + h * head_size, k, head_size);
-        scores[h * row_stride + pos] = score;
+        scores[h * row_stride + pos - context_start] = score;
         max_score[h] = std::max(max_score[h], score);
       }
     }
@@ -152,9 +160,16 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
   float inv_sum[kMaxHeads];
   for (int64_t h = 0; h < num_heads; ++h) {
     float* __restrict row = scores + h * row_stride;
-    const float m = max_score[h];
+    float m = max_score[h];
+    if (soft_cap > 0.0f) {
+      // tanh is increasing, so the capped maximum is the cap of the maximum.
+      const float inv_cap = 1.0f / soft_cap;
+      m = soft_cap * std::tanh(m * inv_cap);
+      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_nonpositive(soft_cap * std::tanh(row[i] * inv_cap) - m);
+    } else {
 #pragma omp simd
-    for (int64_t i = 0; i < context_len; ++i) row[i] = exp_nonpositive(row[i] - m);
+      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_nonpositive(row[i] - m);
+    }
     const float sum = lane_sum(row, context_len);
     inv_sum[h] = 1.0f / sum;
     if (lse != nullptr) lse[h] = m + std::log(sum);
@@ -162,11 +177,12 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 
   std::fill(out, out + num_heads * head_size, 0.0f);
   const float* value_cache = cache + s.cache_stride_kv;
-  for_each_position(value_cache, block_table, context_len, block_size, token_stride, [&](int64_t pos, const float* row) {
+  for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
+                    [&](int64_t pos, const float* row) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       const float* __restrict v = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        const float p = scores[h * row_stride + pos];
+        const float p = scores[h * row_stride + pos - context_start];
         float* __restrict o = out + h * head_size;
 #pragma omp simd
         for (int64_t d = 0; d < head_size; ++d) o[d] += p * v[d];
@@ -183,7 +199,8 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables, double scale, const std::optional<at::Tensor>& lse) {
+                     const at::Tensor& block_tables, double scale, const std::optional<at::Tensor>& lse,
+                     std::optional<int64_t> sliding_window, std::optional<double> logits_soft_cap) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_attention_: CPU tensors only");
   TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
@@ -200,6 +217,9 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                   block_tables.dim() == 2,
               "query_start_loc, seq_lens and block_tables must be contiguous; block_tables 2-D");
 
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "sliding_window must be >= 1");
+  TORCH_CHECK(!logits_soft_cap.has_value() || *logits_soft_cap > 0.0, "logits_soft_cap must be > 0");
+  const int64_t window = sliding_window.value_or(0);  // 0: no window
   const bool with_lse = lse.has_value() && lse->defined();
   TORCH_CHECK(!with_lse || (lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->dim() == 2 &&
                             lse->size(0) == query.size(0) && lse->size(1) == query.size(1)),
@@ -229,9 +249,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   TORCH_CHECK(cu_query[0] == 0 && cu_query[num_seqs] == num_tokens, "query_start_loc must run from 0 to num_tokens");
 
-  // Per token: its sequence and how many positions it sees (causal); validate before any thread reads.
+  // Per token: its sequence and the positions it sees (causal, within the window); validate before any
+  // thread reads.
   std::vector<int32_t> token_seq(num_tokens);
-  std::vector<int64_t> token_context(num_tokens);
+  std::vector<int64_t> token_context(num_tokens), token_start(num_tokens);
   int64_t max_context = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t start = cu_query[seq], end = cu_query[seq + 1], seq_len = lens[seq];
@@ -246,6 +267,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     for (int64_t t = start; t < end; ++t) {
       token_seq[t] = static_cast<int32_t>(seq);
       token_context[t] = seq_len - (end - t) + 1;
+      token_start[t] = window > 0 ? std::max<int64_t>(0, token_context[t] - window) : 0;
     }
     max_context = std::max(max_context, seq_len);
   }
@@ -253,7 +275,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   // One work item per token; one contiguous run of tokens per thread, of about equal cost.
   constexpr int64_t kTokenOverhead = 16;  // fixed cost of a token, in context positions
   std::vector<int64_t> cu_cost(num_tokens + 1, 0);
-  for (int64_t t = 0; t < num_tokens; ++t) cu_cost[t + 1] = cu_cost[t] + token_context[t] + kTokenOverhead;
+  for (int64_t t = 0; t < num_tokens; ++t) cu_cost[t + 1] = cu_cost[t] + token_context[t] - token_start[t] + kTokenOverhead;
   const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tokens));
   std::vector<int64_t> part_start(num_parts + 1, num_tokens);
   for (int64_t p = 0; p < num_parts; ++p) {
@@ -266,6 +288,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   float* out_ptr = out.data_ptr<float>();
   float* lse_ptr = with_lse ? lse->data_ptr<float>() : nullptr;
   const float scale_f = static_cast<float>(scale);
+  const float soft_cap = static_cast<float>(logits_soft_cap.value_or(0.0));
   const auto attend = s.head_size == 64 ? attend_token<64> : s.head_size == 128 ? attend_token<128> : attend_token<0>;
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> scores_buffer(s.num_heads * aligned_row(max_context) + kAlignFloats);
@@ -274,7 +297,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     std::vector<float> q_scaled(s.num_heads * s.head_size);
     for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
       attend(s, q_ptr + t * s.query_stride_token, cache_ptr, tables + token_seq[t] * s.max_num_blocks_per_seq,
-             token_context[t], scale_f, out_ptr + t * s.num_heads * s.head_size,
+             token_start[t], token_context[t], scale_f, soft_cap, out_ptr + t * s.num_heads * s.head_size,
              lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores, q_scaled.data());
     }
   });
@@ -285,7 +308,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, float scale, Tensor(b!)? lse=None) -> ()");
+      "Tensor block_tables, float scale, Tensor(b!)? lse=None, int? sliding_window=None, "
+      "float? logits_soft_cap=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("paged_attention_", paged_attention); }

@@ -21,13 +21,18 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,
     scale: float,
     lse_out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query token over its sequence's cached context (no K/V gather).
 
     Same contract as :func:`kernels.reference.paged_attention_reference`: sequence ``s`` owns query rows
     ``query_start_loc[s] : query_start_loc[s + 1]``, the last ``query_len`` positions of its
     ``seq_lens[s]``-token context (already in the cache); query row ``i`` sees positions up to
-    ``seq_lens[s] - query_len + i``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    ``seq_lens[s] - query_len + i`` (and, with ``sliding_window``, only the last ``sliding_window`` of them,
+    itself included; earlier positions are not read, their blocks may be freed). ``logits_soft_cap`` caps
+    the scaled scores at ``cap * tanh(s / cap)``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     Softmax is exact (two passes over the scores) in float32; slots outside a sequence's context are
     never read. Work is split over query tokens (each with all its heads), one run of about equal cost per
     ``torch.get_num_threads()`` thread.
@@ -42,6 +47,8 @@ def paged_attention_cpu(
         scale: multiplier of ``q . k``.
         lse_out: optional float32 contiguous ``[num_tokens, num_heads]``, filled with each row's
             log-sum-exp (natural log) of its scaled scores, for merging partial attention states.
+        sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
+        logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
 
     Returns:
         float32 contiguous ``[num_tokens, num_heads, head_size]``.
@@ -53,6 +60,6 @@ def paged_attention_cpu(
     require_cpu_kernels()
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.batchinfer_cpu.paged_attention_(
-        out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, lse_out
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, lse_out, sliding_window, logits_soft_cap
     )
     return out

@@ -53,8 +53,11 @@ def paged_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     lse_out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context, one sequence at a time.
+    """Causal attention of each sequence's new tokens over its cached context, one sequence at a time.
 
     Sequence ``s`` owns query rows ``query_start_loc[s] : query_start_loc[s + 1]``; they are the last
     ``query_len`` positions of its context of ``seq_lens[s]`` tokens, so query row ``i`` sits at position
@@ -62,6 +65,10 @@ def paged_attention_reference(
     (including this step's tokens, which must already be in the cache) is read through the block table.
     Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     Scores and softmax are computed in float32 (scaled dot-product attention, Vaswani et al. 2017).
+    With ``sliding_window`` a query at position ``p`` sees only keys at ``p - sliding_window < k <= p`` (the
+    last ``sliding_window`` positions, itself included: Hugging Face's ``sliding_window_overlay``; Beltagy et
+    al. 2020, Longformer). With ``logits_soft_cap`` each scaled score ``s`` becomes ``cap * tanh(s / cap)``
+    before the mask and softmax (Gemma 2's attention soft-capping).
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``.
@@ -72,6 +79,8 @@ def paged_attention_reference(
         scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
         lse_out: optional float32 ``[num_tokens, num_heads]``, filled with each row's log-sum-exp of
             its scaled (masked) scores.
+        sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
+        logits_soft_cap: the soft-cap ``cap > 0``, or None for none.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -84,17 +93,23 @@ def paged_attention_reference(
     for seq_idx, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[seq_idx], starts[seq_idx + 1]
         query_len = end - start
-        positions = torch.arange(seq_len, device=kv_cache.device)
+        # Positions before the first query's window are never read (their blocks may be freed).
+        first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+        positions = torch.arange(first, seq_len, device=kv_cache.device)
         block_ids = block_tables[seq_idx].long()[positions // block_size]
         offsets = positions % block_size
-        keys = kv_cache[0][block_ids, offsets].float()  # [seq_len, num_kv_heads, head_size]
+        keys = kv_cache[0][block_ids, offsets].float()  # [seq_len - first, num_kv_heads, head_size]
         values = kv_cache[1][block_ids, offsets].float()
         keys = keys.repeat_interleave(num_queries_per_kv, dim=1)
         values = values.repeat_interleave(num_queries_per_kv, dim=1)
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         query_positions = torch.arange(seq_len - query_len, seq_len, device=kv_cache.device)
-        visible = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+        visible = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len - first]
+        if sliding_window is not None:
+            visible &= positions[None, :] > query_positions[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         if lse_out is not None:
             lse_out[start:end] = torch.logsumexp(scores, dim=-1).T

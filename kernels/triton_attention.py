@@ -10,7 +10,9 @@ same contract; CUDA runs these, CPU runs the twins (tests compare the two under 
   in tiles of ``BLOCK_N`` positions (a tile may span several blocks), with an online softmax in float32
   (Milakov and Gimelshein 2018; Dao et al. 2022, FlashAttention) and a causal bound that stops at the
   tile's last visible position. One kernel serves decode, extend (k + 1 tokens after a cached context)
-  and prefill rows of one ragged batch.
+  and prefill rows of one ragged batch. A sliding window starts the loop at the tile's first visible
+  position (blocks before it are never read) and masks per row; a soft-cap maps each scaled score ``s`` to
+  ``cap * tanh(s / cap)`` (Gemma 2). Both are compile-time switches: off, the kernel is unchanged.
 - :func:`reshape_and_cache_triton`: store new K/V through ``slot_mapping`` (vLLM's ``reshape_and_cache``).
 - :func:`copy_blocks_triton`: copy-on-write block copies, all pairs in one launch.
 
@@ -53,11 +55,15 @@ def _paged_attention_kernel(
     block_size,
     num_kv_splits,
     split_len,
+    sliding_window,
+    soft_cap,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
@@ -94,9 +100,13 @@ def _paged_attention_kernel(
     # With split-KV, this program reads only its split's part of that range (possibly none of it).
     kv_start_of_split = split_idx * split_len
     kv_end = tl.minimum(tl.minimum(seq_len, context_start + (q_tile + 1) * BLOCK_Q), kv_start_of_split + split_len)
+    kv_begin = kv_start_of_split
+    if HAS_WINDOW:
+        # The tile's first query sees nothing before its window: those positions are not read.
+        kv_begin = tl.maximum(kv_begin, context_start + q_tile * BLOCK_Q - sliding_window + 1)
     table_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     head_offset = kv_head.to(tl.int64) * stride_ch
-    for kv_start in range(kv_start_of_split, kv_end, BLOCK_N):
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         positions = kv_start + tl.arange(0, BLOCK_N)
         pos_valid = positions < kv_end
         block_ids = tl.load(table_row + positions // block_size, mask=pos_valid, other=0).to(tl.int64)
@@ -104,7 +114,15 @@ def _paged_attention_kernel(
         kv_mask = pos_valid[None, :] & dim_valid[:, None]
         k = tl.load(cache_ptr + slot_offsets[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        if HAS_SOFT_CAP:
+            # cap * tanh(s / cap), tanh from one exp of a non-positive argument (no overflow).
+            capped = scores / soft_cap
+            decay = tl.exp(-2.0 * tl.abs(capped))
+            magnitude = (1.0 - decay) / (1.0 + decay)
+            scores = soft_cap * tl.where(capped >= 0, magnitude, -magnitude)
         visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (positions[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -151,13 +169,17 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch (decode, extend and prefill rows) over a block table.
 
     Same contract as :func:`kernels.reference.paged_attention_reference`: sequence ``s`` owns query rows
     ``query_start_loc[s] : query_start_loc[s + 1]``, the last ``query_len`` positions of its
     ``seq_lens[s]``-token context (already in the cache); query row ``i`` sees positions up to
-    ``seq_lens[s] - query_len + i``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    ``seq_lens[s] - query_len + i`` (with ``sliding_window``, only the last ``sliding_window`` of them, itself
+    included; earlier positions are not read). ``logits_soft_cap`` maps each scaled score ``s`` to
+    ``cap * tanh(s / cap)``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     Scores, softmax and the output accumulator are float32 (float32 inputs use IEEE products, not TF32).
 
     Args:
@@ -176,14 +198,21 @@ def paged_attention_triton(
             split-KV launch when ``num_kv_splits`` is None (without it, no split).
         num_kv_splits: split each sequence's context into this many parts, one program each, merged through
             their log-sum-exps (split-KV, "flash-decoding": fills the GPU when few sequences have long contexts).
+        sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
+        logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
 
     Raises:
-        ValueError: on a cache of the wrong layout, a dtype mismatch or a block size not a power of two.
+        ValueError: on a cache of the wrong layout, a dtype mismatch, a block size not a power of two, or a
+            window below 1 or soft-cap not above 0.
     """
     _check_cache(kv_cache)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if query.dtype != kv_cache.dtype or query.stride(2) != 1:
@@ -252,11 +281,15 @@ def paged_attention_triton(
         block_size,
         num_kv_splits,
         split_len,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         HAS_LSE=lse_out is not None or num_kv_splits > 1,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
         # NOTE: float32 products in IEEE precision, not TF32 (Triton's CUDA default), to match the twin;
         # the setting only matters for float32 operands.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

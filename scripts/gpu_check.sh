@@ -5,15 +5,25 @@
 #   3. bench/throughput.py on CUDA in bfloat16 (batchinfer only).
 # Prints one JSON object per check and a last summary line; exits non-zero on any mismatch.
 # Usage: ./scripts/gpu_check.sh [--skip-bench]
+#        ./scripts/gpu_check.sh --interpret   # check 1's kernel parity only, in Triton's interpreter (no GPU)
+# --interpret runs the comparison step on a CPU so that a test can prove this script fails on a mismatch:
+# BATCHINFER_GPU_CHECK_SELECT narrows it to a pytest -k expression, and BATCHINFER_INJECT_KERNEL_FAULT=1
+# makes the parity tests perturb the kernels' output before comparing (tests/kernels/test_triton.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+interpret=0
+[ "${1:-}" = "--interpret" ] && interpret=1
 
-if ! "$PYTHON" -c 'import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo '{"check": "cuda", "ok": false, "error": "no CUDA device, or torch/triton missing"}'
-    exit 2
+if [ $interpret -eq 1 ]; then
+    export TRITON_INTERPRET=1
+else
+    unset TRITON_INTERPRET
+    if ! "$PYTHON" -c 'import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo '{"check": "cuda", "ok": false, "error": "no CUDA device, or torch/triton missing"}'
+        exit 2
+    fi
 fi
 
 failed=0
@@ -29,6 +39,12 @@ run_check() {  # name, command...
     [ $rc -eq 0 ] || tail -n 30 "/tmp/gpu_check_$name.log" >&2
 }
 
+if [ $interpret -eq 1 ]; then
+    run_check kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
+        -k "${BATCHINFER_GPU_CHECK_SELECT:-}"
+    printf '{"check": "summary", "ok": %s}\n' "$([ $failed -eq 0 ] && echo true || echo false)"
+    exit $failed
+fi
 run_check kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
     tests/worker/engine/executor/test_triton_dispatch.py tests/worker/engine/test_triton_engine.py
 run_check engine_parity "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/worker/engine/test_gpu_parity.py

@@ -13,6 +13,20 @@ from tests.helpers.tiny_llama import TINY_DECODER_FIELDS, build_byte_tokenizer
 
 # family -> (config class, model class, family-specific config fields); all GQA (4 heads / 2 KV heads).
 FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], type[transformers.PreTrainedModel], dict[str, Any]]] = {
+    # alternating local/global layers, attention and final logit soft-caps small enough to bend the scores.
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 512,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+        },
+    ),
     # one sliding and one full layer, each with its own RoPE; query scale and head_dim of their own.
     "gemma3": (
         transformers.Gemma3TextConfig,

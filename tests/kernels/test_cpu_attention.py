@@ -156,3 +156,47 @@ def test_engine_path_dispatches_decode_rows(monkeypatch, kernels_env):
     assert (metadata.plan.kernel is not None) == (kernels_env == "1")
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     assert torch.equal(kv_cache, expected_cache)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 23])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_sliding_window_reads_only_the_window(kind, window):
+    """Each token sees its last ``window`` positions; blocks wholly before the first query's window are NaN
+    (as if returned to the pool and reused) and must not be read."""
+    block_size = 4
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(BATCHES[kind], 6, 2, block_size, seed=9)
+    for seq, (query_len, seq_len) in enumerate(BATCHES[kind]):
+        first_visible = max(0, seq_len - query_len - window + 1)
+        kv_cache[:, tables[seq, : first_visible // block_size].long()] = float("nan")
+
+    out = paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, 0.125, sliding_window=window)
+
+    expected = paged_attention_reference(
+        query, kv_cache, query_start_loc, seq_lens, tables, 0.125, sliding_window=window
+    )
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_sliding_window_wider_than_the_context_is_full_attention():
+    args = _setup(MIXED, 6, 2, 4, seed=10)
+
+    out = paged_attention_cpu(*args, 0.125, sliding_window=1000)
+
+    torch.testing.assert_close(out, paged_attention_reference(*args, 0.125), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_logits_soft_cap_matches_reference(window):
+    """Scores of a few tens soft-capped at 5 (far from linear), with and without a window; LSE of the capped scores."""
+    args = _setup(MIXED, 6, 2, 4, seed=11)
+    num_tokens = args[0].shape[0]
+    lse, expected_lse = torch.empty(num_tokens, 6), torch.empty(num_tokens, 6)
+
+    out = paged_attention_cpu(*args, 1.0, lse_out=lse, sliding_window=window, logits_soft_cap=5.0)
+
+    expected = paged_attention_reference(*args, 1.0, lse_out=expected_lse, sliding_window=window, logits_soft_cap=5.0)
+    uncapped = paged_attention_reference(*args, 1.0, sliding_window=window)
+    assert not torch.allclose(expected, uncapped, atol=1e-2)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5)

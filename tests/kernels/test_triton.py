@@ -25,6 +25,9 @@ from kernels import reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+# Fault injection for scripts/gpu_check.sh's own test (tests/test_gpu_check.py): when set, the attention
+# kernel's output is perturbed before it is compared, so that the check must report a mismatch.
+INJECT_FAULT = os.environ.get("BATCHINFER_INJECT_KERNEL_FAULT") == "1"
 
 
 def _make_batch(
@@ -68,8 +71,11 @@ def _make_batch(
     return query, kv_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32), block_tables
 
 
-def _dense_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale) -> torch.Tensor:
-    """Each sequence's context gathered into dense K/V, then one float32 SDPA with an explicit causal mask."""
+def _dense_attention(
+    query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=None, logits_soft_cap=None
+) -> torch.Tensor:
+    """Each sequence's context gathered into dense K/V, then one float32 SDPA with an explicit causal (and
+    sliding-window) mask; with a soft-cap, the same in plain matrix products (SDPA has no soft-cap)."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_queries_per_kv = query.shape[1] // num_kv_heads
     output = torch.empty(query.shape, dtype=torch.float32)
@@ -82,19 +88,21 @@ def _dense_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, s
         values = kv_cache[1][blocks, positions % block_size].float().repeat_interleave(num_queries_per_kv, dim=1)
         query_positions = torch.arange(seq_len - (end - start), seq_len)
         mask = positions[None, :] <= query_positions[:, None]
-        out = F.scaled_dot_product_attention(
-            query[start:end].float().transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-        )
+        if sliding_window is not None:
+            mask &= positions[None, :] > query_positions[:, None] - sliding_window
+        q, k, v = query[start:end].float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+        if logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            scores = torch.tanh(q @ k.transpose(1, 2) * scale / logits_soft_cap) * logits_soft_cap
+            out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
         output[start:end] = out.transpose(0, 1)
     return output
 
 
 def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=2, num_queries_per_kv=3,
-                     head_size=16, num_kv_splits=None, **batch_kwargs) -> None:  # fmt: skip
+                     head_size=16, num_kv_splits=None, sliding_window=None, logits_soft_cap=None,
+                     **batch_kwargs) -> None:  # fmt: skip
     query, kv_cache, query_start_loc, seq_lens_t, block_tables = _make_batch(
         query_lens,
         seq_lens,
@@ -107,11 +115,17 @@ def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=
     )
     scale = head_size**-0.5
     num_tokens, num_heads = query.shape[:2]
+    options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    dense = _dense_attention(query, kv_cache, query_start_loc, seq_lens_t, block_tables, scale, **options)
+    if sliding_window is not None:
+        # Blocks wholly before a sequence's first window are NaN (freed and reused): never read.
+        for seq_idx, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+            first_visible = max(0, seq_len - query_len - sliding_window + 1)
+            kv_cache[:, block_tables[seq_idx, : first_visible // block_size].long()] = float("nan")
     lse_twin = torch.empty(num_tokens, num_heads)
     twin = reference.paged_attention_reference(
-        query, kv_cache, query_start_loc, seq_lens_t, block_tables, scale, lse_out=lse_twin
+        query, kv_cache, query_start_loc, seq_lens_t, block_tables, scale, lse_out=lse_twin, **options
     )
-    dense = _dense_attention(query, kv_cache, query_start_loc, seq_lens_t, block_tables, scale)
     torch.testing.assert_close(twin.float(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
     lse = torch.full((num_tokens, num_heads), float("nan"), device=DEVICE)
@@ -124,7 +138,10 @@ def _check_attention(query_lens, seq_lens, *, dtype, block_size=8, num_kv_heads=
         scale,
         lse_out=lse,
         num_kv_splits=num_kv_splits,
+        **options,
     )
+    if INJECT_FAULT:
+        out.view(-1)[0] += 0.5
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.cpu().float(), twin.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -175,6 +192,29 @@ def test_split_kv_matches_twin(kind: str, num_kv_splits: int, dtype: torch.dtype
     (short sequences, rows whose causal bound ends before a split)."""
     query_lens, seq_lens = BATCHES[kind]
     _check_attention(query_lens, seq_lens, dtype=dtype, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("window", "num_kv_splits"), [(1, None), (6, None), (11, 3), (100, None)])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_sliding_window_matches_twin(kind: str, window: int, num_kv_splits: int | None, dtype: torch.dtype) -> None:
+    """Each row sees its last ``window`` positions; blocks before a sequence's first window hold NaN; with
+    split-KV some splits lie wholly before the window. A window wider than the context changes nothing."""
+    query_lens, seq_lens = BATCHES[kind]
+    _check_attention(query_lens, seq_lens, dtype=dtype, sliding_window=window, num_kv_splits=num_kv_splits)
+
+
+def test_sliding_window_long_extend_spans_query_tiles() -> None:
+    """Later query tiles start their loop further into the context."""
+    _check_attention([37], [45], dtype=torch.float32, num_kv_heads=1, num_queries_per_kv=1, sliding_window=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_logits_soft_cap_matches_twin(window: int | None, dtype: torch.dtype) -> None:
+    """Gemma 2's attention soft-cap (a small cap, so that tanh is far from linear on these scores)."""
+    query_lens, seq_lens = BATCHES["mixed"]
+    _check_attention(query_lens, seq_lens, dtype=dtype, sliding_window=window, logits_soft_cap=0.5)
 
 
 def test_choose_num_kv_splits() -> None:

@@ -63,8 +63,19 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
+        model = self.model_runner.model
+        # NOTE: only a model whose every layer is windowed frees blocks behind the window (KVCacheManager), and
+        # only a window shorter than max_model_len ever leaves a block behind.
+        window = model.sliding_window
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.enable_forks
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.enable_forks,
+            sliding_window=window
+            if window is not None and model.all_layers_sliding and window < self.max_model_len
+            else None,
+            long_rope_len=model.long_rope_original_max,
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.speculator: Speculator | None = build_speculator(config, self.model_runner, self.max_model_len)

@@ -23,9 +23,6 @@ PrefixId = NewType("PrefixId", int)
 BlockHash = NewType("BlockHash", tuple[PrefixId, tuple[int, ...]])
 
 ROOT_PREFIX_ID = PrefixId(0)
-# Root of the prefixes computed by batch-invariant sequences (SamplingParams.batch_invariant): their blocks
-# hold bit-exact K/V and are shared only among themselves (docs/engine.md, "Batch-invariant numerics").
-BATCH_INVARIANT_ROOT_PREFIX_ID = PrefixId(-1)
 
 
 @dataclass(slots=True, eq=False)

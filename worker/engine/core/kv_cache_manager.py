@@ -17,6 +17,28 @@ saves) ``fork`` copies every block of the parent at once instead.
 A sequence with a ``cache_salt`` keys its blocks under its own root instead of the shared one, so the
 prefix cache never shares its blocks with other sequences (vLLM's ``cache_salt``): the engine salts the
 branches of a request when forks are disabled.
+
+Sliding window (vLLM's ``SlidingWindowManager``): when every layer of the model attends only its last
+``sliding_window`` positions (Mistral), a query at position ``p`` never reads a key at ``p - sliding_window``
+or before, and later queries sit further on. So when a sequence has computed ``n`` tokens, its blocks whose
+positions are all ``<= n - sliding_window`` are returned to the pool (``allocate_slots``, before it counts
+what it needs); in its block table they are replaced by a pinned *null block* that is never written, so
+logical block ``i`` still sits at index ``i`` and every id in a table is valid. A freed block keeps its
+prefix-cache entry until the pool reuses it. Models that mix local and global layers (Gemma 2/3) pass no
+window: their global layers still read every block.
+
+Long-RoPE classes: under Phi-3's ``longrope`` scaling a sequence's K are rotated with the long factors when
+it is longer than ``original_max_position_embeddings`` (``long_rope_len`` here), with the short ones
+otherwise (:func:`~worker.engine.executor.models.llama.long_rope_positions`). A sequence's class is fixed
+when it gets its blocks; blocks of the long class hash from a root prefix of their own
+(:meth:`KVCacheManager.root_prefix_id`), so the two classes never share a cached block, and a short-class
+sequence that grows past the limit must be recomputed (:meth:`KVCacheManager.needs_recompute`; the
+scheduler does it), as Hugging Face's Phi-3 drops its cache at that point.
+
+Roots: a sequence's first block hashes from one of four shared roots, by long-RoPE class and by whether
+it is batch invariant (a seeded request's blocks hold the bits the batch-invariant attention path
+computes, docs/engine.md, "Batch-invariant numerics"; they are shared only with other batch-invariant
+sequences), or from a root of its own when salted.
 """
 
 from __future__ import annotations
@@ -26,7 +48,6 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
 from worker.engine.core.block_pool import (
-    BATCH_INVARIANT_ROOT_PREFIX_ID,
     ROOT_PREFIX_ID,
     BlockHash,
     BlockId,
@@ -35,6 +56,8 @@ from worker.engine.core.block_pool import (
     PrefixId,
 )
 from worker.engine.core.request import Sequence
+
+# The parent of a long-RoPE sequence's first block (pool-issued prefix ids start at 1).
 
 
 @dataclass(slots=True)
@@ -63,7 +86,25 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of all sequences holding KV blocks, over one :class:`BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, enable_forks: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        enable_forks: bool = True,
+        sliding_window: int | None = None,
+        long_rope_len: int | None = None,
+    ) -> None:
+        """``enable_forks=False``: :meth:`fork` copies the parent's blocks (module docstring).
+        ``sliding_window``: the window of a model whose every layer is windowed (blocks before it are freed);
+        it takes one block of the pool for the null block. ``long_rope_len``: sequences longer than this are
+        of the long-RoPE class (module docstring).
+
+        Raises:
+            ValueError: ``num_blocks < 1``, a window below 1, or a window with fewer than 2 blocks.
+        """
+        if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
+            raise ValueError(f"sliding_window={sliding_window} needs a window >= 1 and at least 2 blocks")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.enable_forks = enable_forks
@@ -77,6 +118,37 @@ class KVCacheManager:
         # Copy-on-write copies recorded since the last take_blocks_to_copy(), in order.
         self._blocks_to_copy: list[tuple[BlockId, BlockId]] = []
         self.prefix_cache_stats = PrefixCacheStats()
+        self.sliding_window = sliding_window
+        self.long_rope_len = long_rope_len
+        self._long_rope: dict[int, bool] = {}  # class of each holder's blocks, with long_rope_len
+        # Stands for freed blocks before the window in block tables; its pool reference pins it (never freed).
+        self.null_block: KVCacheBlock | None = None
+        if sliding_window is not None:
+            self.null_block = self.block_pool.get_new_blocks(1)[0]
+
+    def _is_long_rope(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s K are (a holder) or will be (otherwise) of the long-RoPE class."""
+        assert self.long_rope_len is not None
+        return self._long_rope.get(seq.seq_id, seq.num_tokens > self.long_rope_len)
+
+    def _root_prefix_id(self, seq: Sequence) -> PrefixId:
+        """The parent prefix of ``seq``'s first block (module docstring, "Roots"): ``0``, ``-1``, ``-2`` or
+        ``-3`` by batch invariance and long-RoPE class, ``-4 - cache_salt`` when salted. Every root but ``0``
+        is negative, so none equals a prefix id the pool hands out."""
+        if seq.cache_salt is not None:
+            return PrefixId(-4 - seq.cache_salt)
+        long_rope = self.long_rope_len is not None and self._is_long_rope(seq)
+        return PrefixId(ROOT_PREFIX_ID - int(seq.params.batch_invariant) - 2 * int(long_rope))
+
+    def needs_recompute(self, seq: Sequence) -> bool:
+        """A holder whose K were computed with the short RoPE factors but that is now longer than
+        ``long_rope_len``: its blocks must be dropped and every token computed again (module docstring)."""
+        return (
+            self.long_rope_len is not None
+            and seq.seq_id in self._long_rope
+            and not self._long_rope[seq.seq_id]
+            and seq.num_tokens > self.long_rope_len
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,7 +170,7 @@ class KVCacheManager:
             return [], 0
         block_size, token_ids = self.block_size, seq.token_ids
         blocks: list[KVCacheBlock] = []
-        parent = _root_prefix_id(seq)
+        parent = self._root_prefix_id(seq)
         for start in range(0, (seq.num_tokens - 1) // block_size * block_size, block_size):
             block = self.block_pool.get_cached_block(BlockHash((parent, tuple(token_ids[start : start + block_size]))))
             if block is None:
@@ -121,10 +193,10 @@ class KVCacheManager:
         block_size = self.block_size
         if seq.seq_id in self.seq_to_blocks:
             prefix_ids = self._prefix_ids[seq.seq_id]
-            parent = prefix_ids[-1] if prefix_ids else _root_prefix_id(seq)
+            parent = prefix_ids[-1] if prefix_ids else self._root_prefix_id(seq)
             start, limit = len(prefix_ids) * block_size, seq.num_tokens
         else:
-            last = computed_blocks[-1].prefix_id if computed_blocks else _root_prefix_id(seq)
+            last = computed_blocks[-1].prefix_id if computed_blocks else self._root_prefix_id(seq)
             assert last is not None
             parent, start, limit = last, len(computed_blocks) * block_size, seq.num_tokens - 1
         if start + block_size > limit:
@@ -154,12 +226,17 @@ class KVCacheManager:
         is shared with another sequence (after :meth:`fork`) is replaced by a fresh block and the copy is
         recorded for :meth:`take_blocks_to_copy` (copy-on-write).
 
+        With a sliding window, blocks wholly before the window of the first new token go back to the pool
+        first (module docstring), whatever the outcome.
+
         Returns:
-            False, changing nothing, when the pool lacks free blocks (the scheduler then preempts).
+            False, changing nothing else, when the pool lacks free blocks (the scheduler then preempts).
         """
         block_size, seq_id = self.block_size, seq.seq_id
         blocks = self.seq_to_blocks.get(seq_id)
         assert not new_computed_blocks or not blocks, "prefix hits only for a sequence without blocks"
+        if blocks and self.sliding_window is not None:
+            self._free_blocks_before_window(blocks, seq.num_computed_tokens)
         num_tokens = seq.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, block_size) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
         shared_idx: list[int] = []
@@ -174,12 +251,16 @@ class KVCacheManager:
             blocks = self.seq_to_blocks[seq_id] = []
             self._seqs[seq_id] = seq
             self._prefix_ids[seq_id] = []
+            if self.long_rope_len is not None:
+                self._long_rope[seq_id] = seq.num_tokens > self.long_rope_len
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             for block in new_computed_blocks:
                 assert block.prefix_id is not None  # a prefix-cache hit is a cached block
                 self._prefix_ids[seq_id].append(block.prefix_id)
+            if self.sliding_window is not None:
+                self._free_blocks_before_window(blocks, len(new_computed_blocks) * block_size)
         if shared_idx:
             for block_idx, fresh in zip(shared_idx, self.block_pool.get_new_blocks(len(shared_idx)), strict=True):
                 shared = blocks[block_idx]
@@ -190,6 +271,21 @@ class KVCacheManager:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._num_slots[seq_id] = num_tokens
         return True
+
+    def _free_blocks_before_window(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Return the blocks whose positions are all ``<= num_computed - sliding_window`` to the pool (the last
+        first, so the earliest are evicted last), putting the null block in their place."""
+        assert self.sliding_window is not None and self.null_block is not None
+        null_block = self.null_block
+        freed = []
+        for block_idx in range((num_computed - self.sliding_window + 1) // self.block_size - 1, -1, -1):
+            if blocks[block_idx] is null_block:
+                break  # the ones before were freed by an earlier step
+            freed.append(blocks[block_idx])
+            blocks[block_idx] = null_block
+        if freed:
+            self.block_pool.touch([null_block] * len(freed))
+            self.block_pool.free_blocks(freed)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give ``child`` ``parent``'s block table by reference (one more reference to every block).
@@ -227,6 +323,8 @@ class KVCacheManager:
             self._prefix_ids[child.seq_id] = []
         self._seqs[child.seq_id] = child
         self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
+        if parent.seq_id in self._long_rope:
+            self._long_rope[child.seq_id] = self._long_rope[parent.seq_id]
         return True
 
     def take_blocks_to_copy(self) -> list[tuple[BlockId, BlockId]]:
@@ -244,7 +342,7 @@ class KVCacheManager:
             return
         block_size, token_ids = self.block_size, seq.token_ids
         blocks, prefix_ids = self.seq_to_blocks[seq.seq_id], self._prefix_ids[seq.seq_id]
-        parent = prefix_ids[-1] if prefix_ids else _root_prefix_id(seq)
+        parent = prefix_ids[-1] if prefix_ids else self._root_prefix_id(seq)
         for block_idx in range(len(prefix_ids), seq.num_computed_tokens // block_size):
             start = block_idx * block_size
             block_hash = BlockHash((parent, tuple(token_ids[start : start + block_size])))
@@ -272,6 +370,7 @@ class KVCacheManager:
         if blocks is None:
             return
         del self._seqs[seq.seq_id], self._num_slots[seq.seq_id], self._prefix_ids[seq.seq_id]
+        self._long_rope.pop(seq.seq_id, None)
         self.block_pool.free_blocks(reversed(blocks))
         if self._blocks_to_copy:
             pool_blocks = self.block_pool.blocks
@@ -288,7 +387,8 @@ class KVCacheManager:
         share one) holds as many tokens as the sharer that computed the most of it.
         """
         block_size = self.block_size
-        num_slots = (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * block_size
+        num_used = self.block_pool.num_blocks - self.block_pool.get_num_free_blocks() - (self.null_block is not None)
+        num_slots = num_used * block_size
         filled: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
             blocks, num_computed = self.seq_to_blocks[seq_id], seq.num_computed_tokens
@@ -302,9 +402,13 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert the invariants of docs/engine.md, "Invariants": pool consistency, ref counts = table references, table sizes, cached
         contents; a block about to be written (slots allocated past ``num_computed_tokens``) is not shared;
-        recorded copies go into distinct, referenced blocks."""
+        recorded copies go into distinct, referenced blocks; with a sliding window, no table holds a block
+        wholly before its window, and the null block (one pinning reference more) is never cached."""
         self.block_pool.check_invariants()
         references = Counter(id(block) for blocks in self.seq_to_blocks.values() for block in blocks)
+        if self.null_block is not None:
+            references[id(self.null_block)] += 1
+            assert self.null_block.block_hash is None, "the null block is cached"
         for block in self.block_pool.blocks:
             assert block.ref_cnt == references[id(block)], f"block {block.block_id} ref_cnt != table references"
         block_size = self.block_size
@@ -316,7 +420,7 @@ class KVCacheManager:
             for block_idx, block in enumerate(blocks[: len(prefix_ids)]):
                 if block.block_hash is None:
                     continue
-                parent = prefix_ids[block_idx - 1] if block_idx else _root_prefix_id(seq)
+                parent = prefix_ids[block_idx - 1] if block_idx else self._root_prefix_id(seq)
                 start = block_idx * block_size
                 assert block.block_hash == (parent, tuple(seq.token_ids[start : start + block_size])), (
                     "cached block content"
@@ -326,16 +430,11 @@ class KVCacheManager:
             if num_slots > seq.num_computed_tokens:
                 written = blocks[seq.num_computed_tokens // block_size :]
                 assert all(block.ref_cnt == 1 for block in written), "a shared block is about to be written"
+            if self.sliding_window is not None and num_slots > seq.num_computed_tokens:
+                # allocate_slots ran this step: it freed what lies before the window of the next token.
+                num_skipped = max(0, (seq.num_computed_tokens - self.sliding_window + 1) // block_size)
+                assert all(block is self.null_block for block in blocks[:num_skipped]), "a block before the window"
+                assert self.null_block not in blocks[num_skipped:], "the null block inside the window"
         dsts = [dst for _, dst in self._blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "two copies into one block"
         assert all(self.block_pool.blocks[dst].ref_cnt > 0 for dst in dsts), "a copy into a free block"
-
-
-def _root_prefix_id(seq: Sequence) -> PrefixId:
-    """The parent prefix id of ``seq``'s first block. Batch-invariant sequences share blocks only among
-    themselves (their K/V must be the bits their own attention path computes; see :mod:`.block_pool`); a
-    salted sequence has a root of its own. Every root but the shared one is negative, so it never equals a
-    prefix id the pool hands out."""
-    if seq.cache_salt is not None:
-        return PrefixId(BATCH_INVARIANT_ROOT_PREFIX_ID - 1 - seq.cache_salt)
-    return BATCH_INVARIANT_ROOT_PREFIX_ID if seq.params.batch_invariant else ROOT_PREFIX_ID

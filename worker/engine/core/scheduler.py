@@ -24,6 +24,10 @@ num_computed_tokens`` tokens left to compute. Each step spends a budget of ``max
    a running sequence (or one admitted earlier in this step) is about to compute is held back: once
    that block is computed it is a cache hit, instead of every sibling prefilling the shared prefix in
    the same batch. The hold lasts at most until the owner's prefill has passed the shared blocks.
+6. Long-RoPE recompute (Phi-3 ``longrope``, as Hugging Face's Phi-3 drops its cache at that point): a
+   running sequence whose K were computed with the short factors and that has just grown past
+   ``original_max_position_embeddings`` is sent back to recompute all its tokens with the long ones
+   (:meth:`KVCacheManager.needs_recompute`), before anything else is scheduled; it counts as a preemption.
 """
 
 from __future__ import annotations
@@ -108,6 +112,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if kv.long_rope_len is not None:
+            for seq in [seq for seq in self.running if kv.needs_recompute(seq)]:
+                if seq in self.running:  # not already sent back with its beam group
+                    self._preempt_group(seq)
 
         handled = 0  # running[:handled] are scheduled this step, or beams waiting for their siblings
         while handled < len(self.running) and budget > 0:

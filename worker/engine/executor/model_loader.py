@@ -56,13 +56,10 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, max_model_len: int | None = None
-) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
     """Build the model ``model_dir/config.json``'s ``architectures`` names and load its safetensors weights.
 
-    ``max_model_len`` (default: the config's ``max_position_embeddings``) is checked against a sliding
-    window. Stored bf16/fp16/fp32 weights are converted to ``dtype``. Returns the model on ``device``
+    Stored bf16/fp16/fp32 weights are converted to ``dtype``. Returns the model on ``device``
     in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a float32 model on CPU gets
     packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`).
 
@@ -70,13 +67,13 @@ def load_model(
         FileNotFoundError: if the folder has no safetensors weights.
         UnsupportedModelError: (a ``ValueError``) on an architecture not in
             :data:`~worker.engine.executor.models.registry.MODEL_ARCHITECTURES` (the message lists
-            them), or a sliding window shorter than ``max_model_len``.
+            them).
         ValueError: if a weight is missing or mis-shaped (named).
         KeyError: on a checkpoint tensor the model has no parameter for (named).
     """
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    model_class = resolve_model_class(config, max_model_len or int(config.max_position_embeddings))
+    model_class = resolve_model_class(config)
     safetensors_files(model_dir)  # NOTE: raises before the (possibly large) model is allocated
     with torch.device(device):
         model = model_class(config)

@@ -24,7 +24,7 @@ from worker.engine.core.request import Sequence
 from worker.engine.core.scheduler import SchedulerOutput
 from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply, triton_kernels_apply
 from worker.engine.executor.model_loader import load_model
-from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
+from worker.engine.executor.models.llama import head_size_of, long_rope_positions, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.rejection_sampler import RejectionSampler, VerifiedTokens
 from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_sampling_key
@@ -131,7 +131,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
-        self.model = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        self.model = load_model(config.model, self.dtype, self.device)
         model_config = self.model.config
         num_layers = int(model_config.num_hidden_layers)
         num_kv_heads = num_kv_heads_of(model_config)
@@ -139,6 +139,8 @@ class ModelRunner:
         self.num_queries_per_kv = int(model_config.num_attention_heads) // num_kv_heads
         self.use_cpu_kernels = cpu_kernels_apply(self.device, self.dtype)
         self.use_triton_kernels = triton_kernels_apply(self.device)
+        self.sliding_window = self.model.sliding_window
+        self.long_rope_original_max = self.model.long_rope_original_max
         bytes_per_block = kv_cache_bytes_per_block(num_layers, self.block_size, num_kv_heads, head_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks_override or config.kv_cache_memory_bytes // bytes_per_block
         if self.num_blocks < 1:
@@ -207,6 +209,7 @@ class ModelRunner:
             use_triton_kernels=self.use_triton_kernels,
             batch_invariant=[seq.params.batch_invariant for seq in seqs],
             device=self.device,
+            sliding_window=self.sliding_window,
         )
         if attn_metadata.num_tokens == len(seqs):  # pure decode: one token per sequence, its last one
             input_ids = [seq.token_ids[-1] for seq in seqs]
@@ -242,7 +245,7 @@ class ModelRunner:
         copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy, use_triton_kernels=self.use_triton_kernels)
         hidden_states = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
-            attn_metadata.positions,
+            self._rope_positions(seqs, query_lens_list, attn_metadata.positions),
             self.kv_caches,
             attn_metadata,
         )
@@ -327,6 +330,17 @@ class ModelRunner:
             [seq.spec_token_ids for seq in seqs],
             [draft_probs.get(seq.seq_id) for seq in seqs],
         )
+
+    def _rope_positions(self, seqs: list[Sequence], query_lens: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """The positions the model's rotary tables are read at: ``positions`` itself, except under ``longrope``
+        scaling, where each token's row also depends on its sequence's length (:func:`long_rope_positions`)."""
+        original_max = self.long_rope_original_max
+        if original_max is None:
+            return positions
+        seq_lens = torch.tensor([seq.num_tokens for seq in seqs], dtype=torch.long, device=self.device)
+        per_token = seq_lens.repeat_interleave(torch.tensor(query_lens, device=self.device))
+        offset = int(self.model.config.max_position_embeddings)
+        return long_rope_positions(positions, per_token, original_max, offset)
 
     def _synchronize(self) -> None:
         """Wait for queued device work, so the wall times above are the work's (no-op on CPU)."""

@@ -114,9 +114,7 @@ class RejectionSampler:
         return results
 
 
-def _verify_random(
-    p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator
-) -> list[int]:
+def _verify_random(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:
     """Leviathan et al.'s acceptance loop for one sequence: ``p: [k + 1, vocab]`` target distributions,
     ``q: [k, vocab]`` draft distributions (None: one-hot at the drafts). Returns accepted drafts + one token.
 

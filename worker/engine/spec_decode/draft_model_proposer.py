@@ -146,7 +146,7 @@ class DraftModelProposer(Proposer):
         if config.speculative_model is not None:
             from worker.engine.executor.model_loader import load_model
 
-            draft = load_model(config.speculative_model, model_runner.dtype, model_runner.device, config.max_model_len)
+            draft = load_model(config.speculative_model, model_runner.dtype, model_runner.device)
             if int(draft.config.vocab_size) != int(target.config.vocab_size):
                 raise ValueError(
                     f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's ({target.config.vocab_size})"

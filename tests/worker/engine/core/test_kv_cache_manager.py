@@ -190,10 +190,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     """Random interleavings of admit (with prefix lookup), compute, decode, fork, preempt and finish."""
 
     seqs = Bundle("seqs")
+    sliding_window: int | None = None
+    num_blocks = 10
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=True)
+        self.kv = KVCacheManager(
+            num_blocks=self.num_blocks, block_size=BLOCK_SIZE, enable_caching=True, sliding_window=self.sliding_window
+        )
         self.next_seq_id = 0
         self.pending: dict[int, int] = {}  # seq_id -> slots allocated, not yet computed
         self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}  # (block_id, offset) -> prefix held
@@ -216,8 +220,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(seq, num_new, blocks):
             seq.num_computed_tokens = start
             self.pending[seq.seq_id] = num_new
-        else:
+        elif self.sliding_window is None:
             assert self.kv.num_free_blocks == num_free
+        else:  # blocks before the window go back to the pool even when the allocation fails
+            assert self.kv.num_free_blocks >= num_free
         # The runner copies blocks before the step's writes; here the copy happens at once.
         for src, dst in self.kv.take_blocks_to_copy():
             for offset in range(BLOCK_SIZE):
@@ -247,7 +253,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for pos in range(start, start + num_new):
             self.shadow[block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = tuple(seq.token_ids[: pos + 1])
         seq.num_computed_tokens += num_new
-        for pos in range(seq.num_computed_tokens):  # what attention would read
+        for pos in range(self._first_read(start), seq.num_computed_tokens):  # what attention would read
             assert self.shadow[block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE] == tuple(seq.token_ids[: pos + 1])
         self.kv.cache_blocks(seq)
         if seq.num_computed_tokens == seq.num_tokens and seq.num_tokens < 40:
@@ -268,10 +274,69 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         for seq_id, blocks in self.kv.seq_to_blocks.items():  # every holder reads its own history
             seq = self.kv._seqs[seq_id]
-            for pos in range(seq.num_computed_tokens):
+            for pos in range(self._first_read(seq.num_computed_tokens), seq.num_computed_tokens):
                 held = self.shadow[blocks[pos // BLOCK_SIZE].block_id, pos % BLOCK_SIZE]
                 assert held == tuple(seq.token_ids[: pos + 1])
+
+    def _first_read(self, query_position: int) -> int:
+        """The earliest position a query at ``query_position`` (or later) reads."""
+        return 0 if self.sliding_window is None else max(0, query_position - self.sliding_window + 1)
+
+
+class SlidingWindowKVCacheMachine(KVCacheMachine):
+    """The same with a window of 5 tokens (not a multiple of the block size): blocks wholly before it are freed
+    (``check_invariants`` asserts it) while every position a query can still see reads its own history."""
+
+    sliding_window = 5
+    num_blocks = 16
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestSlidingWindowKVCacheMachine = SlidingWindowKVCacheMachine.TestCase
+TestSlidingWindowKVCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_sliding_window_frees_blocks_behind_the_window_and_keeps_table_indices():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False, sliding_window=6)
+    assert kv.num_free_blocks == 7  # one block is the null block
+    seq = make_seq(0, range(30))
+    assert kv.allocate_slots(seq, 12)
+    seq.num_computed_tokens = 12
+    assert kv.num_free_blocks == 4
+    # The next token (position 12) sees positions 7..12: block 0 (0..3) is behind the window, block 1 (4..7) is not.
+    assert kv.allocate_slots(seq, 1)
+    table = kv.get_block_ids(seq.seq_id)
+    assert len(table) == 4 and table[0] == kv.null_block.block_id and kv.null_block.block_id not in table[1:]
+    assert kv.num_free_blocks == 4  # block 0 freed, block 3 allocated
+    kv.check_invariants()
+    seq.num_computed_tokens = 13
+    assert kv.allocate_slots(seq, 1)  # position 13 sees 8..13: block 1 goes too
+    assert kv.get_block_ids(seq.seq_id)[:2] == [kv.null_block.block_id] * 2 and kv.num_free_blocks == 5
+    kv.check_invariants()
+    kv.free(seq)
+    assert kv.num_free_blocks == 7
+    kv.check_invariants()
+
+
+def test_long_rope_classes_never_share_blocks_and_a_short_holder_past_the_limit_needs_recompute():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_caching=True, long_rope_len=10)
+    short, long = make_seq(0, range(9)), make_seq(1, range(12))  # same first 8 tokens, other classes
+    for seq in (short, long):
+        assert kv.allocate_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_blocks(seq)
+    assert kv.get_computed_blocks(make_seq(2, range(9)))[1] == 8  # a short twin hits the short blocks
+    long_twin = make_seq(3, range(12))
+    hits, _ = kv.get_computed_blocks(long_twin)
+    assert [b.block_id for b in hits] == kv.get_block_ids(long.seq_id)[:2]  # the long blocks, not the short ones
+    assert not kv.needs_recompute(short) and not kv.needs_recompute(long)
+    short.append_token(9)
+    assert kv.allocate_slots(short, 1)
+    short.num_computed_tokens = 10
+    assert not kv.needs_recompute(short)  # 10 tokens: still within the limit
+    short.append_token(10)
+    assert kv.needs_recompute(short) and not kv.needs_recompute(long)
+    kv.check_invariants()
+    kv.free(short)
+    assert not kv.needs_recompute(short)

@@ -98,21 +98,31 @@ def _shared_prefix_batch(query_lens, own_lens, shared_blocks, seed=0):
         ([1, 7, 1, 1, 12, 1, 3, 1, 1, 20], [3, 9, 1, 17, 12, 30, 3, 5, 11, 20]),  # prefills over the prefix too
     ],
 )
-def test_cascade_path_matches_reference_when_many_sequences_share_a_long_prefix(query_lens, own_lens):
+@pytest.mark.parametrize("logits_soft_cap", [None, 1.5])
+def test_cascade_path_matches_reference_when_many_sequences_share_a_long_prefix(query_lens, own_lens, logits_soft_cap):
+    """Also with Gemma 2's soft-cap, applied to the prefix's and the suffix's scores before the merge."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on PATH: the cascade path needs the CPU kernels")
     shared_blocks = cascade_attention.MIN_SHARED_TOKENS // BLOCK_SIZE + 2
     query, key, value, kv_cache, metadata = _shared_prefix_batch(query_lens, own_lens, shared_blocks)
     expected_cache = kv_cache.clone()
 
-    out = paged_attention_forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5)
+    out = paged_attention_forward(
+        query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, logits_soft_cap=logits_soft_cap
+    )
 
     [group] = metadata.plan.cascade.groups
     assert group.prefix_block_ids.numel() == shared_blocks and group.token_idx is None
     flat = expected_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
     flat[0][metadata.slot_mapping], flat[1][metadata.slot_mapping] = key, value
     expected = paged_attention_reference(
-        query, expected_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, HEAD_SIZE**-0.5
+        query,
+        expected_cache,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        HEAD_SIZE**-0.5,
+        logits_soft_cap=logits_soft_cap,
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 

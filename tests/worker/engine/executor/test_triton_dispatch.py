@@ -66,12 +66,19 @@ def _batch(dtype: torch.dtype):
     return query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), kv_cache.to(DEVICE), block_tables
 
 
+@pytest.mark.parametrize(
+    ("sliding_window", "logits_soft_cap"), [(None, None), (7, None), (7, 1.5)], ids=["global", "window", "window-cap"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_forward_through_triton_matches_the_cpu_path(dtype: torch.dtype) -> None:
+def test_forward_through_triton_matches_the_cpu_path(
+    dtype: torch.dtype, sliding_window: int | None, logits_soft_cap: float | None
+) -> None:
+    """Also a sliding-window layer (contexts up to 21 tokens, window 7) and Gemma 2's soft-cap."""
     torch.set_num_threads(1)
     query, key, value, kv_cache, block_tables = _batch(dtype)
     kwargs = {"num_queries_per_kv": NUM_HEADS // NUM_KV_HEADS, "dtype": dtype, "device": DEVICE}
     query_lens, seq_lens = [q for q, _ in MIXED], [s for _, s in MIXED]
+    kwargs["sliding_window"] = sliding_window
     cpu_metadata = build_attention_metadata(
         query_lens, seq_lens, block_tables, BLOCK_SIZE, use_triton_kernels=False, **kwargs
     )
@@ -79,10 +86,15 @@ def test_forward_through_triton_matches_the_cpu_path(dtype: torch.dtype) -> None
         query_lens, seq_lens, block_tables, BLOCK_SIZE, use_triton_kernels=True, **kwargs
     )
     assert triton_metadata.plan.triton is not None and triton_metadata.plan.triton.max_query_len == 5
+    if sliding_window is not None:
+        assert triton_metadata.sliding_plan is not None
+        assert triton_metadata.sliding_plan.triton is not None
+        assert triton_metadata.sliding_plan.sliding_window == sliding_window
     cpu_cache, triton_cache = kv_cache.clone(), kv_cache.clone()
+    layer = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
 
-    expected = paged_attention_forward(query, key, value, cpu_cache, cpu_metadata, HEAD_SIZE**-0.5)
-    out = paged_attention_forward(query, key, value, triton_cache, triton_metadata, HEAD_SIZE**-0.5)
+    expected = paged_attention_forward(query, key, value, cpu_cache, cpu_metadata, HEAD_SIZE**-0.5, **layer)
+    out = paged_attention_forward(query, key, value, triton_cache, triton_metadata, HEAD_SIZE**-0.5, **layer)
 
     assert torch.equal(triton_cache, cpu_cache)  # this step's K/V stored at the same slots
     tolerance = 2e-5 if dtype == torch.float32 else 4e-3

@@ -7,15 +7,15 @@ import torch
 from tests.worker.engine.spec_decode.stats_helpers import chi_square_p_value
 from worker.engine.sample.metadata import SamplingMetadata
 from worker.engine.sample.rejection_sampler import RejectionSampler
-from worker.engine.sample.sampler import Sampler
+from worker.engine.sample.sampler import Sampler, make_sampling_key
 from worker.engine.sampling_params import SamplingParams
 
 VOCAB = 6
 P_MIN = 1e-3  # flake rate of each distribution check
 
 
-def _metadata(params, num_rows, generator):
-    return SamplingMetadata([params] * num_rows, [generator] * num_rows, [[0]] * num_rows, [[]] * num_rows, None)
+def _metadata(params, num_rows, key):
+    return SamplingMetadata([params] * num_rows, [key] * num_rows, [[0]] * num_rows, [[]] * num_rows, None)
 
 
 def _target_logits(num_drafts):
@@ -29,13 +29,13 @@ def test_greedy_accepts_while_argmax_agrees_and_adds_the_target_token():
     sampler = RejectionSampler(Sampler())
     greedy = SamplingParams(temperature=0, logprobs=1)
     wrong = (argmax[1] + 1) % VOCAB
-    out = sampler(logits, _metadata(greedy, 4, None), [[argmax[0], wrong, argmax[2]]], [None])[0]
+    out = sampler(logits, _metadata(greedy, 4, 0), [[argmax[0], wrong, argmax[2]]], [None])[0]
     assert out.token_ids == [argmax[0], argmax[1]]
     assert (out.num_draft_tokens, out.num_accepted_tokens) == (3, 1)
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs == pytest.approx([raw[0, argmax[0]].item(), raw[1, argmax[1]].item()], abs=1e-6)
     assert out.top_logprobs[1] is not None and out.top_logprobs[1][0][0] == argmax[1]
-    all_pass = sampler(logits, _metadata(greedy, 4, None), [argmax[:3]], [None])[0]
+    all_pass = sampler(logits, _metadata(greedy, 4, 0), [argmax[:3]], [None])[0]
     assert all_pass.token_ids == argmax  # three accepted plus the bonus
     assert all_pass.num_accepted_tokens == 3
 
@@ -44,17 +44,16 @@ def _speculative_draws(logits, q, one_hot, num_draws):
     """First two output tokens of ``num_draws`` verifications with drafts drawn from ``q`` (or fixed)."""
     sampler = RejectionSampler(Sampler())
     params = SamplingParams(temperature=1.0)
-    generator = torch.Generator().manual_seed(1)
     draft_generator = torch.Generator().manual_seed(2)
     pairs, accepted = [], 0
-    for _ in range(num_draws):
+    for i in range(num_draws):
         if one_hot:
             drafts = [2, 4]
             probs = None
         else:
             drafts = [int(torch.multinomial(q[j], 1, generator=draft_generator)) for j in range(2)]
             probs = q
-        out = sampler(logits, _metadata(params, 3, generator), [drafts], [probs])[0]
+        out = sampler(logits, _metadata(params, 3, make_sampling_key(1, i, ())), [drafts], [probs])[0]
         assert out.num_accepted_tokens <= out.num_draft_tokens == 2
         accepted += out.num_accepted_tokens
         # The second token exists only when the first draft was accepted; it must then follow p_1.

@@ -1,5 +1,6 @@
 """Model implementations over a flat ragged batch with a paged KV cache."""
 
+from worker.engine.executor.models.gemma2 import Gemma2ForCausalLM
 from worker.engine.executor.models.gemma3 import Gemma3ForCausalLM
 from worker.engine.executor.models.llama import LlamaForCausalLM
 from worker.engine.executor.models.phi3 import Phi3ForCausalLM
@@ -9,6 +10,7 @@ from worker.engine.executor.models.registry import MODEL_ARCHITECTURES, Unsuppor
 
 __all__ = [
     "MODEL_ARCHITECTURES",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "Phi3ForCausalLM",

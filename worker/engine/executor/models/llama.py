@@ -51,6 +51,20 @@ def head_size_of(config: PretrainedConfig) -> int:
     return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
 
 
+def layer_sliding_windows(config: PretrainedConfig) -> list[int | None]:
+    """Per layer, the keys a sliding-window layer attends to (Hugging Face: ``q_pos - k_pos < sliding_window``),
+    or ``None`` for a global layer. Configs with ``layer_types`` (Qwen2/Qwen3, Gemma 2/3) window their
+    ``sliding_attention`` layers; Mistral's and Phi-3's ``sliding_window`` applies to every layer."""
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None:
+        return [int(window)] * num_layers
+    return [int(window) if layer_type == "sliding_attention" else None for layer_type in layer_types]
+
+
 def num_kv_heads_of(config: PretrainedConfig) -> int:
     """KV heads (grouped-query attention); a config without ``num_key_value_heads`` has one per query head."""
     return int(config.num_key_value_heads or config.num_attention_heads)
@@ -63,7 +77,8 @@ class DecoderOptions:
     ``qkv_bias``/``o_bias``: bias on the q/k/v and on the output projections (Qwen2: q/k/v only).
     ``qk_norm``: RMSNorm over each head's ``head_size`` on q and k before RoPE (Qwen3), with
     ``norm_unit_offset`` Gemma's ``1 + weight`` form. ``query_scale``: the attention scale when it is not
-    ``head_size ** -0.5`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
+    ``head_size ** -0.5`` (Gemma 2/3: ``query_pre_attn_scalar ** -0.5``). ``logits_soft_cap``: Gemma 2's
+    attention soft-cap, ``cap * tanh(s / cap)`` on the scaled scores.
     """
 
     qkv_bias: bool = False
@@ -71,6 +86,7 @@ class DecoderOptions:
     qk_norm: bool = False
     norm_unit_offset: bool = False
     query_scale: float | None = None
+    logits_soft_cap: float | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,9 +99,14 @@ class RotaryEmbedding(nn.Module):
     below 1 rotates only each head's first ``rotary_dim = head_size * factor`` channels (Phi-3 family).
     ``layer_type`` picks that entry of per-layer-type ``rope_parameters`` (Gemma 3).
 
+    ``longrope`` (Phi-3 128k; Ding et al. 2024, "LongRoPE") has two frequency sets, ``short_factor`` and
+    ``long_factor``, both with the config's attention scaling. The table then holds the short set at rows
+    ``0 .. max_position_embeddings - 1`` and the long set at the next ``max_position_embeddings`` rows
+    (``long_rope_offset``); the caller picks a set per token by offsetting its position
+    (:func:`long_rope_positions`).
+
     Raises:
-        ValueError: for ``dynamic`` or ``longrope`` scaling, whose frequencies depend on the running
-            sequence length.
+        ValueError: for ``dynamic`` scaling, whose frequencies depend on the running sequence length.
     """
 
     def __init__(self, config: PretrainedConfig, head_size: int, layer_type: str | None = None) -> None:
@@ -93,10 +114,8 @@ class RotaryEmbedding(nn.Module):
         # Per-layer-type parameters (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``).
         rope_parameters = (config.rope_parameters or {}) if layer_type is None else config.rope_parameters[layer_type]
         rope_type = str(rope_parameters.get("rope_type", "default"))
-        if rope_type in ("dynamic", "longrope"):
-            raise ValueError(
-                f"{rope_type} rope scaling is not supported (its frequencies depend on the sequence length)"
-            )
+        if rope_type == "dynamic":
+            raise ValueError("dynamic rope scaling is not supported (its frequencies depend on the sequence length)")
         self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
         # NOTE: tables are built on the CPU whatever the default device; the module is moved afterwards.
         cpu = torch.device("cpu")
@@ -107,8 +126,15 @@ class RotaryEmbedding(nn.Module):
             attention_scaling = 1.0
         else:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, layer_type=layer_type)
+        self.long_rope_offset: int | None = None
+        if rope_type == "longrope":
+            # transformers picks the long factors for a seq_len past original_max_position_embeddings.
+            original_max = int(rope_parameters["original_max_position_embeddings"])
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, seq_len=original_max + 1)
+            self.long_rope_offset = int(config.max_position_embeddings)
+            inv_freq = torch.stack((inv_freq, long_inv_freq))  # [2, rotary_dim // 2]: short, long
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=cpu)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = (positions[:, None] * inv_freq.view(-1, 1, inv_freq.shape[-1])).flatten(0, 1)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)
         self.sin = nn.Buffer(emb.sin() * attention_scaling, persistent=False)
@@ -126,8 +152,39 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
 
 
+def long_rope_positions(
+    positions: torch.Tensor, seq_lens: torch.Tensor, original_max_position_embeddings: int, long_rope_offset: int
+) -> torch.Tensor:
+    """Rows of a ``longrope`` table (:class:`RotaryEmbedding`) for each token: the long set when its sequence
+    (all its tokens, prompt and output so far) is longer than ``original_max_position_embeddings``.
+
+    That is what Hugging Face's Phi-3 ``generate`` computes: a forward pass picks the set from its longest
+    position (``longrope_frequency_update``), and when a sequence first grows past the limit its cache is
+    dropped and every token recomputed with the long set (``prepare_inputs_for_generation``); the engine's
+    scheduler recomputes such a sequence likewise (:meth:`KVCacheManager.needs_recompute`).
+
+    Args:
+        positions: ``LongTensor[num_tokens]``; seq_lens: ``LongTensor[num_tokens]``, the length of each token's
+            sequence (``Sequence.num_tokens``).
+        original_max_position_embeddings: the pretraining context; long_rope_offset: the long set's first row.
+
+    Returns:
+        ``LongTensor[num_tokens]`` rows of the cos/sin table.
+    """
+    return positions + (seq_lens > original_max_position_embeddings).long() * long_rope_offset
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
+    """Self-attention over the paged KV cache; ``sliding_window`` makes it a local layer that sees only
+    its last ``sliding_window`` positions."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        options: DecoderOptions,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = num_kv_heads_of(config)
@@ -141,6 +198,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset) if options.qk_norm else None
         self.rotary_emb = rotary_emb
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = options.logits_soft_cap
 
     def forward(
         self,
@@ -159,7 +218,16 @@ class LlamaAttention(nn.Module):
         qk = self.rotary_emb(positions, qk)
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention_forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        out = paged_attention_forward(
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
         return projected
 
@@ -181,10 +249,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        options: DecoderOptions,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb, options)
+        self.self_attn = LlamaAttention(config, rotary_emb, options, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -228,6 +302,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
+        self.layer_sliding_windows = layer_sliding_windows(config)
         self.model = self.build_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -235,12 +310,13 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def build_model(cls, config: PretrainedConfig) -> LlamaModel:
-        """The decoder stack: Llama layers with :meth:`decoder_options`, sharing one rotary table."""
+        """The decoder stack: Llama layers with :meth:`decoder_options` and their sliding windows
+        (:func:`layer_sliding_windows`), sharing one rotary table."""
         options = cls.decoder_options(config)
         rotary_emb = RotaryEmbedding(config, head_size_of(config))
         return LlamaModel(
             nn.Embedding(config.vocab_size, config.hidden_size),
-            (LlamaDecoderLayer(config, rotary_emb, options) for _ in range(config.num_hidden_layers)),
+            (LlamaDecoderLayer(config, rotary_emb, options, window) for window in layer_sliding_windows(config)),
             RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
 
@@ -249,6 +325,25 @@ class LlamaForCausalLM(nn.Module):
         """Llama: ``attention_bias`` on all four projections, no q/k norm."""
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderOptions(qkv_bias=bias, o_bias=bias)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the model's sliding-window layers (all share one), or None when every layer is global."""
+        return next((window for window in self.layer_sliding_windows if window is not None), None)
+
+    @property
+    def long_rope_original_max(self) -> int | None:
+        """``original_max_position_embeddings`` when the model uses ``longrope`` scaling (its tokens' rotary
+        rows then depend on their sequence's length: :func:`long_rope_positions`), else None."""
+        rope_parameters = getattr(self.config, "rope_parameters", None) or {}
+        if rope_parameters.get("rope_type") != "longrope":
+            return None
+        return int(rope_parameters["original_max_position_embeddings"])
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Every layer is windowed (Mistral): blocks wholly before the window are never read again."""
+        return None not in self.layer_sliding_windows
 
     def forward(
         self,

@@ -82,15 +82,23 @@ def shared_prefix_groups(
 
 
 def prefix_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, prefix_block_ids: torch.Tensor, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prefix_block_ids: torch.Tensor,
+    scale: float,
+    logits_soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query row attends all positions of the given blocks (no mask).
+
+    With ``logits_soft_cap`` (Gemma 2) the scaled scores become ``cap * tanh(s / cap)``; the fused CPU flash
+    kernel has no soft-cap, so that case runs as float32 matrix products.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
         prefix_block_ids: ``LongTensor[num_prefix_blocks]``, the prefix's blocks in order.
         scale: multiplier of ``q . k``.
+        logits_soft_cap: the soft-cap (``> 0``), or None.
 
     Returns:
         ``(out, lse)``: ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` and float32
@@ -102,9 +110,15 @@ def prefix_attention(
     kv = kv_cache.index_select(1, prefix_block_ids).view(2, -1, num_kv_heads, head_size).transpose(1, 2)
     # The r query heads of a KV head become query rows: [1, num_kv_heads, num_tokens * r, head_size].
     q = query.view(num_tokens, num_kv_heads, r, head_size).transpose(0, 1).reshape(1, num_kv_heads, -1, head_size)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), 0.0, False, scale=scale
-    )
+    if logits_soft_cap is None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), 0.0, False, scale=scale
+        )
+    else:
+        scores = torch.matmul(q.float(), kv[0].unsqueeze(0).float().transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), kv[1].unsqueeze(0).float()).to(query.dtype)
     out = out.view(num_kv_heads, num_tokens, r, head_size).transpose(0, 1).reshape(num_tokens, num_heads, head_size)
     lse = lse.view(num_kv_heads, num_tokens, r).transpose(0, 1).reshape(num_tokens, num_heads)
     return out, lse.float()

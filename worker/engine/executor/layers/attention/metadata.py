@@ -52,6 +52,9 @@ class AttentionMetadata:
         block_tables: ``IntTensor[num_seqs, max_num_blocks_per_seq]``: physical block ids, padded with 0.
         query_lens_list, seq_lens_list: host copies of the query lengths and ``seq_lens``.
         plan: which rows take which execution path, with its index tensors (:mod:`.plan`).
+        sliding_window: the window of the model's sliding-window layers, or None when it has none.
+        sliding_plan: the plan those layers use: ``plan`` itself when no context is longer than the window,
+            else one built with the window (:mod:`.plan`); None without ``sliding_window``.
 
     All tensors live on the model's device.
     """
@@ -64,6 +67,8 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     plan: AttentionPlan
+    sliding_window: int | None = None
+    sliding_plan: AttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +96,7 @@ def build_attention_metadata(
     use_triton_kernels: bool | None = None,
     batch_invariant: Sequence[bool] | None = None,
     device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
 ) -> AttentionMetadata:
     """Build one step's :class:`AttentionMetadata` from host-side lists (what the scheduler hands out).
 
@@ -108,9 +114,11 @@ def build_attention_metadata(
         batch_invariant: per sequence, whether its rows take the batch-invariant path (see :mod:`.plan`);
             ``None``: no sequence.
         device: where the tensors go.
+        sliding_window: the window of the model's sliding-window layers (``>= 1``), None when it has none.
 
     Raises:
-        ValueError: on mismatched lengths, a query longer than its context, or a block table too short.
+        ValueError: on mismatched lengths, a query longer than its context, a block table too short, or a
+            window below 1.
     """
     num_seqs = len(query_lens)
     if not num_seqs == len(seq_lens) == len(block_tables):
@@ -150,15 +158,9 @@ def build_attention_metadata(
     block_tables_t = torch.from_numpy(tables).to(device)
     query_start_loc = torch.from_numpy(cu_query_lens.astype(np.int32)).to(device)
     seq_lens_t = torch.from_numpy(seq_lens_np.astype(np.int32)).to(device)
-    return AttentionMetadata(
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens_t,
-        block_tables=block_tables_t,
-        query_lens_list=query_lens_list,
-        seq_lens_list=seq_lens_list,
-        plan=build_attention_plan(
+
+    def plan(window: int | None) -> AttentionPlan:
+        return build_attention_plan(
             query_lens_list,
             seq_lens_list,
             query_start_loc,
@@ -170,5 +172,24 @@ def build_attention_metadata(
             use_cpu_kernels=use_cpu_kernels,
             use_triton_kernels=use_triton_kernels,
             batch_invariant=batch_invariant,
-        ),
+            sliding_window=window,
+        )
+
+    full_plan = plan(None)
+    sliding_plan = None
+    if sliding_window is not None:
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        sliding_plan = full_plan if int(seq_lens_np.max(initial=0)) <= sliding_window else plan(sliding_window)
+    return AttentionMetadata(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=block_tables_t,
+        query_lens_list=query_lens_list,
+        seq_lens_list=seq_lens_list,
+        plan=full_plan,
+        sliding_window=sliding_window,
+        sliding_plan=sliding_plan,
     )

@@ -14,11 +14,48 @@ import torch.nn.functional as F
 from kernels.cpu_attention import paged_attention_cpu
 from worker.engine.executor.layers.attention import cascade as cascade_attention
 from worker.engine.executor.layers.attention.metadata import AttentionMetadata
-from worker.engine.executor.layers.attention.plan import CascadePlan, GroupPlan, TritonPlan
+from worker.engine.executor.layers.attention.plan import AttentionPlan, CascadePlan, GroupPlan, TritonPlan
+
+
+def soft_capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    logits_soft_cap: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with Gemma 2's soft-cap, ``cap * tanh(s / cap)`` on the scaled scores
+    before the mask (SDPA has no soft-cap), in float32 matrix products.
+
+    Args:
+        q: ``[..., L, D]``; k, v: ``[..., S, D]`` (leading dims broadcast as in ``torch.matmul``).
+        scale: multiplier of ``q . k``; logits_soft_cap: the cap (``> 0``).
+        attn_mask: additive ``[..., L, S]`` (0 or -inf), or None.
+        is_causal: hide keys after each query (row ``i`` sees keys ``0 .. i + S - L``).
+
+    Returns:
+        ``[..., L, D]`` in ``q.dtype``.
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    if is_causal:
+        num_queries, num_keys = scores.shape[-2:]
+        hidden = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).triu(num_keys - num_queries + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def _attend_group(
-    query: torch.Tensor, kv_cache: torch.Tensor, group: GroupPlan, block_size: int, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: GroupPlan,
+    block_size: int,
+    scale: float,
+    logits_soft_cap: float | None,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[num_group_tokens, num_heads, head_size]`` in ``token_idx`` order."""
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -34,9 +71,14 @@ def _attend_group(
     q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, num_queries_per_kv * max_query_len, head_size)
 
     kv = kv_cache.index_select(1, group.flat_block_ids).view(2, num_seqs, context_len, num_kv_heads, head_size)
-    out = F.scaled_dot_product_attention(
-        q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=group.mask, scale=scale
-    )
+    if logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(
+            q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=group.mask, scale=scale
+        )
+    else:
+        out = soft_capped_attention(
+            q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), scale, logits_soft_cap, attn_mask=group.mask
+        )
     out = out.view(num_seqs, num_kv_heads, num_queries_per_kv, max_query_len, head_size)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs * max_query_len, num_heads, head_size)
     if group.valid_rows is not None:
@@ -44,30 +86,46 @@ def _attend_group(
     return out
 
 
-def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_fresh(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, logits_soft_cap: float | None
+) -> torch.Tensor:
     """Causal attention of one sequence whose context is exactly its new tokens: straight from this step's
     K/V, no cache read, no mask tensor (the causal flash kernel skips the masked half)."""
     num_queries_per_kv = query.shape[1] // key.shape[1]
     q = query.transpose(0, 1)
     k = key.transpose(0, 1).repeat_interleave(num_queries_per_kv, dim=0)
     v = value.transpose(0, 1).repeat_interleave(num_queries_per_kv, dim=0)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    if logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    else:
+        out = soft_capped_attention(q[None], k[None], v[None], scale, logits_soft_cap, is_causal=True)
     return out[0].transpose(0, 1)
 
 
-def _attend_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: CascadePlan, scale: float) -> torch.Tensor:
+def _attend_cascade(
+    query: torch.Tensor, kv_cache: torch.Tensor, cascade: CascadePlan, scale: float, logits_soft_cap: float | None
+) -> torch.Tensor:
     suffix = cascade.suffix
     suffix_lse = torch.empty(query.shape[:2], dtype=torch.float32)
     out = paged_attention_cpu(
-        query, kv_cache, suffix.query_start_loc, suffix.seq_lens, suffix.block_tables, scale, lse_out=suffix_lse
+        query,
+        kv_cache,
+        suffix.query_start_loc,
+        suffix.seq_lens,
+        suffix.block_tables,
+        scale,
+        lse_out=suffix_lse,
+        logits_soft_cap=logits_soft_cap,
     )
     for group in cascade.groups:
         rows = group.token_idx
         if rows is None:
-            prefix_out, prefix_lse = cascade_attention.prefix_attention(query, kv_cache, group.prefix_block_ids, scale)
+            prefix_out, prefix_lse = cascade_attention.prefix_attention(
+                query, kv_cache, group.prefix_block_ids, scale, logits_soft_cap
+            )
             return cascade_attention.merge_attention_states(out, suffix_lse, prefix_out, prefix_lse)
         prefix_out, prefix_lse = cascade_attention.prefix_attention(
-            query.index_select(0, rows), kv_cache, group.prefix_block_ids, scale
+            query.index_select(0, rows), kv_cache, group.prefix_block_ids, scale, logits_soft_cap
         )
         merged = cascade_attention.merge_attention_states(
             out.index_select(0, rows), suffix_lse.index_select(0, rows), prefix_out, prefix_lse
@@ -84,6 +142,8 @@ def _attend_triton(
     attn_metadata: AttentionMetadata,
     triton_plan: TritonPlan,
     scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
 ) -> torch.Tensor:
     # NOTE: imported here so that CPU engines never import triton (it is an optional dependency).
     from kernels.triton_attention import paged_attention_triton, reshape_and_cache_triton
@@ -98,6 +158,8 @@ def _attend_triton(
         scale,
         max_query_len=triton_plan.max_query_len,
         max_seq_len=triton_plan.max_seq_len,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
 
 
@@ -123,11 +185,16 @@ def paged_attention_forward(
     kv_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend every query over its sequence's context.
 
     Causal: query row ``i`` of a sequence with ``query_len`` new tokens and ``seq_len`` context tokens
-    sits at position ``seq_len - query_len + i`` and sees positions ``0 ..`` that one. Grouped-query
+    sits at position ``seq_len - query_len + i`` and sees positions ``0 ..`` that one; a sliding-window
+    layer sees only the last ``sliding_window`` of them, itself included (Hugging Face's mask:
+    ``q_pos - k_pos < sliding_window``), through the step's ``sliding_plan``. Grouped-query
     attention when ``num_heads`` is a multiple of ``num_kv_heads`` (query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``, as Hugging Face's ``repeat_kv``).
 
@@ -139,26 +206,46 @@ def paged_attention_forward(
             gathered and masked, and ``0 * NaN`` would poison a row.
         attn_metadata: the step's :class:`AttentionMetadata`, its plan built for this model's shapes.
         scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
+        sliding_window: this layer's window, None for a global layer; must be the metadata's
+            ``sliding_window``.
+        logits_soft_cap: cap the scaled scores at ``cap * tanh(s / cap)`` (Gemma 2), or None.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
     """
-    plan = attn_metadata.plan
+    plan: AttentionPlan | None = attn_metadata.plan
+    if sliding_window is not None:
+        assert attn_metadata.sliding_window == sliding_window, "metadata built for another sliding window"
+        plan = attn_metadata.sliding_plan
+    assert plan is not None
+    soft_cap = logits_soft_cap
     if plan.triton is not None:
-        return _attend_triton(query, key, value, kv_cache, attn_metadata, plan.triton, scale)
+        return _attend_triton(
+            query, key, value, kv_cache, attn_metadata, plan.triton, scale, plan.sliding_window, soft_cap
+        )
     write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
     block_size = plan.block_size
     assert kv_cache.shape[2] == block_size and query.shape[1] == plan.num_queries_per_kv * kv_cache.shape[3]
     if plan.cascade is not None:
-        return _attend_cascade(query, kv_cache, plan.cascade, scale)
+        return _attend_cascade(query, kv_cache, plan.cascade, scale, soft_cap)
     if plan.covers_batch_in_order:
-        return _attend_group(query, kv_cache, plan.groups[0], block_size, scale)
+        return _attend_group(query, kv_cache, plan.groups[0], block_size, scale, soft_cap)
     kernel = plan.kernel
+    window = plan.sliding_window
     if kernel is not None and kernel.token_idx is None:
-        return paged_attention_cpu(query, kv_cache, kernel.query_start_loc, kernel.seq_lens, kernel.block_tables, scale)
+        return paged_attention_cpu(
+            query,
+            kv_cache,
+            kernel.query_start_loc,
+            kernel.seq_lens,
+            kernel.block_tables,
+            scale,
+            sliding_window=window,
+            logits_soft_cap=soft_cap,
+        )
     output = torch.empty_like(query)
     for start, end in plan.fresh_prefills:
-        output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale)
+        output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, soft_cap)
     if kernel is not None:
         assert kernel.token_idx is not None  # a kernel plan covering the whole batch returned above
         kernel_out = paged_attention_cpu(
@@ -168,8 +255,10 @@ def paged_attention_forward(
             kernel.seq_lens,
             kernel.block_tables,
             scale,
+            sliding_window=window,
+            logits_soft_cap=soft_cap,
         )
         output.index_copy_(0, kernel.token_idx, kernel_out)
     for group in plan.groups:
-        output.index_copy_(0, group.token_idx, _attend_group(query, kv_cache, group, block_size, scale))
+        output.index_copy_(0, group.token_idx, _attend_group(query, kv_cache, group, block_size, scale, soft_cap))
     return output

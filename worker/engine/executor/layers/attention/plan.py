@@ -29,10 +29,19 @@ Paths (executed by :mod:`.paged`):
 
 The index tensors and masks depend only on the batch, so they are built once per step, by
 :func:`~.metadata.build_attention_metadata`, and reused by every layer.
+
+Sliding-window layers (Mistral, Gemma 2/3 local layers, Qwen2 with ``use_sliding_window``) get a plan of
+their own, built with ``sliding_window`` only in steps where some context is longer than the window (in the
+others the full plan serves them unchanged): the kernels read only each token's last ``sliding_window``
+positions, the group masks also hide the positions before the window, and a fresh prompt longer than the
+window goes to the masked group path. Such a plan has no cascade: cascade attention reads a shared prefix
+for every query, but past the window a query sees only part of it (or none), so those layers attend their
+window through the kernel instead.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -133,6 +142,7 @@ class AttentionPlan:
     groups: list[GroupPlan]  # rows attended with the PyTorch path
     covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
     triton: TritonPlan | None = None  # when set, it covers every row and the other fields are unused
+    sliding_window: int | None = None  # keys each query sees (kernels and masks apply it), None: all
 
 
 def _build_group(
@@ -142,6 +152,7 @@ def _build_group(
     block_size: int,
     num_queries_per_kv: int,
     dtype: torch.dtype,
+    sliding_window: int | None,
 ) -> GroupPlan:
     device = batch.block_tables.device
     query_lens = [batch.query_lens_list[i] for i in seq_ids]
@@ -169,6 +180,8 @@ def _build_group(
     query_pos = torch.arange(max_query_len, device=device)[None, :, None] + seq_lens_t - query_lens_t
     key_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]
     visible = (key_pos <= query_pos) & (key_pos < seq_lens_t)  # [G, max_query_len, L]
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     mask = mask[:, None].expand(-1, num_queries_per_kv, -1, -1).reshape(len(seq_ids), 1, -1, visible.shape[-1])
 
@@ -261,6 +274,7 @@ def build_attention_plan(
     use_cpu_kernels: bool,
     use_triton_kernels: bool = False,
     batch_invariant: Sequence[bool] | None = None,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Split a step's sequences among the execution paths and build their index tensors and masks.
 
@@ -274,6 +288,8 @@ def build_attention_plan(
         use_triton_kernels: send every row to the Triton kernel (CUDA); no index tensors or masks are built.
         batch_invariant: per sequence, whether all its rows go to the C++ kernel (see the module
             docstring); ``None``: no sequence. Ignored without ``use_cpu_kernels``.
+        sliding_window: the plan of sliding-window layers: each query sees its last ``sliding_window``
+            positions; no cascade (module docstring).
     """
     if use_triton_kernels:
         return AttentionPlan(
@@ -285,11 +301,12 @@ def build_attention_plan(
             groups=[],
             covers_batch_in_order=False,
             triton=TritonPlan(max_query_len=max(query_lens_list, default=0), max_seq_len=max(seq_lens_list, default=0)),
+            sliding_window=sliding_window,
         )
     batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
     use_kernel = use_cpu_kernels
     invariant = list(batch_invariant) if use_kernel and batch_invariant is not None else [False] * batch.num_seqs
-    cascade = _build_cascade_plan(batch, block_size, invariant) if use_kernel else None
+    cascade = _build_cascade_plan(batch, block_size, invariant) if use_kernel and sliding_window is None else None
     if cascade is not None:
         return AttentionPlan(
             block_size=block_size,
@@ -302,12 +319,20 @@ def build_attention_plan(
         )
     cu_query_lens = list(accumulate(batch.query_lens_list, initial=0))
     decode_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1]
+    # A fresh prompt longer than the window needs the window's mask: it joins the masked group.
+    fresh_limit = math.inf if sliding_window is None else sliding_window
     kernel_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1 or invariant[i]]
-    fresh_ids = [i for i, q in enumerate(query_lens_list) if 1 < q == seq_lens_list[i] and not invariant[i]]
-    other_ids = [i for i, q in enumerate(query_lens_list) if 1 < q < seq_lens_list[i] and not invariant[i]]
+    fresh_ids = [
+        i for i, q in enumerate(query_lens_list) if 1 < q == seq_lens_list[i] <= fresh_limit and not invariant[i]
+    ]
+    other_ids = [
+        i
+        for i, q in enumerate(query_lens_list)
+        if q > 1 and not q == seq_lens_list[i] <= fresh_limit and not invariant[i]
+    ]
     kernel = _build_kernel_plan(batch, kernel_ids, cu_query_lens) if use_kernel and kernel_ids else None
     groups = [
-        _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype)
+        _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype, sliding_window)
         for seq_ids in ([] if kernel else decode_ids, other_ids)
         if seq_ids
     ]
@@ -320,4 +345,5 @@ def build_attention_plan(
         kernel=kernel,
         groups=groups,
         covers_batch_in_order=kernel is None and not fresh_ids and len(groups) == 1,
+        sliding_window=sliding_window,
     )
