@@ -1,9 +1,11 @@
 """Validate a new batch's input file and start it: the step between ``POST /v1/batches`` and the worker.
 
 Runs in the API process right after the batch is created (FastAPI background task): read the
-input file, check every line (`jobs.validation`), then in one transaction either insert the lines
-and move to ``in_progress`` or move to ``failed`` with every error; enqueue ``RUN_BATCH`` only after
-that commit, so the worker always finds the lines. The file is read and checked outside any
+input file, check every line (`jobs.validation`), then in one transaction either insert the lines in
+their shards and move to ``in_progress`` or move to ``failed`` with every error; send one ``RUN_SHARD``
+message per shard only after that commit, so a worker always finds the lines. A broker that is down
+then is logged, not raised: the shards are committed, and the reaper sends their messages once the
+broker answers again (`jobs.reaper`). The file is read and checked outside any
 database transaction (a 200 MB file takes a while; SQLite would be locked meanwhile).
 """
 
@@ -11,10 +13,14 @@ from __future__ import annotations
 
 import logging
 
+from kombu.exceptions import OperationalError as BrokerUnreachable
+from sqlalchemy import func, select
+
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.files import file_path, get_file
-from jobs.queue import enqueue_batch
+from jobs.models import BatchShard
+from jobs.queue import enqueue_shards
 from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
 from jobs.status import BatchStatus, now_s
@@ -26,14 +32,13 @@ logger = logging.getLogger(__name__)
 def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> BatchStatus:
     """Validate batch ``batch_id`` (status ``validating``) and start it; returns its new status.
 
-    ``in_progress`` (enqueued), ``failed`` (``errors`` set; an unreadable or deleted input file
-    gives one ``file_not_found`` error) or ``cancelled`` (cancelled while validating).
+    ``in_progress`` (its shards queued; their messages sent unless the broker is unreachable, in
+    which case the reaper sends them later), ``failed`` (``errors`` set; an unreadable or deleted
+    input file gives one ``file_not_found`` error) or ``cancelled`` (cancelled while validating).
 
     Raises:
         jobs.errors.NotFound: no such batch.
         jobs.status.IllegalTransition: the batch was already validated.
-        kombu.exceptions.OperationalError: the broker is unreachable (the batch stays ``in_progress``
-            and is picked up if the task is enqueued again).
     """
     settings = settings or get_settings()
     with session_scope(settings.database_url) as session:
@@ -66,9 +71,20 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
             files_dir=settings.files_dir,
         )
         status = BatchStatus(batch.status)
-    logger.info("batch %s validated: %s (%d lines, %d errors)", batch_id, status, len(result.lines), len(result.errors))
+        num_shards = session.scalar(select(func.count()).where(BatchShard.batch_id == batch_id)) or 0
+    logger.info(
+        "batch %s validated: %s (%d lines in %d shards, %d errors)",
+        batch_id,
+        status,
+        len(result.lines),
+        num_shards,
+        len(result.errors),
+    )
     if status == BatchStatus.IN_PROGRESS:
-        enqueue_batch(batch_id, broker_url=settings.broker_url)
+        try:
+            enqueue_shards(num_shards, broker_url=settings.broker_url)
+        except BrokerUnreachable as exc:
+            logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
     return status
 
 

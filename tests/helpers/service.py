@@ -130,7 +130,7 @@ def service_settings(
     if request.param == "postgres":
         database_url = request.getfixturevalue("postgres_url")
         with get_engine(database_url).begin() as connection:
-            connection.execute(text("TRUNCATE batch_requests, batches, files, schedules, workers"))
+            connection.execute(text("TRUNCATE batch_requests, batch_shards, batches, files, schedules, workers"))
     yield configure_service(monkeypatch, tmp_path / "data", database_url=database_url)
     _teardown()
 
