@@ -110,6 +110,7 @@ def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k" * 65: "v"}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k": "v" * 513}}, "metadata"),
+            ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"priority": "high"}}, "metadata"),
         ]
         for kwargs, param in cases:
             with pytest.raises(InvalidRequest) as info:

@@ -327,3 +327,72 @@ def test_token_ids_outside_the_vocabulary_or_an_unreachable_min_tokens_fail_thei
         error = response["body"]["error"]
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_value", param)
         assert all(number in error["message"] for number in numbers), error["message"]
+
+
+def test_a_stop_signal_hands_the_shard_back_and_fails_no_line(service, served_tokenizer):
+    """The stop event (what SIGTERM / SIGQUIT / Ctrl-C set in a worker) ends the run after the current
+    step: finished lines are recorded, the rest stay pending in a queued shard, nothing is an error."""
+    import threading
+
+    from jobs.models import BatchShard
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
+    stop = threading.Event()
+    engine = StandInEngine(served_tokenizer, on_step=lambda step: stop.set() if step == 5 else None)
+
+    run = runner.run_next_shard(engine=engine, stop=stop)
+
+    assert run.end == runner.ShardEnd.HANDED_BACK and run.batch_status == BatchStatus.IN_PROGRESS
+    assert not engine.has_unfinished_requests() and len(engine.aborted) == 8
+    with session_scope() as session:
+        batch = repository.get_batch(session, batch_id=batch_id)
+        assert (batch.completed_requests, batch.failed_requests) == (4, 0)
+        shard = session.get(BatchShard, run.shard_id)
+        assert (shard.state, shard.attempts, shard.lease_token) == ("queued", 0, None)
+    again = StandInEngine(served_tokenizer)
+    assert run_batch(batch_id, engine=again) == BatchStatus.COMPLETED
+    assert again.num_added == 8  # only the lines not finished before the stop
+    _, output, errors = read_results(batch_id)
+    assert len(output) == 12 and errors == {}
+
+
+def test_an_exception_while_stopping_is_not_the_lines_failure(service, served_tokenizer):
+    """Celery's cold shutdown used to raise out of the engine step: after a stop, that hands back too."""
+    import threading
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(6)])
+    stop = threading.Event()
+
+    def interrupted(step: int) -> None:
+        if step == 2:
+            stop.set()
+            raise NotImplementedError("terminate_job")  # what the solo pool raises on a cold shutdown
+
+    run = runner.run_next_shard(engine=StandInEngine(served_tokenizer, on_step=interrupted), stop=stop)
+
+    assert run.end == runner.ShardEnd.HANDED_BACK
+    with session_scope() as session:
+        batch = repository.get_batch(session, batch_id=batch_id)
+        assert batch.failed_requests == 0 and batch.status == "in_progress"
+
+
+def test_a_lost_lease_stops_the_run_and_leaves_the_shard_to_its_new_holder(service, served_tokenizer):
+    from sqlalchemy import update
+
+    from jobs.models import BatchShard
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
+
+    def taken_over(step: int) -> None:
+        if step == 5:
+            with session_scope() as session:
+                session.execute(update(BatchShard).values(lease_token="someone-else"))
+
+    engine = StandInEngine(served_tokenizer, on_step=taken_over)
+    run = runner.run_next_shard(engine=engine, check_every_steps=1)
+
+    assert run.end == runner.ShardEnd.LEASE_LOST and not engine.has_unfinished_requests()
+    with session_scope() as session:
+        shard = session.get(BatchShard, run.shard_id)
+        assert (shard.state, shard.lease_token) == ("running", "someone-else")
+        assert repository.get_batch(session, batch_id=batch_id).failed_requests == 0
