@@ -5,6 +5,7 @@
 | `jobs.errors.InvalidRequest`, bad request fields, unknown ``after`` cursor | 400 | invalid_request_error / the error's code |
 | `jobs.errors.NotFound`, unknown route | 404 | invalid_request_error / ``{kind}_not_found`` |
 | `jobs.status.IllegalTransition` (e.g. cancel a completed batch) | 409 | invalid_request_error / ``invalid_status`` |
+| the database does not answer (``sqlalchemy.exc.OperationalError``) | 503 | server_error / ``database_unavailable`` |
 | anything else | 500 | server_error |
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs.errors import InvalidRequest, NotFound, error_envelope
@@ -74,6 +76,17 @@ def _http_exception(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), code=code)
 
 
+def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OperationalError)
+    logger.warning("database unreachable: %s", exc.orig or exc)
+    return error_response(
+        503,
+        f"the database is unreachable ({exc.orig or exc}); retry later",
+        error_type="server_error",
+        code="database_unavailable",
+    )
+
+
 def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
     return error_response(500, "internal server error", error_type="server_error", code="internal_error")
@@ -87,4 +100,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(UnknownCursor, _unknown_cursor)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(Exception, _unexpected)

@@ -68,8 +68,8 @@ class File(Base):
 class Batch(Base):
     """One batch job; field names follow the OpenAI batch object.
 
-    ``started_at`` is internal: set once a worker claims the batch (see `repository.claim_batch`);
-    a batch cancelled before any claim is finalized by the API directly.
+    ``started_at`` is internal: set when a worker claims the batch's first shard
+    (`jobs.shards.claim_next_shard`).
     """
 
     __tablename__ = "batches"

@@ -20,6 +20,8 @@ def run_shard() -> dict[str, Any] | None:
     """Claim the next queued shard of any batch and run it (`worker.runner.run_next_shard`); a stop
     signal meanwhile hands the shard back (`worker.shutdown`). Returns what happened, or None when no
     shard was waiting (a surplus message)."""
+    if shutdown.requested.is_set():
+        return None  # stopping: claim nothing (the reaper replaces this message for whoever runs next)
     with shutdown.running_shard() as stop:
         run = runner.run_next_shard(stop=stop)
     if run is None:

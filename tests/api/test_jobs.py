@@ -65,4 +65,8 @@ def test_health_ok_degraded_and_unavailable(client: Any, service_settings: Setti
     broken = service_settings.model_copy(update={"database_url": "postgresql+psycopg://nobody@127.0.0.1:1/none"})
     with api_client(broken) as broken_client:
         response = broken_client.get("/health")
-    assert response.status_code == 503 and response.json()["status"] == "unavailable"
+        assert response.status_code == 503 and response.json()["status"] == "unavailable"
+        listing = broken_client.get("/v1/batches")
+    assert listing.status_code == 503, listing.text
+    error = listing.json()["error"]
+    assert error["code"] == "database_unavailable" and "database" in error["message"]
