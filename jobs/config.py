@@ -61,6 +61,17 @@ class Settings(BaseSettings):
     worker_metrics_host: str = "0.0.0.0"
     worker_heartbeat_s: float = 5.0
     worker_live_s: float = 30.0
+    # Shards and leases (docs/operations.md): a batch's lines are cut into shards of about this many
+    # tokens (prompt estimate + completion budget); a worker holds a lease on its shard, renewed every
+    # lease_renew_s and lapsing lease_expiry_s after the last renewal; beat's reaper runs every
+    # reaper_interval_s; a shard whose worker was lost shard_max_attempts times fails its remaining lines.
+    shard_target_tokens: int = Field(default=65_536, gt=0)
+    lease_renew_s: float = Field(default=10.0, gt=0)
+    lease_expiry_s: float = Field(default=60.0, gt=0)
+    reaper_interval_s: float = Field(default=10.0, gt=0)
+    shard_max_attempts: int = Field(default=3, gt=0)
+    # The window every batch of this deployment gets ("<n>s", "<n>m" or "<n>h"); clients still send "24h".
+    completion_window: str = "24h"
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -72,12 +83,37 @@ class Settings(BaseSettings):
         if not self.broker_url:
             self.broker_url = f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
         self.files_dir = self.files_dir.expanduser().resolve()
+        parse_window(self.completion_window)
+        if self.lease_renew_s >= self.lease_expiry_s:
+            raise ValueError(
+                f"lease_renew_s ({self.lease_renew_s}) must be shorter than lease_expiry_s ({self.lease_expiry_s})"
+            )
         return self
+
+    @property
+    def completion_window_s(self) -> int:
+        """``completion_window`` in seconds."""
+        return parse_window(self.completion_window)
 
     @property
     def served_model_name(self) -> str:
         """The name clients put in ``body.model``: the built-in name, or a model folder's basename."""
         return Path(self.model).name if ("/" in self.model or Path(self.model).is_dir()) else self.model
+
+
+_WINDOW_UNITS_S = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_window(window: str) -> int:
+    """A duration such as ``"24h"``, ``"30m"`` or ``"90s"`` in seconds.
+
+    Raises:
+        ValueError: not a positive whole number followed by s, m or h.
+    """
+    number, unit = window[:-1], window[-1:]
+    if unit not in _WINDOW_UNITS_S or not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"a completion window is a positive whole number and s, m or h (e.g. '24h'), got {window!r}")
+    return int(number) * _WINDOW_UNITS_S[unit]
 
 
 @lru_cache(maxsize=1)

@@ -2,20 +2,26 @@
 
 Runs in the API process right after the batch is created (FastAPI background task): stream the
 input file through the checks (`jobs.validation`), then in one transaction either insert the lines
-(a second streaming pass) and move to ``in_progress``, or move to ``failed`` with every error;
-enqueue ``RUN_BATCH`` only after that commit, so the worker always finds the lines. The checking
-pass runs outside any database transaction (a 200 MB file takes a while; SQLite would be locked
-meanwhile). Neither pass holds the file in memory.
+(a second streaming pass) in their shards and move to ``in_progress``, or move to ``failed`` with every
+error; send one ``RUN_SHARD`` message per shard only after that commit, so a worker always finds the
+lines. A broker that is down then is logged, not raised: the shards are committed, and the reaper sends
+their messages once the broker answers again (`jobs.reaper`). The checking pass runs outside any
+database transaction (a 200 MB file takes a while; SQLite would be locked meanwhile). Neither pass
+holds the file in memory.
 """
 
 from __future__ import annotations
 
 import logging
 
+from kombu.exceptions import OperationalError as BrokerUnreachable
+from sqlalchemy import func, select
+
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.files import file_chunks, get_file
-from jobs.queue import enqueue_batch
+from jobs.models import BatchShard
+from jobs.queue import enqueue_shards
 from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
 from jobs.status import BatchStatus, now_s
@@ -28,14 +34,13 @@ logger = logging.getLogger(__name__)
 def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> BatchStatus:
     """Validate batch ``batch_id`` (status ``validating``) and start it; returns its new status.
 
-    ``in_progress`` (enqueued), ``failed`` (``errors`` set; an unreadable or deleted input file
-    gives one ``file_not_found`` error) or ``cancelled`` (cancelled while validating).
+    ``in_progress`` (its shards queued; their messages sent unless the broker is unreachable, in
+    which case the reaper sends them later), ``failed`` (``errors`` set; an unreadable or deleted
+    input file gives one ``file_not_found`` error) or ``cancelled`` (cancelled while validating).
 
     Raises:
         jobs.errors.NotFound: no such batch.
         jobs.status.IllegalTransition: the batch was already validated.
-        kombu.exceptions.OperationalError: the broker is unreachable (the batch stays ``in_progress``
-            and is picked up if the task is enqueued again).
     """
     settings = settings or get_settings()
     storage = storage_from_settings(settings)
@@ -76,9 +81,20 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
             storage=storage,
         )
         status = BatchStatus(batch.status)
-    logger.info("batch %s validated: %s (%d lines, %d errors)", batch_id, status, result.num_lines, len(result.errors))
+        num_shards = session.scalar(select(func.count()).where(BatchShard.batch_id == batch_id)) or 0
+    logger.info(
+        "batch %s validated: %s (%d lines in %d shards, %d errors)",
+        batch_id,
+        status,
+        result.num_lines,
+        num_shards,
+        len(result.errors),
+    )
     if status == BatchStatus.IN_PROGRESS:
-        enqueue_batch(batch_id, broker_url=settings.broker_url)
+        try:
+            enqueue_shards(num_shards, broker_url=settings.broker_url)
+        except BrokerUnreachable as exc:
+            logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
     return status
 
 

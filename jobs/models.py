@@ -1,6 +1,7 @@
-"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line), ``schedules``,
-``workers`` (one heartbeat row per worker process), ``api_keys`` and ``file_chunks`` (file bytes kept
-in the database, `jobs.storage.DatabaseStorage`).
+"""SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line),
+``batch_shards`` (a batch's lines in leased units of work), ``schedules``, ``workers`` (one heartbeat row
+per worker process), ``api_keys`` and ``file_chunks`` (file bytes kept in the database,
+`jobs.storage.DatabaseStorage`).
 
 ``owner_key_id`` on files, batches and schedules is the API key that created the row (None: created
 while the deployment had no key); see `jobs.api_keys`.
@@ -26,6 +27,7 @@ BATCH_ID_PREFIX = "batch_"
 REQUEST_ID_PREFIX = "batch_req_"
 SCHEDULE_ID_PREFIX = "sched_"
 API_KEY_ID_PREFIX = "key_"
+SHARD_ID_PREFIX = "shard_"
 
 
 def new_id(prefix: str) -> str:
@@ -42,6 +44,15 @@ class RequestState(StrEnum):
 
     PENDING = "pending"
     COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class ShardState(StrEnum):
+    """Where one shard stands: waiting for a worker, leased by one, every line recorded, or given up on."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
     FAILED = "failed"
 
 
@@ -93,8 +104,8 @@ class ApiKey(Base):
 class Batch(Base):
     """One batch job; field names follow the OpenAI batch object.
 
-    ``started_at`` is internal: set once a worker claims the batch (see `repository.claim_batch`);
-    a batch cancelled before any claim is finalized by the API directly.
+    ``started_at`` is internal: set when a worker claims the batch's first shard
+    (`jobs.shards.claim_next_shard`).
     """
 
     __tablename__ = "batches"
@@ -139,7 +150,8 @@ class BatchRequest(Base):
     """One input line and, once run, its result.
 
     ``response`` is ``{status_code, request_id, body}`` (OpenAI's output-line ``response``) or None;
-    ``error`` is ``{code, message}`` or None. ``state`` is `RequestState`.
+    ``error`` is ``{code, message}`` or None. ``state`` is `RequestState`. ``shard_id`` is the
+    `BatchShard` the line was put in at validation.
     """
 
     __tablename__ = "batch_requests"
@@ -156,11 +168,47 @@ class BatchRequest(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
+    shard_id: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
         UniqueConstraint("batch_id", "line_number", name="uq_batch_requests_batch_id_line_number"),
         UniqueConstraint("batch_id", "custom_id", name="uq_batch_requests_batch_id_custom_id"),
         Index("ix_batch_requests_batch_id_state", "batch_id", "state"),
+        Index("ix_batch_requests_shard_id_state", "shard_id", "state"),
+    )
+
+
+class BatchShard(Base):
+    """A group of a batch's lines that one worker runs at a time under a lease (`jobs.shards`).
+
+    ``state`` is `ShardState`. While ``running``, ``lease_token`` names the claim (a fresh random
+    value per claim), ``lease_owner`` the worker (``host:pid``) and ``lease_expires_at`` (Unix
+    seconds, fractional) when the lease lapses unless renewed. ``attempts`` counts claims that were
+    not handed back (a worker that died with the shard counts; a graceful stop does not).
+    ``num_tokens`` is the estimate the shard was cut by; ``priority`` comes from the batch's
+    ``metadata["priority"]`` (higher runs first).
+    """
+
+    __tablename__ = "batch_shards"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    shard_index: Mapped[int] = mapped_column(Integer)
+    num_requests: Mapped[int] = mapped_column(Integer)
+    num_tokens: Mapped[int] = mapped_column(BigInteger)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(16), default=ShardState.QUEUED.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_owner: Mapped[str | None] = mapped_column(String(320))
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        UniqueConstraint("batch_id", "shard_index", name="uq_batch_shards_batch_id_shard_index"),
+        Index("ix_batch_shards_state_lease_expires_at", "state", "lease_expires_at"),
+        Index("ix_batch_shards_batch_id_state", "batch_id", "state"),
     )
 
 

@@ -2,15 +2,21 @@
 
 Broker: ``settings.broker_url`` (Redis in production; the embedded default is kombu's SQLAlchemy
 transport over a SQLite file, ``sqla+sqlite:///{data_dir}/broker.db``, whose directory is created
-here). Delivery is at-least-once: ``task_acks_late`` + ``task_reject_on_worker_lost`` put a task
-back when its worker dies, and ``worker_prefetch_multiplier = 1`` keeps one batch per free worker.
-The Redis ``visibility_timeout`` is longer than a batch's 24 h window, so a long-running batch is not
-handed to a second worker while the first is still on it.
+here).
+
+Work messages carry no data: each ``RUN_SHARD`` message asks a worker to claim the next queued shard
+(`jobs.shards.claim_next_shard`, fair across batches), so which shard runs is decided in the
+database, and the lease there, not the message, says who holds it. The API sends one message per
+shard after validation; the reaper tops the queue up to the number of queued shards, so a message
+lost with a killed worker, or never sent because the broker was down, costs one reaper interval.
+``task_acks_late`` with ``worker_prefetch_multiplier = 1`` keeps a busy solo worker from reserving
+messages it cannot run; a surplus message finds nothing to claim and ends at once.
 
 Beat (``batchinfer beat``: a light worker with an embedded beat, no engine) sends ``TICK_SCHEDULES``
-every ``SCHEDULE_TICK_S`` seconds on its own ``SCHEDULES_QUEUE``, so a tick never waits behind a
-long batch on an engine worker (those consume only the default queue). The task lives in
-`jobs.tasks`; a tick message expires after one interval, so missed ticks are dropped, not replayed.
+every ``SCHEDULE_TICK_S`` seconds and ``REAP`` every ``Settings.reaper_interval_s`` on its own
+``SCHEDULES_QUEUE``, so neither waits behind a shard on an engine worker (those consume only the
+default queue). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
+ticks are dropped, not replayed.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from celery import Celery
 from sqlalchemy.engine import make_url
 
 from jobs.config import Settings, get_settings
-from jobs.schemas import COMPLETION_WINDOW_S
 
-RUN_BATCH = "batchinfer.run_batch"
+RUN_SHARD = "batchinfer.run_shard"
 TICK_SCHEDULES = "batchinfer.tick_schedules"
+REAP = "batchinfer.reap"
 SCHEDULE_TICK_S = 30
 SCHEDULES_QUEUE = "schedules"
-_VISIBILITY_TIMEOUT_S = COMPLETION_WINDOW_S + 3600
+WORK_QUEUE = "celery"
+# NOTE: on Redis an unacknowledged message (its worker was killed) comes back after this long; the
+# lease and the reaper do not wait for it, and a late duplicate finds nothing to claim.
+_VISIBILITY_TIMEOUT_S = 3600
 
 celery_app = Celery("batchinfer", set_as_current=False)
 
@@ -56,13 +65,18 @@ def configure_celery(settings: Settings | None = None) -> Celery:
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
         include=["jobs.tasks"],
-        task_routes={TICK_SCHEDULES: {"queue": SCHEDULES_QUEUE}},
+        task_routes={TICK_SCHEDULES: {"queue": SCHEDULES_QUEUE}, REAP: {"queue": SCHEDULES_QUEUE}},
         beat_schedule={
             TICK_SCHEDULES: {
                 "task": TICK_SCHEDULES,
                 "schedule": float(SCHEDULE_TICK_S),
                 "options": {"expires": float(SCHEDULE_TICK_S)},
-            }
+            },
+            REAP: {
+                "task": REAP,
+                "schedule": settings.reaper_interval_s,
+                "options": {"expires": settings.reaper_interval_s},
+            },
         },
         # NOTE: kombu's SQLAlchemy transport passes these options to create_engine(); Redis only.
         broker_transport_options=(
@@ -72,8 +86,8 @@ def configure_celery(settings: Settings | None = None) -> Celery:
     return celery_app
 
 
-def enqueue_batch(batch_id: str, *, broker_url: str | None = None) -> str:
-    """Send ``RUN_BATCH(batch_id)`` to the broker (default ``settings.broker_url``); returns the task id.
+def enqueue_shards(count: int, *, broker_url: str | None = None) -> int:
+    """Send ``count`` ``RUN_SHARD`` messages to the broker (default ``settings.broker_url``); returns ``count``.
 
     A fresh connection per call, so the broker named by the current settings is always the one used.
 
@@ -83,9 +97,36 @@ def enqueue_batch(batch_id: str, *, broker_url: str | None = None) -> str:
     broker_url = broker_url or get_settings().broker_url
     ensure_broker_dir(broker_url)
     with celery_app.connection_for_write(broker_url) as connection:
-        result = celery_app.send_task(RUN_BATCH, args=[batch_id], connection=connection)
-    task_id: str = result.id
-    return task_id
+        for _ in range(count):
+            celery_app.send_task(RUN_SHARD, connection=connection)
+    return count
+
+
+def num_waiting_messages(*, broker_url: str | None = None, queue: str = WORK_QUEUE) -> int:
+    """Messages waiting in ``queue`` (not those a worker has taken), as the broker counts them.
+
+    Raises:
+        kombu.exceptions.OperationalError: the broker is unreachable.
+    """
+    broker_url = broker_url or get_settings().broker_url
+    ensure_broker_dir(broker_url)
+    with celery_app.connection_for_read(broker_url) as connection:
+        connection.ensure_connection(max_retries=1)
+        with connection.channel() as channel:
+            _name, num_messages, _consumers = channel.queue_declare(queue=queue)
+    return int(num_messages)
+
+
+def ping_broker(*, broker_url: str | None = None, timeout_s: float = 2.0) -> None:
+    """Connect to the broker once.
+
+    Raises:
+        kombu.exceptions.OperationalError: the broker is unreachable within ``timeout_s``.
+    """
+    broker_url = broker_url or get_settings().broker_url
+    ensure_broker_dir(broker_url)
+    with celery_app.connection_for_read(broker_url) as connection:
+        connection.ensure_connection(max_retries=1, timeout=timeout_s)
 
 
 configure_celery()

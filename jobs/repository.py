@@ -10,25 +10,26 @@ Public functions (the API, ``jobs.intake``, ``jobs.schedules`` and the worker ca
 | ``get_batch`` | both | the `Batch`, or raises `NotFound` |
 | ``list_batches`` | API | a page of batches, newest first, after a cursor id |
 | ``batches_left_validating`` | API start-up (`jobs.intake`) | batches an earlier process accepted but never validated |
-| ``apply_validation`` | `jobs.intake` | inserts the lines and moves to ``in_progress``, or to ``failed`` with errors |
-| ``claim_batch`` | worker, at task start | True when the worker should run the batch's pending lines |
-| ``pending_requests`` | worker | lines not run yet, in line order |
+| ``apply_validation`` | `jobs.intake` | inserts the lines in their shards and moves to ``in_progress``, or to ``failed`` with errors |
+| ``pending_requests`` | worker | lines not run yet (of a batch or of one shard), in line order |
 | ``record_result`` | worker | stores one line's result, bumps request_counts and usage |
 | ``batch_status`` | worker, between steps | the committed status (to notice ``cancelling``) |
-| ``is_past_expiry`` | worker | whether the 24 h window is over |
-| ``cancel_batch`` | API | ``-> cancelling``; finalizes to ``cancelled`` at once when no worker claimed it |
-| ``finalize_batch`` | worker (and ``cancel_batch``) | writes the output/error files, stamps the terminal status |
+| ``is_past_expiry`` | worker, reaper | whether the completion window is over |
+| ``cancel_batch`` | API | ``-> cancelling``; finalizes to ``cancelled`` at once when no worker holds a live lease |
+| ``finalize_batch`` | worker, reaper, ``cancel_batch`` | writes the output/error files, stamps the terminal status |
 
-The whole path of a line is in docs/architecture.md.
+The whole path of a line is in docs/architecture.md; shards and their leases are `jobs.shards`.
 
-Worker protocol: ``claim_batch`` -> loop over ``pending_requests`` calling ``record_result`` (commit
-per line or per step), checking ``batch_status`` for ``cancelling`` and ``is_past_expiry`` -> then
-``finalize_batch``. A redelivered task (``acks_late``) claims again and runs only what is pending.
+Worker protocol: claim a shard (`jobs.shards.claim_next_shard`) -> loop over its ``pending_requests``
+calling ``record_result`` (commit per line or per step), checking ``batch_status`` for ``cancelling``
+and ``is_past_expiry`` -> finish the shard and settle the batch (`jobs.shards.settle_batch`, which
+calls ``finalize_batch`` once nothing is left). A shard run again runs only what is still pending.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, cast
@@ -36,19 +37,31 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, Result, func, insert, select, update
 from sqlalchemy.orm import Session
 
+from jobs.config import get_settings
 from jobs.errors import InvalidRequest, NotFound
 from jobs.files import get_file, write_file
-from jobs.models import BATCH_ID_PREFIX, REQUEST_ID_PREFIX, Batch, BatchRequest, File, RequestState, new_id
+from jobs.models import (
+    BATCH_ID_PREFIX,
+    REQUEST_ID_PREFIX,
+    SHARD_ID_PREFIX,
+    Batch,
+    BatchRequest,
+    BatchShard,
+    File,
+    RequestState,
+    ShardState,
+    new_id,
+)
 from jobs.paging import keyset_page
 from jobs.schemas import (
     COMPLETION_WINDOW,
-    COMPLETION_WINDOW_S,
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
     MAX_METADATA_VALUE_CHARS,
     SUPPORTED_ENDPOINTS,
     LineError,
 )
+from jobs.sharding import batch_priority, plan_shards
 from jobs.status import BatchStatus, IllegalTransition, now_s, transition
 from jobs.storage import FileStorage
 from jobs.validation import ValidatedLine
@@ -61,7 +74,7 @@ _NEVER_RUN_MESSAGES = {
     BatchStatus.CANCELLED: ("batch_cancelled", "This request was not run because the batch was cancelled."),
     BatchStatus.EXPIRED: (
         "batch_expired",
-        "This request was not run before the batch expired (completion window 24h).",
+        "This request was not run before the batch expired (completion window {window}).",
     ),
 }
 
@@ -102,7 +115,9 @@ def create_batch(
     owner: str | None = None,
     now: int | None = None,
 ) -> Batch:
-    """Insert a ``validating`` batch owned by API key ``owner`` (None: no key); ``expires_at = created_at + 24 h``.
+    """Insert a ``validating`` batch owned by API key ``owner`` (None: no key); ``expires_at = created_at +``
+    the deployment's completion window (``Settings.completion_window``, which the batch's
+    ``completion_window`` then shows).
 
     The input file must belong to ``owner`` too (when given).
 
@@ -113,16 +128,17 @@ def create_batch(
     check_batch_params(endpoint=endpoint, completion_window=completion_window, metadata=metadata)
     get_batch_input_file(session, file_id=input_file_id, owner=owner)
     created_at = now_s() if now is None else now
+    settings = get_settings()
     batch = Batch(
         owner_key_id=owner,
         id=new_id(BATCH_ID_PREFIX),
         endpoint=endpoint,
         input_file_id=input_file_id,
-        completion_window=completion_window,
+        completion_window=settings.completion_window,
         status=BatchStatus.VALIDATING.value,
         metadata_=metadata,
         created_at=created_at,
-        expires_at=created_at + COMPLETION_WINDOW_S,
+        expires_at=created_at + settings.completion_window_s,
         total_requests=0,
         completed_requests=0,
         failed_requests=0,
@@ -139,14 +155,15 @@ def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[
     """Check a new batch's parameters (everything but its input file).
 
     Raises:
-        InvalidRequest: unsupported endpoint, completion_window other than "24h", metadata over
-            16 pairs, a key over 64 or a value over 512 characters, or a non-string key/value.
+        InvalidRequest: unsupported endpoint, completion_window other than "24h" (or the deployment's
+            own window), metadata over 16 pairs, a key over 64 or a value over 512 characters, a
+            non-string key/value, or a ``priority`` that is not a whole number.
     """
     if endpoint not in SUPPORTED_ENDPOINTS:
         raise InvalidRequest(
             f"endpoint {endpoint!r} is not supported; use one of {', '.join(SUPPORTED_ENDPOINTS)}", param="endpoint"
         )
-    if completion_window != COMPLETION_WINDOW:
+    if completion_window not in (COMPLETION_WINDOW, get_settings().completion_window):
         raise InvalidRequest(
             f"completion_window must be {COMPLETION_WINDOW!r}, got {completion_window!r}", param="completion_window"
         )
@@ -165,6 +182,13 @@ def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[
             raise InvalidRequest(
                 f"metadata value of {key!r} is over {MAX_METADATA_VALUE_CHARS} characters", param="metadata"
             )
+    try:
+        batch_priority(metadata)
+    except ValueError:
+        raise InvalidRequest(
+            f"metadata priority must be a whole number (higher runs first), got {metadata['priority']!r}",
+            param="metadata",
+        ) from None
 
 
 def get_batch(session: Session, *, batch_id: str, for_update: bool = False, owner: str | None = None) -> Batch:
@@ -217,9 +241,9 @@ def apply_validation(
 ) -> Batch:
     """Store the outcome of validating a batch's input file.
 
-    No ``errors``: one ``pending`` row per line (``lines`` is consumed `INSERT_ROWS` at a time, so
-    an iterator never sits in memory whole), ``request_counts.total``, ``model``, and
-    ``validating -> in_progress``. Errors: ``validating -> failed`` with ``errors``, no rows.
+    No ``errors``: the lines cut into shards (`jobs.sharding.plan_shards`, ``Settings.shard_target_tokens``),
+    one ``queued`` `BatchShard` per shard and one ``pending`` row per line, ``request_counts.total``,
+    ``model``, and ``validating -> in_progress``. Errors: ``validating -> failed`` with ``errors``, no rows.
     A batch cancelled while it was validating goes to ``cancelled`` instead (its lines, if valid,
     all reported as ``batch_cancelled``).
 
@@ -237,12 +261,46 @@ def apply_validation(
             transition(batch, BatchStatus.FAILED, now)
             return batch
     else:
-        num_lines = 0
-        line_iter = iter(lines)
-        while group := list(islice(line_iter, INSERT_ROWS)):
-            session.execute(insert(BatchRequest), [_pending_row(batch_id, line) for line in group])
-            num_lines += len(group)
-        batch.total_requests = num_lines
+        shards = plan_shards(list(lines), target_tokens=get_settings().shard_target_tokens)
+        priority = batch_priority(batch.metadata_)
+        shard_rows: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = []
+        for index, shard in enumerate(shards):
+            shard_id = new_id(SHARD_ID_PREFIX)
+            shard_rows.append(
+                {
+                    "id": shard_id,
+                    "batch_id": batch_id,
+                    "shard_index": index,
+                    "num_requests": len(shard.lines),
+                    "num_tokens": shard.num_tokens,
+                    "priority": priority,
+                    "state": ShardState.QUEUED.value,
+                    "attempts": 0,
+                    "created_at": now,
+                }
+            )
+            rows.extend(
+                {
+                    "id": new_id(REQUEST_ID_PREFIX),
+                    "batch_id": batch_id,
+                    "shard_id": shard_id,
+                    "line_number": line.line_number,
+                    "custom_id": line.custom_id,
+                    "body": line.body,
+                    "state": RequestState.PENDING.value,
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                    "cached_tokens": 0,
+                }
+                for line in shard.lines
+            )
+        if shard_rows:
+            session.execute(insert(BatchShard), shard_rows)
+            row_iter = iter(rows)
+            while group := list(islice(row_iter, INSERT_ROWS)):
+                session.execute(insert(BatchRequest), group)
+        batch.total_requests = len(rows)
         batch.model = model
     if status == BatchStatus.CANCELLING:
         session.flush()
@@ -252,46 +310,14 @@ def apply_validation(
     return batch
 
 
-def _pending_row(batch_id: str, line: ValidatedLine) -> dict[str, Any]:
-    return {
-        "id": new_id(REQUEST_ID_PREFIX),
-        "batch_id": batch_id,
-        "line_number": line.line_number,
-        "custom_id": line.custom_id,
-        "body": line.body,
-        "state": RequestState.PENDING.value,
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "cached_tokens": 0,
-    }
-
-
-def claim_batch(session: Session, *, batch_id: str, now: int | None = None) -> bool:
-    """Mark the batch as started by a worker; True when it is ``in_progress`` (run its pending lines).
-
-    False for any other status: the worker then runs nothing (a ``cancelling`` batch still needs
-    `finalize_batch`; a terminal one needs nothing). Claiming twice (a redelivered task) is fine.
-    Atomic against `cancel_batch`: a batch is either claimed first (cancel leaves it to the worker)
-    or cancelled first (the claim fails).
-    """
-    now = now_s() if now is None else now
-    result = session.execute(
-        update(Batch)
-        .where(Batch.id == batch_id, Batch.status == BatchStatus.IN_PROGRESS.value)
-        .values(started_at=func.coalesce(Batch.started_at, now))
-        .execution_options(synchronize_session="fetch")
+def pending_requests(session: Session, *, batch_id: str, shard_id: str | None = None) -> list[BatchRequest]:
+    """The batch's lines without a result (only those of ``shard_id`` when given), in line order."""
+    query = select(BatchRequest).where(
+        BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING.value
     )
-    return _num_rows_updated(result) == 1
-
-
-def pending_requests(session: Session, *, batch_id: str) -> list[BatchRequest]:
-    """The batch's lines without a result, in line order."""
-    query = (
-        select(BatchRequest)
-        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING.value)
-        .order_by(BatchRequest.line_number)
-    )
-    return list(session.scalars(query))
+    if shard_id is not None:
+        query = query.where(BatchRequest.shard_id == shard_id)
+    return list(session.scalars(query.order_by(BatchRequest.line_number)))
 
 
 def record_result(
@@ -332,7 +358,7 @@ def record_result(
         raise NotFound("batch request", request_id)
     # NOTE: lock order is batch row, then line rows, as in `finalize_batch`, so the two never deadlock.
     session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
-    recorded = _num_rows_updated(
+    recorded = num_rows_updated(
         session.execute(
             update(BatchRequest)
             .where(BatchRequest.id == request_id, BatchRequest.state == RequestState.PENDING.value)
@@ -394,10 +420,12 @@ def cancel_batch(
 ) -> Batch:
     """Cancel a batch: ``validating | in_progress -> cancelling``.
 
-    An ``in_progress`` batch no worker has claimed (`claim_batch`) is finalized to ``cancelled``
-    at once, every line reported as ``batch_cancelled``; otherwise the worker notices
-    ``cancelling``, stops, and calls `finalize_batch`. A ``validating`` batch is finalized when its
-    validation ends (`apply_validation`). Cancelling a cancelling or cancelled batch is a no-op.
+    An ``in_progress`` batch none of whose shards is held under a live lease (no worker is on it, or
+    the one that was died) is finalized to ``cancelled`` at once: lines not run are reported as
+    ``batch_cancelled``, finished ones kept. Otherwise each worker on it notices ``cancelling``,
+    stops, and the last one finalizes (`jobs.shards.settle_batch`; the reaper does it for a worker
+    that died meanwhile). A ``validating`` batch is finalized when its validation ends
+    (`apply_validation`). Cancelling a cancelling or cancelled batch is a no-op.
 
     Raises:
         NotFound: no batch has this id (owned by API key ``owner``, when given).
@@ -407,8 +435,8 @@ def cancel_batch(
     if owner is not None:
         get_batch(session, batch_id=batch_id, owner=owner)
     # NOTE: the conditional UPDATE comes first so that it, not a read, takes the row lock; a worker's
-    # claim either committed before (started_at set) or will find the batch no longer in progress.
-    moved = _num_rows_updated(
+    # claim (which locks the batch row too) either committed before or finds the batch cancelling.
+    moved = num_rows_updated(
         session.execute(
             update(Batch)
             .where(
@@ -424,9 +452,19 @@ def cancel_batch(
         if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
             return batch
         raise IllegalTransition(status, BatchStatus.CANCELLING)
-    if batch.in_progress_at is not None and batch.started_at is None:
+    if batch.in_progress_at is not None and not has_live_lease(session, batch_id=batch_id, now=time.time()):
         return finalize_batch(session, batch_id=batch_id, now=now, storage=storage)
     return batch
+
+
+def has_live_lease(session: Session, *, batch_id: str, now: float) -> bool:
+    """True when a shard of the batch is ``running`` under a lease that has not lapsed at ``now`` (Unix s)."""
+    query = select(BatchShard.id).where(
+        BatchShard.batch_id == batch_id,
+        BatchShard.state == ShardState.RUNNING.value,
+        BatchShard.lease_expires_at > now,
+    )
+    return session.scalar(query.limit(1)) is not None
 
 
 def finalize_batch(
@@ -439,7 +477,8 @@ def finalize_batch(
     get ``error = {code: "batch_cancelled" | "batch_expired", message}`` and count as failed.
     Every line lands in exactly one file: status-200 responses in the output file, the rest in the
     error file (envelope ``{id, custom_id, response, error}``, line order). A file with no line is
-    not created (its id stays null). Already terminal: returned unchanged (idempotent).
+    not created (its id stays null). Shards not finished are closed (``finished``, lease dropped), so
+    a worker still on one loses its lease. Already terminal: returned unchanged (idempotent).
 
     Args:
         storage: where the files' bytes go (default: the settings' store, `jobs.files.default_storage`);
@@ -469,6 +508,7 @@ def finalize_batch(
 
     if num_pending:
         code, message = _NEVER_RUN_MESSAGES[final]
+        message = message.format(window=batch.completion_window)
         session.execute(
             update(BatchRequest)
             .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING.value)
@@ -493,6 +533,15 @@ def finalize_batch(
             )
             setattr(batch, attribute, file.id)
 
+    session.execute(
+        update(BatchShard)
+        .where(
+            BatchShard.batch_id == batch_id,
+            BatchShard.state.in_([ShardState.QUEUED.value, ShardState.RUNNING.value]),
+        )
+        .values(state=ShardState.FINISHED.value, lease_token=None, lease_expires_at=None, finished_at=now)
+        .execution_options(synchronize_session=False)
+    )
     if final == BatchStatus.COMPLETED:
         # NOTE: finalizing is stamped, but never committed on its own: the files are written in this transaction.
         transition(batch, BatchStatus.FINALIZING, now)
@@ -522,6 +571,6 @@ def _envelope_lines(session: Session, batch_id: str, state: RequestState) -> Ite
         yield (json.dumps(envelope, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _num_rows_updated(result: Result[Any]) -> int:
+def num_rows_updated(result: Result[Any]) -> int:
     """Rows an UPDATE matched (``session.execute`` types its result as ``Result``; an UPDATE's is a ``CursorResult``)."""
     return cast(CursorResult[Any], result).rowcount

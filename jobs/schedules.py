@@ -251,8 +251,8 @@ def run_due_schedules(*, settings: Settings | None = None, now: int | None = Non
     """The beat tick: fire every due schedule once, then validate and enqueue the batches created.
 
     Safe to run concurrently (see the module docstring). A batch whose validation raises (e.g. the
-    broker is unreachable) is logged and stays as `validate_and_start` left it, as after
-    ``POST /v1/batches``.
+    database is unreachable) is logged and stays as `validate_and_start` left it, as after
+    ``POST /v1/batches``; an unreachable broker does not raise (the reaper sends the messages later).
 
     Args:
         now: the tick time in Unix seconds (default: the current time); batches get ``created_at = now``.

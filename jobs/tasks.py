@@ -1,12 +1,16 @@
-"""Celery tasks that need no engine: the scheduled-runs tick, sent by beat (see `jobs.queue`).
+"""Celery tasks that need no engine, both sent by beat (see `jobs.queue`): the scheduled-runs tick and
+the reaper.
 
 Registered on `jobs.queue.celery_app`, which lists this module in ``include``, so any worker of the
-app runs it, the GPU worker and an engine-free ``celery -A jobs.queue:celery_app worker`` alike.
+app runs them, the GPU worker and an engine-free ``celery -A jobs.queue:celery_app worker`` alike.
 """
 
 from __future__ import annotations
 
-from jobs.queue import TICK_SCHEDULES, celery_app
+from typing import Any
+
+from jobs.queue import REAP, TICK_SCHEDULES, celery_app
+from jobs.reaper import reap
 from jobs.schedules import run_due_schedules
 
 
@@ -14,3 +18,15 @@ from jobs.schedules import run_due_schedules
 def tick_schedules() -> list[str]:
     """Fire every due schedule (`jobs.schedules.run_due_schedules`); returns the ids of the batches created."""
     return [run.batch_id for run in run_due_schedules() if run.batch_id is not None]
+
+
+@celery_app.task(name=REAP)
+def reap_stranded_work() -> dict[str, Any]:
+    """One reaper pass (`jobs.reaper.reap`); returns its report as a dict."""
+    report = reap()
+    return {
+        "requeued_shards": report.requeued_shards,
+        "failed_shards": report.failed_shards,
+        "finalized": report.finalized,
+        "messages_sent": report.messages_sent,
+    }

@@ -146,3 +146,17 @@ def test_every_dashboard_metric_is_exposed(tmp_path):
     worker_names = sample_names(parse_scrape(generate_latest(EngineMetrics("m").registry).decode()))
     assert dashboard_metric_names(), "the dashboard queries nothing"
     assert dashboard_metric_names() <= api_names | worker_names, dashboard_metric_names() - api_names - worker_names
+
+
+def test_workers_scale_and_beat_runs_the_reaper(compose):
+    """``docker compose up --scale worker=3``: nothing in the worker service pins one instance (no
+    container name, no published host port); a stop is a SIGTERM, which hands the shard back; beat's
+    command is the one that runs the reaper on its schedule."""
+    from jobs.queue import REAP, celery_app
+
+    worker = compose["services"]["worker"]
+    assert "container_name" not in worker and "ports" not in worker
+    assert worker["stop_signal"] == "SIGTERM"
+    assert "$$HOSTNAME" in " ".join(worker["healthcheck"]["test"])  # each replica checks itself
+    assert compose["services"]["beat"]["command"] == ["batchinfer", "beat"]
+    assert REAP in celery_app.conf.beat_schedule

@@ -1,7 +1,9 @@
-"""Run one batch: every pending line through the engine as one stream, each result persisted as it lands.
+"""Run one shard of a batch: its pending lines through the engine as one stream, each result persisted as it lands.
 
-Flow (plain functions; the Celery task in `worker.tasks` only calls `run_batch`):
-1. Load the batch's pending lines (a re-delivered task resumes where the last run stopped).
+Flow (plain functions; the Celery task in `worker.tasks` only calls `run_next_shard`):
+1. Claim the next queued shard under a lease (`jobs.shards.claim_next_shard`: fair across batches,
+   priority first) and load its pending lines (a shard run again resumes where the last run stopped:
+   lines already recorded are not run again). A `worker.leases.LeaseKeeper` renews the lease.
 2. Parse each line body with its endpoint's schema and map it to prompt token ids + `SamplingParams`
    (`worker.request_mapping`). A line the endpoint rejects (a bad field, a token id outside the
    vocabulary, a prompt longer than the context) gets a 400 ``response`` with an OpenAI error body
@@ -10,10 +12,14 @@ Flow (plain functions; the Celery task in `worker.tasks` only calls `run_batch`)
    prefix cache (docs/engine.md, "Prefix caching"), and add them ALL to the engine; then step until
    done. Continuous batching keeps the running batch full; no line waits for another to finish.
 4. Record each finished line in the database as it finishes, committing in small groups so
-   ``request_counts`` move while the batch runs.
-5. Every few steps, look at the batch row: ``cancelling`` aborts what is still running and finalizes as
-   ``cancelled``; ``expires_at`` passed aborts and finalizes as ``expired``. Finished lines are kept.
-6. `jobs.repository.finalize_batch` writes the output and error files and stamps the terminal status.
+   ``request_counts`` move while the shard runs; first result wins.
+5. After every step, stop when a stop signal came (`worker.shutdown`) or the lease was lost; every
+   few steps, look at the batch row and the lease: ``cancelling`` or ``expires_at`` passed aborts what
+   is still running. Finished lines are kept in every case.
+6. End the shard: finished (every line recorded), handed back (a stop signal, or the batch stopped;
+   the lines not run go back to the queue, never to the error file), or left alone (lease lost: the
+   shard already belongs to someone else). Then settle the batch (`jobs.shards.settle_batch`): the
+   worker ending its last shard writes the output and error files.
 
 After every engine step the runner hands the engine's statistics (`LLMEngine.make_stats`, take and
 reset) and the requests that finished to a `StepObserver`: by default this process's
@@ -22,27 +28,35 @@ reset) and the requests that finished to a `StepObserver`: by default this proce
 
 A failure confined to one line (its mapping, its response body) fails that line only. An exception
 out of ``engine.step()`` cannot be pinned on one line: the lines in flight get a 500 ``server_error``
-response and the batch still finalizes, with everything finished before kept.
+response and the shard still ends, with everything finished before kept. Stopping the process is
+never such a failure: an exception that arrives after a stop was asked for hands the shard back.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
-from jobs import repository
+from kombu.exceptions import OperationalError as BrokerUnreachable
+
+from jobs import repository, shards
 from jobs.config import get_settings
 from jobs.db import session_scope
-from jobs.errors import InvalidRequest, NotFound, error_envelope
+from jobs.errors import InvalidRequest, error_envelope
+from jobs.queue import enqueue_shards
 from jobs.schemas import CHAT_COMPLETIONS
 from jobs.status import BatchStatus
+from jobs.storage import storage_from_settings
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import EngineStats
+from worker.leases import LeaseKeeper, this_worker_id
 from worker.prefix_grouping import order_by_shared_prefix
 from worker.request_mapping import MappedRequest, map_request
 from worker.responses import build_body, context_length_message, new_request_id
@@ -80,6 +94,32 @@ class StepObserver(Protocol):
         """After each step: the engine's statistics since the last step and the requests it finished."""
 
     def batch_ended(self) -> None: ...
+
+
+class ShardEnd(StrEnum):
+    """How a shard run ended."""
+
+    FINISHED = "finished"
+    """every line has its result"""
+    CANCELLED = "cancelled"
+    """the batch is cancelling: handed back, the batch settled"""
+    EXPIRED = "expired"
+    """the batch's window closed: handed back, the batch settled"""
+    HANDED_BACK = "handed_back"
+    """a stop signal: the lines not run are queued again"""
+    LEASE_LOST = "lease_lost"
+    """another worker holds the shard now (or the batch was finalized)"""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRun:
+    """One `run_next_shard` call: which shard of which batch, how it ended, the batch's status after."""
+
+    shard_id: str
+    batch_id: str
+    end: ShardEnd
+    batch_status: BatchStatus
+    num_recorded: int
 
 
 @dataclass(slots=True)
@@ -130,101 +170,185 @@ class _ResultSink:
         self.buffer.clear()
 
 
-def run_batch(
-    batch_id: str,
+def run_next_shard(
     *,
     engine: Engine | None = None,
+    owner: str | None = None,
     model_name: str | None = None,
     database_url: str | None = None,
     commit_every: int = COMMIT_EVERY,
     check_every_steps: int = CHECK_EVERY_STEPS,
     clock: Callable[[], float] = time.time,
     observer: StepObserver | None = None,
-) -> BatchStatus | None:
-    """Run every pending line of ``batch_id`` through ``engine`` and finalize the batch.
+    stop: threading.Event | None = None,
+) -> ShardRun | None:
+    """Claim the next queued shard, run its pending lines through ``engine``, end it, settle its batch.
 
     Args:
-        batch_id: the batch to run: ``in_progress`` runs; ``cancelling`` (or an interrupted
-            ``finalizing``) only finalizes; any other status is left alone.
         engine: the engine to use; default this process's engine (`worker.bootstrap.get_engine`).
+        owner: the lease holder's id; default ``host:pid``.
         model_name: the model name written in response bodies; default ``settings.served_model_name``.
         database_url: default ``settings.database_url``.
-        commit_every: results per commit while the batch runs.
-        check_every_steps: engine steps between looks at the batch row (cancel, expiry); it is also
-            looked at whenever ``CHECK_INTERVAL_S`` seconds have passed since the last look.
-        clock: unix seconds (tests move time to expire a batch).
+        commit_every: results per commit while the shard runs.
+        check_every_steps: engine steps between looks at the batch row and the lease (cancel, expiry,
+            a lease taken over); they are also looked at whenever ``CHECK_INTERVAL_S`` seconds passed.
+        clock: Unix seconds (tests move time to expire a batch).
         observer: told about every engine step; default this process's `worker.telemetry.get_telemetry`.
+        stop: set when the process must stop (`worker.shutdown.requested`): the shard is handed back
+            after the current step.
 
     Returns:
-        The batch's status when the run ends, or None when the batch does not exist. A re-delivered
-        task runs only the lines still pending, and is a no-op on a terminal batch.
+        What happened, or None when no shard was waiting.
+
+    Raises:
+        BaseException: whatever interrupted the run (KeyboardInterrupt, SystemExit), after the lines
+            already finished were recorded and the shard was handed back.
     """
-    now = int(clock())
+    settings = get_settings()
+    stop = stop or threading.Event()
     with session_scope(database_url) as session:
-        try:
-            batch = repository.get_batch(session, batch_id=batch_id)
-        except NotFound:
-            logger.warning("batch %s does not exist; nothing to run", batch_id)
-            return None
-        claimed = repository.claim_batch(session, batch_id=batch_id, now=now)
-        endpoint, expires_at = batch.endpoint, batch.expires_at
-        pending = [(r.id, r.body) for r in repository.pending_requests(session, batch_id=batch_id)] if claimed else []
+        lease = shards.claim_next_shard(
+            session, owner=owner or this_worker_id(), now=clock(), lease_s=settings.lease_expiry_s
+        )
+        pending = (
+            []
+            if lease is None
+            else [
+                (r.id, r.body)
+                for r in repository.pending_requests(session, batch_id=lease.batch_id, shard_id=lease.shard_id)
+            ]
+        )
+    if lease is None:
+        return None
+    logger.info("shard %s of batch %s: %d lines to run", lease.shard_id, lease.batch_id, len(pending))
+    sink = _ResultSink(database_url, commit_every)
+    keeper = LeaseKeeper(
+        lease, database_url=database_url, renew_s=settings.lease_renew_s, expiry_s=settings.lease_expiry_s
+    )
+    keeper.start()
+    try:
+        end = _run_lines(
+            lease,
+            pending,
+            sink,
+            engine=engine,
+            model_name=model_name or settings.served_model_name,
+            database_url=database_url,
+            check_every_steps=check_every_steps,
+            clock=clock,
+            observer=observer,
+            should_stop=lambda: (
+                ShardEnd.HANDED_BACK if stop.is_set() else (ShardEnd.LEASE_LOST if keeper.lost.is_set() else None)
+            ),
+        )
+        sink.flush()
+    except BaseException:
+        logger.warning("shard %s interrupted; recording what finished and handing it back", lease.shard_id)
+        _hand_back_after_interrupt(lease, sink, database_url)
+        raise
+    finally:
+        keeper.stop()
+    status = _end_shard(lease, end, database_url, now=clock())
+    logger.info(
+        "shard %s of batch %s: %d lines recorded, %s; batch %s",
+        lease.shard_id,
+        lease.batch_id,
+        sink.num_recorded,
+        end.value,
+        status.value,
+    )
+    return ShardRun(lease.shard_id, lease.batch_id, end, status, sink.num_recorded)
 
-    if not claimed:
-        status = _current_status(batch_id, database_url)
-        if status in (BatchStatus.CANCELLING, BatchStatus.FINALIZING):
-            return _finalize(batch_id, database_url, now=now)
-        return status
-    if not pending or now >= expires_at:
-        return _finalize(batch_id, database_url, now=now)
 
+def _run_lines(
+    lease: shards.Lease,
+    pending: list[tuple[str, dict[str, Any]]],
+    sink: _ResultSink,
+    *,
+    engine: Engine | None,
+    model_name: str,
+    database_url: str | None,
+    check_every_steps: int,
+    clock: Callable[[], float],
+    observer: StepObserver | None,
+    should_stop: Callable[[], ShardEnd | None],
+) -> ShardEnd:
+    if not pending:
+        return ShardEnd.FINISHED
     if engine is None:
         from worker.bootstrap import get_engine
 
         engine = get_engine()
-    model_name = model_name or get_settings().served_model_name
     if observer is None:
         from worker.telemetry import get_telemetry
 
         observer = get_telemetry(model_name, getattr(engine, "max_model_len", 8192))
-    sink = _ResultSink(database_url, commit_every)
-    observer.batch_started(batch_id)
+    observer.batch_started(lease.batch_id)
     try:
-        outcome = _stream(
+        return _stream(
             engine,
-            endpoint,
+            lease,
             pending,
             sink,
             model_name=model_name,
-            batch_id=batch_id,
             database_url=database_url,
-            expires_at=expires_at,
             check_every_steps=check_every_steps,
             clock=clock,
             observer=observer,
+            should_stop=should_stop,
         )
     finally:
         observer.batch_ended()
-    sink.flush()
-    logger.info("batch %s: %d lines recorded, ending as %s", batch_id, sink.num_recorded, outcome or "finished")
-    return _finalize(batch_id, database_url, now=int(clock()))
+
+
+def _end_shard(lease: shards.Lease, end: ShardEnd, database_url: str | None, *, now: float) -> BatchStatus:
+    """Finish or hand back the shard (unless its lease is lost), then settle the batch."""
+    storage = storage_from_settings(get_settings())
+    with session_scope(database_url) as session:
+        if end == ShardEnd.FINISHED:
+            shards.finish_shard(session, lease=lease, now=int(now))
+        elif end != ShardEnd.LEASE_LOST:
+            shards.hand_back_shard(session, lease=lease)
+        status = shards.settle_batch(session, batch_id=lease.batch_id, now=now, storage=storage)
+    if end == ShardEnd.HANDED_BACK and status == BatchStatus.IN_PROGRESS:
+        _send_message_for(lease)
+    return status
+
+
+def _hand_back_after_interrupt(lease: shards.Lease, sink: _ResultSink, database_url: str | None) -> None:
+    """Best effort on the way out of an interrupted run: record what finished, hand the shard back."""
+    try:
+        sink.flush()
+        with session_scope(database_url) as session:
+            shards.hand_back_shard(session, lease=lease)
+    except Exception:
+        logger.exception("shard %s: could not hand it back; its lease will lapse instead", lease.shard_id)
+        return
+    _send_message_for(lease)
+
+
+def _send_message_for(lease: shards.Lease) -> None:
+    try:
+        enqueue_shards(1)
+    except BrokerUnreachable as exc:
+        logger.warning("shard %s handed back; broker unreachable (%s), the reaper will queue it", lease.shard_id, exc)
 
 
 def _stream(
     engine: Engine,
-    endpoint: str,
+    lease: shards.Lease,
     pending: list[tuple[str, dict[str, Any]]],
     sink: _ResultSink,
     *,
     model_name: str,
-    batch_id: str,
     database_url: str | None,
-    expires_at: int,
     check_every_steps: int,
     clock: Callable[[], float],
     observer: StepObserver,
-) -> str | None:
-    """Feed all lines, step until done; returns ``"cancelled"``/``"expired"`` when stopped early."""
+    should_stop: Callable[[], ShardEnd | None],
+) -> ShardEnd:
+    """Feed all lines, step until done (`ShardEnd.FINISHED`) or until told to stop (how, returned)."""
+    endpoint, batch_id = lease.endpoint, lease.batch_id
     mapped = _map_lines(engine, endpoint, pending, sink)
     in_flight: dict[str, MappedRequest] = {}
     try:
@@ -249,11 +373,16 @@ def _stream(
             try:
                 outputs = engine.step()
             except Exception as exc:
+                stop = should_stop()
+                if stop is not None:
+                    # NOTE: an error while the process is being stopped is the stop's doing, not the lines'.
+                    logger.warning("batch %s: engine step interrupted (%s) while stopping: %s", batch_id, exc, stop)
+                    return stop
                 logger.exception("batch %s: engine step failed; failing %d lines in flight", batch_id, len(in_flight))
                 for request_id in list(in_flight):
                     sink.add(_server_error(request_id, f"the engine failed while running this request: {exc}"))
                 _abort(engine, in_flight)
-                return None
+                return ShardEnd.FINISHED
             observer.step_done(engine.make_stats(), outputs)
             for output in outputs:
                 if not output.finished or output.request_id not in in_flight:
@@ -266,15 +395,18 @@ def _stream(
                     sink.add(_server_error(request_id, "the engine finished without returning this request's output"))
                 in_flight.clear()
             num_steps += 1
-            if num_steps % check_every_steps == 0 or time.monotonic() - last_check_s >= CHECK_INTERVAL_S:
+            stop = should_stop()
+            if stop is None and (
+                num_steps % check_every_steps == 0 or time.monotonic() - last_check_s >= CHECK_INTERVAL_S
+            ):
                 last_check_s = time.monotonic()
                 sink.flush()
-                stop = _should_stop(batch_id, database_url, expires_at, clock)
-                if stop is not None:
-                    logger.info("batch %s: %s with %d lines in flight", batch_id, stop, len(in_flight))
-                    _abort(engine, in_flight)
-                    return stop
-        return None
+                stop = _batch_stopped(lease, database_url, clock)
+            if stop is not None and in_flight:
+                logger.info("batch %s: %s with %d lines in flight", batch_id, stop.value, len(in_flight))
+                _abort(engine, in_flight)
+                return stop
+        return ShardEnd.FINISHED
     finally:
         # NOTE: the engine outlives this batch; nothing of ours may linger in it after an error.
         _abort(engine, in_flight)
@@ -294,11 +426,17 @@ def _map_lines(
     return mapped
 
 
-def _should_stop(batch_id: str, database_url: str | None, expires_at: int, clock: Callable[[], float]) -> str | None:
-    if _current_status(batch_id, database_url) == BatchStatus.CANCELLING:
-        return "cancelled"
-    if clock() >= expires_at:
-        return "expired"
+def _batch_stopped(lease: shards.Lease, database_url: str | None, clock: Callable[[], float]) -> ShardEnd | None:
+    """Whether the batch was cancelled, expired or finalized, or the lease was taken over."""
+    with session_scope(database_url) as session:
+        status = repository.batch_status(session, batch_id=lease.batch_id)
+        held = shards.holds_lease(session, lease=lease)
+    if status == BatchStatus.CANCELLING:
+        return ShardEnd.CANCELLED
+    if status != BatchStatus.IN_PROGRESS or clock() >= lease.batch_expires_at:
+        return ShardEnd.EXPIRED if status in (BatchStatus.IN_PROGRESS, BatchStatus.EXPIRED) else ShardEnd.CANCELLED
+    if not held:
+        return ShardEnd.LEASE_LOST
     return None
 
 
@@ -309,17 +447,6 @@ def _abort(engine: Engine, in_flight: dict[str, MappedRequest]) -> None:
         except Exception:
             logger.exception("could not abort %s", request_id)
     in_flight.clear()
-
-
-def _current_status(batch_id: str, database_url: str | None) -> BatchStatus:
-    with session_scope(database_url) as session:
-        return repository.batch_status(session, batch_id=batch_id)
-
-
-def _finalize(batch_id: str, database_url: str | None, *, now: int) -> BatchStatus:
-    """Terminal status from the rows: completed, or cancelled / expired with never-run lines marked."""
-    with session_scope(database_url) as session:
-        return BatchStatus(repository.finalize_batch(session, batch_id=batch_id, now=now).status)
 
 
 def _completed(output: RequestOutput, request: MappedRequest, *, model_name: str, tokenizer: Any) -> LineResult:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from jobs.config import BUILTIN_MODEL, Settings
 from jobs.db import session_scope
-from jobs.queue import RUN_BATCH
-from jobs.repository import claim_batch
+from jobs.queue import RUN_SHARD
+from jobs.shards import claim_next_shard
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, completion_line, jsonl, queued_tasks
 
 BATCH_KEYS = {
@@ -86,7 +87,7 @@ def test_create_returns_validating_batch_then_validation_starts_it(client: Any, 
     assert batch["status"] == "in_progress" and batch["in_progress_at"] >= batch["created_at"]
     assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
     assert batch["model"] == BUILTIN_MODEL
-    assert queued_tasks(service_settings.broker_url) == [(RUN_BATCH, [created["id"]])]
+    assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])]
 
 
 def test_bad_input_file_fails_the_batch_with_line_numbered_errors(client: Any, service_settings: Settings) -> None:
@@ -186,7 +187,7 @@ def test_cancel_unclaimed_batch_is_cancelled_at_once_with_error_file(client: Any
 def test_cancel_claimed_batch_waits_for_the_worker(client: Any) -> None:
     batch_id = _create(client, _upload(client, [chat_line("a")])).json()["id"]
     with session_scope() as session:
-        assert claim_batch(session, batch_id=batch_id)
+        assert claim_next_shard(session, owner="test:1", now=time.time(), lease_s=60)
     batch = client.post(f"/v1/batches/{batch_id}/cancel").json()
     assert batch["status"] == "cancelling" and batch["cancelled_at"] is None
 
@@ -204,8 +205,6 @@ def test_batches_left_validating_by_an_earlier_process_are_resumed_at_start_up(
     client: Any, service_settings: Settings
 ) -> None:
     """The API stopped between creating a batch and validating it: the next start-up validates and starts it."""
-    import time
-
     from jobs.intake import resume_validating_batches
     from jobs.repository import create_batch
     from tests.helpers.service import api_client
@@ -222,4 +221,4 @@ def test_batches_left_validating_by_an_earlier_process_are_resumed_at_start_up(
             time.sleep(0.05)
 
     assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 2
-    assert queued_tasks(service_settings.broker_url) == [(RUN_BATCH, [batch_id])]
+    assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])]

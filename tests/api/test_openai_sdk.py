@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,8 +12,9 @@ import pytest
 
 from jobs.config import Settings
 from jobs.db import session_scope
-from jobs.queue import RUN_BATCH
-from jobs.repository import claim_batch, finalize_batch, pending_requests, record_result
+from jobs.queue import RUN_SHARD
+from jobs.repository import finalize_batch, pending_requests, record_result
+from jobs.shards import claim_next_shard
 from tests.helpers.service import CHAT, chat_line, jsonl, openai_client, queued_tasks
 
 
@@ -34,11 +36,11 @@ def test_sdk_upload_create_retrieve_run_download(sdk: openai.OpenAI, service_set
     assert batch.status == "validating" and batch.metadata == {"owner": "eval"}
     batch = sdk.batches.retrieve(batch.id)
     assert batch.status == "in_progress" and batch.request_counts.total == 2
-    assert queued_tasks(service_settings.broker_url) == [(RUN_BATCH, [batch.id])]
+    assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])]
 
     # Play the worker's part through the repository, as worker/ does.
     with session_scope() as session:
-        assert claim_batch(session, batch_id=batch.id)
+        assert claim_next_shard(session, owner="test:1", now=time.time(), lease_s=60)
         for row in pending_requests(session, batch_id=batch.id):
             body = {
                 "object": "chat.completion",
@@ -139,7 +141,7 @@ def test_sdk_over_real_http_server(service_settings: Settings) -> None:
             time.sleep(0.05)
             batch = sdk.batches.retrieve(batch.id)
         assert batch.status == "in_progress" and batch.request_counts.total == 2
-        assert queued_tasks(service_settings.broker_url) == [(RUN_BATCH, [batch.id])]
+        assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])]
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -9,6 +9,7 @@ from typing import Any
 from jobs import repository, workers
 from jobs.config import Settings
 from jobs.db import session_scope
+from jobs.shards import claim_next_shard
 from jobs.status import now_s
 from tests.helpers.service import CHAT, chat_line, jsonl
 
@@ -21,7 +22,7 @@ def _start_batch(client: Any, num_lines: int) -> str:
 
 def _record(settings: Settings, batch_id: str, *, ok: int, failed: int, start: int) -> None:
     with session_scope(settings.database_url) as session:
-        repository.claim_batch(session, batch_id=batch_id, now=start)
+        claim_next_shard(session, owner="test:1", now=start, lease_s=60)
         pending = repository.pending_requests(session, batch_id=batch_id)
         for i, line in enumerate(pending[:ok]):
             body = {"usage": {"completion_tokens": 10}}

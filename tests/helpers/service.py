@@ -11,7 +11,7 @@ Fixtures:
   configured for them. The ``postgres`` variant carries the ``postgres`` marker, shares one database
   per test session (see ``postgres_url``) and empties its tables before each test.
 - ``sqlite_settings``: the same, SQLite only.
-- ``postgres_url`` (session scope): a fresh database ``batchinfer_test_<hex>`` on the server at
+- ``postgres_url`` (session scope; `postgres_database` for one of your own): a fresh database ``batchinfer_test_<hex>`` on the server at
   ``BATCHINFER_TEST_POSTGRES_URL`` (default ``postgresql+psycopg://root@127.0.0.1:5432/postgres``),
   migrated, dropped at the end; the test is skipped with the reason when the server is unreachable.
 - ``redis_broker_url``: database 15 of the Redis at ``BATCHINFER_TEST_REDIS_URL`` (default
@@ -95,9 +95,10 @@ def _admin_connect() -> Any:
     )
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """A fresh, migrated PostgreSQL database for this test session (dropped afterwards)."""
+@contextmanager
+def postgres_database() -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database ``batchinfer_test_<hex>`` for the block (dropped afterwards);
+    skips the test when the server is unreachable."""
     import psycopg
 
     try:
@@ -117,6 +118,13 @@ def postgres_url() -> Iterator[str]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for this test session (dropped afterwards)."""
+    with postgres_database() as url:
+        yield url
+
+
 def _teardown() -> None:
     get_settings.cache_clear()
     dispose_engines()
@@ -132,7 +140,7 @@ def service_settings(
         database_url = request.getfixturevalue("postgres_url")
         with get_engine(database_url).begin() as connection:
             connection.execute(
-                text("TRUNCATE batch_requests, batches, files, file_chunks, schedules, workers, api_keys")
+                text("TRUNCATE batch_requests, batch_shards, batches, files, file_chunks, schedules, workers, api_keys")
             )
     yield configure_service(monkeypatch, tmp_path / "data", database_url=database_url)
     _teardown()

@@ -25,7 +25,6 @@ from jobs.repository import (
     apply_validation,
     batch_status,
     cancel_batch,
-    claim_batch,
     create_batch,
     finalize_batch,
     get_batch,
@@ -34,12 +33,18 @@ from jobs.repository import (
     record_result,
 )
 from jobs.schemas import LineError
+from jobs.shards import claim_next_shard
 from jobs.status import BatchStatus, IllegalTransition
 from jobs.validation import ValidatedLine
 from tests.helpers.service import CHAT, chat_line, jsonl, postgres_url, service_settings  # noqa: F401
 
 T0 = 1_800_000_000
 NUM_LINES = 6
+
+
+def _claim(session: Session, now: int = T0 + 1) -> bool:
+    """A worker claims the batch's (single) shard."""
+    return claim_next_shard(session, owner="test:1", now=now, lease_s=60) is not None
 
 
 def _ok(request_id: str, tokens: int = 3) -> dict[str, Any]:
@@ -101,6 +106,7 @@ def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k" * 65: "v"}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k": "v" * 513}}, "metadata"),
+            ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"priority": "high"}}, "metadata"),
         ]
         for kwargs, param in cases:
             with pytest.raises(InvalidRequest) as info:
@@ -131,7 +137,7 @@ def test_completed_batch_every_line_in_exactly_one_file(service_settings: Settin
         batch_id = batch.id
         assert batch.status == "in_progress" and batch.total_requests == NUM_LINES and batch.model == "m"
     with session_scope() as session:
-        assert claim_batch(session, batch_id=batch_id)
+        assert _claim(session)
         pending = pending_requests(session, batch_id=batch_id)
         assert [row.line_number for row in pending] == list(range(1, NUM_LINES + 1))
         for row in pending[:4]:
@@ -181,7 +187,7 @@ def test_finalize_refuses_an_unfinished_unexpired_batch(service_settings: Settin
 def test_cancel_after_claim_then_finalize_keeps_finished_lines(service_settings: Settings) -> None:
     with session_scope() as session:
         batch_id = _new_batch(session, service_settings).id
-        assert claim_batch(session, batch_id=batch_id)
+        assert _claim(session)
         for row in pending_requests(session, batch_id=batch_id)[:2]:
             record_result(
                 session, request_id=row.id, response=_ok(row.id), error=None, prompt_tokens=1, completion_tokens=1
@@ -190,7 +196,7 @@ def test_cancel_after_claim_then_finalize_keeps_finished_lines(service_settings:
         batch = cancel_batch(session, batch_id=batch_id, now=T0 + 10)
         assert batch.status == "cancelling" and batch.cancelling_at == T0 + 10
         assert batch_status(session, batch_id=batch_id) == BatchStatus.CANCELLING
-        assert not claim_batch(session, batch_id=batch_id)
+        assert not _claim(session)
     with session_scope() as session:
         batch = finalize_batch(session, batch_id=batch_id, now=T0 + 20)
         assert batch.status == "cancelled" and batch.cancelled_at == T0 + 20
@@ -210,7 +216,7 @@ def test_cancel_before_any_worker_claims_finalizes_at_once(service_settings: Set
         assert output == [] and batch.output_file_id is None
         assert [line["error"]["code"] for line in errors] == ["batch_cancelled"] * NUM_LINES
     with session_scope() as session:
-        assert not claim_batch(session, batch_id=batch_id)
+        assert not _claim(session)
         assert pending_requests(session, batch_id=batch_id) == []
 
 
@@ -252,7 +258,7 @@ def test_expired_batch_keeps_finished_lines_and_reports_the_rest(service_setting
         batch = _new_batch(session, service_settings)
         batch_id, expires_at = batch.id, batch.expires_at
         assert not is_past_expiry(batch, expires_at - 1) and is_past_expiry(batch, expires_at)
-        assert claim_batch(session, batch_id=batch_id)
+        assert _claim(session)
         for row in pending_requests(session, batch_id=batch_id)[:3]:
             record_result(session, request_id=row.id, response=_ok(row.id), error=None)
     with session_scope() as session:

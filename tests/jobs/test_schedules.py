@@ -18,7 +18,7 @@ from jobs.db import get_engine, session_scope
 from jobs.errors import InvalidRequest
 from jobs.files import delete_file, get_file, write_file
 from jobs.models import Batch, Schedule
-from jobs.queue import RUN_BATCH, SCHEDULE_TICK_S, TICK_SCHEDULES, celery_app
+from jobs.queue import RUN_SHARD, SCHEDULE_TICK_S, TICK_SCHEDULES, celery_app
 from jobs.repository import get_batch
 from jobs.schedules import (
     ScheduledRun,
@@ -148,7 +148,7 @@ def test_tick_creates_one_batch_per_due_schedule_and_advances(settings: Settings
             assert (schedule.next_run_at, schedule.last_run_at) == (next_run_at, last_run_at)
             assert len(_batches_of(session, schedule_id)) == (0 if last_run_at is None else 1)
         assert get_schedule(session, schedule_id=hourly).last_batch_id == runs[1].batch_id
-    assert sorted(queued_tasks(settings.broker_url)) == sorted((RUN_BATCH, [run.batch_id]) for run in runs)
+    assert queued_tasks(settings.broker_url) == [(RUN_SHARD, [])] * len(runs)
 
     assert run_due_schedules(now=T0) == []
     assert run_due_schedules(now=T0 + 299) == []
@@ -202,7 +202,7 @@ def test_beat_sends_the_tick_and_the_task_runs_without_the_engine(settings: Sett
 @pytest.fixture
 def pg_settings(postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
     with get_engine(postgres_url).begin() as connection:
-        connection.execute(text("TRUNCATE schedules, batch_requests, batches, files"))
+        connection.execute(text("TRUNCATE schedules, batch_requests, batch_shards, batches, files"))
     settings = configure_service(monkeypatch, tmp_path / "data", database_url=postgres_url)
     yield settings
     _clear_schedules(postgres_url)

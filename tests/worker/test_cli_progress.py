@@ -16,8 +16,8 @@ import pytest
 
 from jobs.config import get_settings
 from tests.helpers.service import completion_line, jsonl, queued_tasks
+from tests.helpers.stand_in_engine import StandInEngine
 from tests.worker.test_cli import data_dir, live_api  # noqa: F401  (fixtures)
-from tests.worker.test_runner import StandInEngine
 from worker import runner
 from worker.metrics import EngineMetrics
 from worker.telemetry import WorkerActivity, WorkerTelemetry
@@ -33,9 +33,9 @@ def stand_in_worker(live_api, served_tokenizer):
 
     def work() -> None:
         while not stop.is_set():
-            for _name, (batch_id, *_rest) in queued_tasks(get_settings().broker_url):
+            for _message in queued_tasks(get_settings().broker_url):
                 engine = StandInEngine(served_tokenizer, max_num_seqs=2, on_step=lambda _: time.sleep(0.05))
-                runner.run_batch(batch_id, engine=engine, commit_every=1, observer=telemetry)
+                runner.run_next_shard(engine=engine, commit_every=1, observer=telemetry)
             stop.wait(0.2)
 
     thread = threading.Thread(target=work, daemon=True)

@@ -9,9 +9,6 @@ The real engine runs in tests/e2e.
 from __future__ import annotations
 
 import json
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -22,96 +19,8 @@ from jobs.files import file_chunks, get_file, write_file
 from jobs.status import BatchStatus
 from jobs.validation import ValidatedLine
 from tests.helpers.service import completion_line, jsonl
+from tests.helpers.stand_in_engine import StandInEngine, run_batch
 from worker import runner
-from worker.engine.errors import PromptTooLongError
-from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.stats import EngineStats
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[list[int]] = field(default_factory=list)
-
-
-class StandInEngine:
-    """Emits token ``token_id + sample index`` once per step for each running request until its limit."""
-
-    def __init__(
-        self, tokenizer, *, max_model_len: int = 64, max_num_seqs: int = 4, on_step: Callable[[int], None] | None = None
-    ):
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.on_step = on_step
-        self.token_id = tokenizer.encode(" ok")[0]
-        self.waiting: deque[_Request] = deque()
-        self.running: dict[str, _Request] = {}
-        self.num_steps = 0
-        self.num_added = 0
-        self.num_added_at_first_step: int | None = None
-        self.aborted: list[str] = []
-        self.stats = EngineStats()
-
-    def make_stats(self):
-        stats, self.stats = self.stats, EngineStats()
-        stats.num_running_reqs, stats.num_waiting_reqs = len(self.running), len(self.waiting)
-        return stats
-
-    def add_request(self, request_id, prompt, params):
-        assert isinstance(prompt, list), "the runner feeds token ids"
-        if len(prompt) >= self.max_model_len:
-            raise PromptTooLongError(len(prompt), self.max_model_len)
-        self.waiting.append(_Request(request_id, prompt, params, [[] for _ in range(params.n)]))
-        self.num_added += 1
-
-    def abort_request(self, request_id):
-        self.running.pop(request_id, None)
-        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
-        self.aborted.append(request_id)
-
-    def has_unfinished_requests(self):
-        return bool(self.waiting or self.running)
-
-    def step(self):
-        if self.num_added_at_first_step is None:
-            self.num_added_at_first_step = self.num_added
-        if self.on_step is not None:
-            self.on_step(self.num_steps)
-        self.num_steps += 1
-        self.stats.num_steps += 1
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
-            self.running[request.request_id] = request
-        finished = []
-        for request in list(self.running.values()):
-            room = self.max_model_len - len(request.prompt_token_ids)
-            limit = min(request.params.max_tokens or room, room)
-            for idx, sample in enumerate(request.samples):
-                sample.append(self.token_id + idx)
-                self.stats.num_generation_tokens += 1
-            if len(request.samples[0]) >= limit:
-                del self.running[request.request_id]
-                finished.append(self._output(request))
-        return finished
-
-    def _output(self, request):
-        outputs = []
-        for idx, sample in enumerate(request.samples):
-            logprobs = None
-            if request.params.logprobs is not None:
-                logprobs = [{t: Logprob(-0.5, self.tokenizer.decode([t]))} for t in sample]
-            outputs.append(
-                CompletionOutput(
-                    idx, self.tokenizer.decode(sample), list(sample), logprobs=logprobs, finish_reason="length"
-                )
-            )
-        return RequestOutput(
-            request.request_id, None, request.prompt_token_ids, outputs, finished=True, num_cached_tokens=0
-        )
 
 
 @pytest.fixture
@@ -162,7 +71,7 @@ def test_all_lines_run_as_one_stream_and_complete(service, served_tokenizer):
     batch_id = make_batch(bodies)
     engine = StandInEngine(served_tokenizer)
 
-    status = runner.run_batch(batch_id, engine=engine, commit_every=3, check_every_steps=2)
+    status = run_batch(batch_id, engine=engine, commit_every=3, check_every_steps=2)
 
     assert status == BatchStatus.COMPLETED
     assert engine.num_added_at_first_step == 10  # every line queued before the first step
@@ -191,9 +100,7 @@ def test_request_counts_move_while_the_batch_runs(service, served_tokenizer):
         with session_scope() as session:
             seen.append(repository.get_batch(session, batch_id=batch_id).completed_requests)
 
-    runner.run_batch(
-        batch_id, engine=StandInEngine(served_tokenizer, on_step=look), commit_every=2, check_every_steps=1
-    )
+    run_batch(batch_id, engine=StandInEngine(served_tokenizer, on_step=look), commit_every=2, check_every_steps=1)
 
     assert any(0 < count < 12 for count in seen), seen
     assert seen == sorted(seen)
@@ -210,7 +117,7 @@ def test_too_long_and_invalid_lines_fail_alone(service, served_tokenizer):
     batch_id = make_batch(bodies)
     engine = StandInEngine(served_tokenizer, max_model_len=64)
 
-    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
 
     batch, output, errors = read_results(batch_id)
     assert set(output) == {"line-1", "line-4"}
@@ -246,10 +153,10 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     with session_scope() as session:
         file = write_file(session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch")
         batch_id = repository.create_batch(session, input_file_id=file.id, endpoint="/v1/completions").id
-    monkeypatch.setattr(intake, "enqueue_batch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(intake, "enqueue_shards", lambda *args, **kwargs: 0)
     assert intake.validate_and_start(batch_id, settings=settings) == BatchStatus.IN_PROGRESS
 
-    assert runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
 
     batch, output, errors = read_results(batch_id)
     assert set(output) == {"first", "last"} and set(errors) == {"middle"}
@@ -275,7 +182,7 @@ def test_cancel_aborts_in_flight_lines_and_keeps_finished(service, served_tokeni
                 repository.cancel_batch(session, batch_id=batch_id)
 
     engine = StandInEngine(served_tokenizer, on_step=cancel_at)
-    assert runner.run_batch(batch_id, engine=engine, check_every_steps=2) == BatchStatus.CANCELLED
+    assert run_batch(batch_id, engine=engine, check_every_steps=2) == BatchStatus.CANCELLED
 
     assert not engine.has_unfinished_requests() and engine.aborted
     batch, output, errors = read_results(batch_id)
@@ -298,7 +205,7 @@ def test_expiry_stops_the_run_and_keeps_finished(service, served_tokenizer):
             now[0] = expires_at + 1
 
     engine = StandInEngine(served_tokenizer, on_step=pass_expiry)
-    status = runner.run_batch(batch_id, engine=engine, check_every_steps=2, clock=lambda: now[0])
+    status = run_batch(batch_id, engine=engine, check_every_steps=2, clock=lambda: now[0])
 
     assert status == BatchStatus.EXPIRED
     assert not engine.has_unfinished_requests()
@@ -315,7 +222,7 @@ def test_engine_fault_fails_lines_in_flight_but_not_the_batch(service, served_to
             raise RuntimeError("device lost")
 
     engine = StandInEngine(served_tokenizer, on_step=explode)
-    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
 
     assert not engine.has_unfinished_requests()
     _, output, errors = read_results(batch_id)
@@ -335,7 +242,7 @@ def test_n_choices_and_chat_endpoint(service, served_tokenizer):
     }
     batch_id = make_batch([chat, dict(chat, n=1)], endpoint="/v1/chat/completions")
 
-    assert runner.run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=StandInEngine(served_tokenizer)) == BatchStatus.COMPLETED
 
     _, output, _ = read_results(batch_id)
     body = output["line-1"]["response"]["body"]
@@ -349,11 +256,11 @@ def test_n_choices_and_chat_endpoint(service, served_tokenizer):
 def test_rerun_of_a_finished_batch_is_a_no_op(service, served_tokenizer):
     batch_id = make_batch([completion("p")])
     engine = StandInEngine(served_tokenizer)
-    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
     steps = engine.num_steps
-    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
     assert engine.num_steps == steps
-    assert runner.run_batch("batch_missing", engine=engine) is None
+    assert runner.run_next_shard(engine=engine) is None
 
 
 def test_lines_the_engine_drops_fail_instead_of_hanging(service, served_tokenizer):
@@ -365,7 +272,7 @@ def test_lines_the_engine_drops_fail_instead_of_hanging(service, served_tokenize
         def step(self):
             return [out for out in super().step() if out.request_id != lost_id]
 
-    assert runner.run_batch(batch_id, engine=Forgetful(served_tokenizer)) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=Forgetful(served_tokenizer)) == BatchStatus.COMPLETED
     _, output, errors = read_results(batch_id)
     assert set(output) == {"line-1", "line-3"}
     assert errors["line-2"]["response"]["status_code"] == 500
@@ -394,7 +301,7 @@ def test_token_ids_outside_the_vocabulary_or_an_unreachable_min_tokens_fail_thei
     ]
     batch_id = make_batch(bodies)
 
-    assert runner.run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=engine) == BatchStatus.COMPLETED
 
     _, output, errors = read_results(batch_id)
     assert set(output) == {"line-1", "line-6", "line-7"}
@@ -412,3 +319,72 @@ def test_token_ids_outside_the_vocabulary_or_an_unreachable_min_tokens_fail_thei
         error = response["body"]["error"]
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_value", param)
         assert all(number in error["message"] for number in numbers), error["message"]
+
+
+def test_a_stop_signal_hands_the_shard_back_and_fails_no_line(service, served_tokenizer):
+    """The stop event (what SIGTERM / SIGQUIT / Ctrl-C set in a worker) ends the run after the current
+    step: finished lines are recorded, the rest stay pending in a queued shard, nothing is an error."""
+    import threading
+
+    from jobs.models import BatchShard
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
+    stop = threading.Event()
+    engine = StandInEngine(served_tokenizer, on_step=lambda step: stop.set() if step == 5 else None)
+
+    run = runner.run_next_shard(engine=engine, stop=stop)
+
+    assert run.end == runner.ShardEnd.HANDED_BACK and run.batch_status == BatchStatus.IN_PROGRESS
+    assert not engine.has_unfinished_requests() and len(engine.aborted) == 8
+    with session_scope() as session:
+        batch = repository.get_batch(session, batch_id=batch_id)
+        assert (batch.completed_requests, batch.failed_requests) == (4, 0)
+        shard = session.get(BatchShard, run.shard_id)
+        assert (shard.state, shard.attempts, shard.lease_token) == ("queued", 0, None)
+    again = StandInEngine(served_tokenizer)
+    assert run_batch(batch_id, engine=again) == BatchStatus.COMPLETED
+    assert again.num_added == 8  # only the lines not finished before the stop
+    _, output, errors = read_results(batch_id)
+    assert len(output) == 12 and errors == {}
+
+
+def test_an_exception_while_stopping_is_not_the_lines_failure(service, served_tokenizer):
+    """Celery's cold shutdown used to raise out of the engine step: after a stop, that hands back too."""
+    import threading
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(6)])
+    stop = threading.Event()
+
+    def interrupted(step: int) -> None:
+        if step == 2:
+            stop.set()
+            raise NotImplementedError("terminate_job")  # what the solo pool raises on a cold shutdown
+
+    run = runner.run_next_shard(engine=StandInEngine(served_tokenizer, on_step=interrupted), stop=stop)
+
+    assert run.end == runner.ShardEnd.HANDED_BACK
+    with session_scope() as session:
+        batch = repository.get_batch(session, batch_id=batch_id)
+        assert batch.failed_requests == 0 and batch.status == "in_progress"
+
+
+def test_a_lost_lease_stops_the_run_and_leaves_the_shard_to_its_new_holder(service, served_tokenizer):
+    from sqlalchemy import update
+
+    from jobs.models import BatchShard
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=4) for i in range(12)])
+
+    def taken_over(step: int) -> None:
+        if step == 5:
+            with session_scope() as session:
+                session.execute(update(BatchShard).values(lease_token="someone-else"))
+
+    engine = StandInEngine(served_tokenizer, on_step=taken_over)
+    run = runner.run_next_shard(engine=engine, check_every_steps=1)
+
+    assert run.end == runner.ShardEnd.LEASE_LOST and not engine.has_unfinished_requests()
+    with session_scope() as session:
+        shard = session.get(BatchShard, run.shard_id)
+        assert (shard.state, shard.lease_token) == ("running", "someone-else")
+        assert repository.get_batch(session, batch_id=batch_id).failed_requests == 0

@@ -15,8 +15,8 @@ from jobs import workers
 from jobs.db import session_scope
 from jobs.status import BatchStatus
 from tests.e2e.processes import free_port
-from tests.worker.test_runner import StandInEngine, completion, make_batch, service  # noqa: F401
-from worker import runner
+from tests.helpers.stand_in_engine import StandInEngine, run_batch
+from tests.worker.test_runner import completion, make_batch, service  # noqa: F401
 from worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics, serve_metrics, token_count_buckets
@@ -44,7 +44,7 @@ def test_runner_feeds_step_stats_and_finished_requests_to_the_metrics(service, s
         served_tokenizer, max_num_seqs=2, on_step=lambda _: seen_batch.append(telemetry.activity.current_batch_id)
     )
 
-    assert runner.run_batch(batch_id, engine=engine, observer=telemetry) == BatchStatus.COMPLETED
+    assert run_batch(batch_id, engine=engine, observer=telemetry) == BatchStatus.COMPLETED
 
     samples = scrape(telemetry.metrics.registry)
     assert samples["batchinfer:generation_tokens_total{}"] == 15

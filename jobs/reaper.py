@@ -1,0 +1,111 @@
+"""The reaper: what beat does every ``Settings.reaper_interval_s`` so that no accepted batch is stranded.
+
+One pass (`reap`), each step in its own short transactions, every step safe to run twice or
+from two beat processes at once:
+
+1. **Lapsed leases.** A ``running`` shard whose lease lapsed (its worker was killed, hung, or lost
+   the database) goes back to ``queued``; on its ``shard_max_attempts``-th loss it ``failed`` and its
+   pending lines get ``shard_failed`` errors (`jobs.shards.reclaim_lapsed_shard`).
+2. **Settling.** A batch past ``expires_at`` is finalized ``expired`` whether or not a worker ever
+   took it (finished lines stay in the output file, the rest go to the error file as
+   ``batch_expired``); a ``cancelling`` batch nobody holds a live lease on is finalized
+   ``cancelled``; an ``in_progress`` batch with nothing left to run is finalized ``completed``
+   (`jobs.shards.settle_batch`).
+3. **Messages.** The work queue is topped up to one message per claimable shard: shards whose message
+   never reached the broker (it was down when the batch was validated), or was lost with a killed
+   worker, reach a worker within one interval of the broker answering.
+
+Database or broker trouble in a step is logged and the pass goes on; the next pass retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kombu.exceptions import OperationalError as BrokerUnreachable
+from sqlalchemy.exc import SQLAlchemyError
+
+from jobs.config import Settings, get_settings
+from jobs.db import session_scope
+from jobs.queue import enqueue_shards, num_waiting_messages
+from jobs.shards import batches_to_settle, lapsed_shards, num_queued_shards, reclaim_lapsed_shard, settle_batch
+from jobs.status import BatchStatus
+from jobs.storage import storage_from_settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ReapReport:
+    """What one pass did: shards re-queued and failed, batches finalized (id -> status), messages sent."""
+
+    requeued_shards: list[str] = field(default_factory=list)
+    failed_shards: list[str] = field(default_factory=list)
+    finalized: dict[str, str] = field(default_factory=dict)
+    messages_sent: int = 0
+
+
+def reap(*, settings: Settings | None = None, now: float | None = None) -> ReapReport:
+    """One reaper pass (see the module docstring); ``now`` is Unix seconds (default the current time)."""
+    settings = settings or get_settings()
+    now = time.time() if now is None else now
+    report = ReapReport()
+    try:
+        _reclaim(settings, now, report)
+        _settle(settings, now, report)
+    except SQLAlchemyError as exc:
+        logger.warning("reaper: database unreachable (%s); retrying next pass", exc)
+        return report
+    try:
+        _top_up(settings, now, report)
+    except BrokerUnreachable as exc:
+        logger.warning("reaper: broker unreachable (%s); retrying next pass", exc)
+    except SQLAlchemyError as exc:
+        logger.warning("reaper: database unreachable (%s); retrying next pass", exc)
+    return report
+
+
+def _reclaim(settings: Settings, now: float, report: ReapReport) -> None:
+    with session_scope(settings.database_url) as session:
+        lapsed = lapsed_shards(session, now=now)
+    for shard_id, batch_id in lapsed:
+        with session_scope(settings.database_url) as session:
+            taken = reclaim_lapsed_shard(
+                session, shard_id=shard_id, batch_id=batch_id, now=now, max_attempts=settings.shard_max_attempts
+            )
+        if taken is None:
+            continue
+        (report.failed_shards if taken.failed else report.requeued_shards).append(shard_id)
+        logger.warning(
+            "reaper: the lease of shard %s (batch %s) held by %s lapsed; %s",
+            shard_id,
+            batch_id,
+            taken.owner,
+            "its remaining lines failed" if taken.failed else "queued again",
+        )
+
+
+def _settle(settings: Settings, now: float, report: ReapReport) -> None:
+    with session_scope(settings.database_url) as session:
+        batch_ids = batches_to_settle(session, now=now)
+    for batch_id in batch_ids:
+        with session_scope(settings.database_url) as session:
+            status = settle_batch(session, batch_id=batch_id, now=now, storage=storage_from_settings(settings))
+        if status.is_terminal:
+            report.finalized[batch_id] = status.value
+            logger.info("reaper: batch %s finalized %s", batch_id, status.value)
+        elif status == BatchStatus.IN_PROGRESS:
+            logger.debug("reaper: batch %s still has lines to run", batch_id)
+
+
+def _top_up(settings: Settings, now: float, report: ReapReport) -> None:
+    with session_scope(settings.database_url) as session:
+        num_queued = num_queued_shards(session, now=now)
+    if not num_queued:
+        return
+    missing = num_queued - num_waiting_messages(broker_url=settings.broker_url)
+    if missing > 0:
+        report.messages_sent = enqueue_shards(missing, broker_url=settings.broker_url)
+        logger.info("reaper: %d queued shards had no message waiting; sent %d", num_queued, missing)

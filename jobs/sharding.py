@@ -1,0 +1,111 @@
+"""Cut a validated batch into shards: groups of lines one worker runs at a time (docs/operations.md).
+
+The API plans the shards at validation, without a tokenizer (the API process loads no model), so
+sizes are estimates:
+
+- a line's tokens = its prompt text's characters / 4 (a common rule of thumb for English text under
+  BPE vocabularies) + its completion budget (``max_completion_tokens`` / ``max_tokens``, else 16 on
+  ``/v1/completions`` as OpenAI, else 256 on chat) times the number of samples (``best_of`` or ``n``);
+- lines are ordered by their prompt text, so lines that share a prefix are adjacent (a sorted order
+  puts every set of strings with a common prefix in one run, as the worker's own token-id order does,
+  docs/engine.md "Prefix caching");
+- a shard is closed once it holds ``target_tokens``, but not between two lines whose prompt texts
+  share their first ``KEEP_TOGETHER_CHARS`` characters (they would hit the same cached prefix), up to
+  ``MAX_OVERSHOOT`` times the target, where it is closed anyway.
+
+Pure functions: no database, no engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS
+from jobs.validation import ValidatedLine
+
+CHARS_PER_TOKEN = 4
+CHAT_COMPLETION_BUDGET = 256
+KEEP_TOGETHER_CHARS = 64
+MAX_OVERSHOOT = 4
+
+
+@dataclass(slots=True)
+class PlannedShard:
+    """One shard's lines (in line order) and its estimated size in tokens."""
+
+    lines: list[ValidatedLine] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def prompt_text(body: Mapping[str, Any]) -> str:
+    """The text a line's prompt starts with: chat messages as ``role: content`` lines, or the
+    completion prompt (token ids as JSON). Used to order lines and to estimate their size."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if not isinstance(message, Mapping):
+                continue
+            content = message.get("content")
+            text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+            parts.append(f"{message.get('role')}: {text}")
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def estimate_tokens(body: Mapping[str, Any]) -> int:
+    """A line's estimated tokens: prompt characters / 4 (at least 1) + completion budget x samples."""
+    budget = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(budget, int) or budget <= 0:
+        budget = CHAT_COMPLETION_BUDGET if "messages" in body else COMPLETIONS_DEFAULT_MAX_TOKENS
+    samples = body.get("best_of") or body.get("n") or 1
+    if not isinstance(samples, int) or samples <= 0:
+        samples = 1
+    return max(1, len(prompt_text(body)) // CHARS_PER_TOKEN) + budget * samples
+
+
+def plan_shards(lines: Sequence[ValidatedLine], *, target_tokens: int) -> list[PlannedShard]:
+    """Group ``lines`` into shards of about ``target_tokens`` estimated tokens (see the module docstring).
+
+    Every line lands in exactly one shard; no shard is empty; each shard's lines are in line order.
+    O(n log n) in the number of lines.
+
+    Raises:
+        ValueError: ``target_tokens`` is not positive.
+    """
+    if target_tokens <= 0:
+        raise ValueError(f"target_tokens must be positive, got {target_tokens}")
+    keys = [prompt_text(line.body) for line in lines]
+    shards: list[PlannedShard] = []
+    current = PlannedShard()
+    previous_key = ""
+    for index in sorted(range(len(lines)), key=keys.__getitem__):
+        key = keys[index]
+        if current.lines and current.num_tokens >= target_tokens:
+            shares_prefix = previous_key[:KEEP_TOGETHER_CHARS] == key[:KEEP_TOGETHER_CHARS]
+            if not shares_prefix or current.num_tokens >= MAX_OVERSHOOT * target_tokens:
+                shards.append(current)
+                current = PlannedShard()
+        current.lines.append(lines[index])
+        current.num_tokens += estimate_tokens(lines[index].body)
+        previous_key = key
+    if current.lines:
+        shards.append(current)
+    for shard in shards:
+        shard.lines.sort(key=lambda line: line.line_number)
+    return shards
+
+
+def batch_priority(metadata: Mapping[str, str] | None) -> int:
+    """The batch's ``metadata["priority"]`` as an integer (higher runs first); 0 when absent.
+
+    Raises:
+        ValueError: present but not a whole number.
+    """
+    if not metadata or "priority" not in metadata:
+        return 0
+    return int(metadata["priority"])

@@ -1,0 +1,64 @@
+"""Shard planning at validation: sizes by estimated tokens, shared prefixes kept together, every line once."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.sharding import (
+    KEEP_TOGETHER_CHARS,
+    MAX_OVERSHOOT,
+    batch_priority,
+    estimate_tokens,
+    plan_shards,
+    prompt_text,
+)
+from jobs.validation import ValidatedLine
+
+
+def _line(n: int, prompt: str, **body) -> ValidatedLine:
+    return ValidatedLine(n, f"c{n}", {"model": "m", "prompt": prompt, **body})
+
+
+def test_estimates_prompt_characters_and_completion_budget():
+    assert estimate_tokens({"prompt": "x" * 40, "max_tokens": 10}) == 10 + 10
+    assert estimate_tokens({"prompt": "x" * 40}) == 10 + 16  # /v1/completions' default max_tokens
+    assert estimate_tokens({"messages": [{"role": "user", "content": "hi"}], "n": 2}) == 2 + 2 * 256
+    assert estimate_tokens({"messages": [], "max_completion_tokens": 7, "max_tokens": 99}) == 1 + 7
+    assert estimate_tokens({"prompt": [1, 2, 3], "max_tokens": 1, "best_of": 3, "n": 1}) == 2 + 3
+    assert prompt_text({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}) == (
+        "system: S\nuser: U"
+    )
+
+
+def test_every_line_in_exactly_one_shard_near_the_target():
+    lines = [_line(n, f"prompt number {n:04d}", max_tokens=20) for n in range(1, 101)]  # 5 + 20 tokens each
+    shards = plan_shards(lines, target_tokens=250)
+    assert sorted(line.line_number for shard in shards for line in shard.lines) == list(range(1, 101))
+    assert len(shards) == 10
+    for shard in shards:
+        assert shard.num_tokens == sum(estimate_tokens(line.body) for line in shard.lines)
+        assert [line.line_number for line in shard.lines] == sorted(line.line_number for line in shard.lines)
+    assert plan_shards(lines, target_tokens=10**9)[0].lines == lines
+
+
+def test_lines_sharing_a_prefix_stay_together_up_to_the_overshoot():
+    preamble = "You are a careful assistant. " * 4
+    assert len(preamble) >= KEEP_TOGETHER_CHARS
+    shared = [_line(n, f"{preamble}question {n}", max_tokens=10) for n in range(1, 13)]
+    loners = [_line(n, f"unrelated {n}", max_tokens=10) for n in range(13, 17)]
+    lines = [line for pair in zip(shared, loners, strict=False) for line in pair] + shared[4:]
+    target = 2 * estimate_tokens(shared[0].body)
+    shards = plan_shards(lines, target_tokens=target)
+    holding = [shard for shard in shards if any(line in shard.lines for line in shared)]
+    assert len(holding) == 1 + (12 * estimate_tokens(shared[0].body) - 1) // (MAX_OVERSHOOT * target)
+    for shard in shards:
+        assert all(line in shared for line in shard.lines) or not any(line in shared for line in shard.lines)
+
+
+def test_priority_comes_from_metadata():
+    assert batch_priority(None) == 0 and batch_priority({"k": "v"}) == 0
+    assert batch_priority({"priority": "5"}) == 5 and batch_priority({"priority": "-2"}) == -2
+    with pytest.raises(ValueError):
+        batch_priority({"priority": "urgent"})
+    with pytest.raises(ValueError):
+        plan_shards([], target_tokens=0)
