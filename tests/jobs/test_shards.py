@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from jobs.config import Settings
 from jobs.db import session_scope
-from jobs.files import file_path, get_file, write_file
+from jobs.files import file_chunks, get_file, write_file
 from jobs.models import BatchShard
 from jobs.queue import RUN_SHARD
 from jobs.reaper import reap
@@ -26,6 +26,7 @@ from jobs.shards import (
     settle_batch,
 )
 from jobs.status import now_s
+from jobs.storage import storage_from_settings
 from jobs.validation import ValidatedLine
 from tests.helpers.service import COMPLETIONS, completion_line, jsonl, postgres_url, queued_tasks, service_settings  # noqa: F401
 
@@ -41,7 +42,11 @@ def _batch(
     settings.shard_target_tokens = 1
     with session_scope() as session:
         file = write_file(
-            session, chunks=[jsonl(lines)], filename="in.jsonl", purpose="batch", files_dir=settings.files_dir
+            session,
+            chunks=[jsonl(lines)],
+            filename="in.jsonl",
+            purpose="batch",
+            storage=storage_from_settings(settings),
         )
         batch = create_batch(session, input_file_id=file.id, endpoint=COMPLETIONS, metadata=metadata, now=now)
         validated = [ValidatedLine(i + 1, line["custom_id"], line["body"]) for i, line in enumerate(lines)]
@@ -68,7 +73,8 @@ def _files(settings: Settings, batch_id: str) -> tuple[list[dict[str, Any]], lis
         result = []
         for file_id in (batch.output_file_id, batch.error_file_id):
             file = None if file_id is None else get_file(session, file_id=file_id)
-            text = "" if file is None else file_path(file, settings.files_dir).read_text()
+            storage = storage_from_settings(settings)
+            text = "" if file is None else b"".join(file_chunks(file, storage=storage, session=session)).decode()
             result.append([json.loads(line) for line in text.splitlines()])
         return result[0], result[1]
 
