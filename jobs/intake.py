@@ -13,6 +13,7 @@ holds the file in memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 
 from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import func, select
@@ -26,7 +27,7 @@ from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
 from jobs.status import BatchStatus, now_s
 from jobs.storage import storage_from_settings
-from jobs.validation import ValidationResult, validate_batch_file, validated_lines
+from jobs.validation import ValidatedLine, ValidationResult, validate_batch_file, validated_lines
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,8 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
     with session_scope(settings.database_url) as session:
         # NOTE: the second pass reads inside this transaction: SQLite's BEGIN IMMEDIATE would block a
         # reader on a connection of its own (database storage) until this transaction ends.
-        lines = (
-            validated_lines(
-                file_chunks(file, storage=storage, session=session), endpoint=endpoint, model_names=model_names
-            )
+        lines: Iterable[ValidatedLine] = (
+            _FileLines(lambda: file_chunks(file, storage=storage, session=session), endpoint, model_names)
             if result.ok and file is not None
             else ()
         )
@@ -96,6 +95,16 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
         except BrokerUnreachable as exc:
             logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
     return status
+
+
+class _FileLines:
+    """The validated lines of a file, streamed from storage again at each iteration (a re-iterable)."""
+
+    def __init__(self, chunks: Callable[[], Iterable[bytes]], endpoint: str, model_names: set[str]) -> None:
+        self._chunks, self._endpoint, self._model_names = chunks, endpoint, model_names
+
+    def __iter__(self) -> Iterator[ValidatedLine]:
+        return iter(validated_lines(self._chunks(), endpoint=self._endpoint, model_names=self._model_names))
 
 
 def resume_validating_batches(*, settings: Settings | None = None, started_at: int | None = None) -> list[str]:

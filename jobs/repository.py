@@ -61,7 +61,7 @@ from jobs.schemas import (
     SUPPORTED_ENDPOINTS,
     LineError,
 )
-from jobs.sharding import batch_priority, plan_shards
+from jobs.sharding import batch_priority, plan_shards, sketch_line
 from jobs.status import BatchStatus, IllegalTransition, now_s, transition
 from jobs.storage import FileStorage
 from jobs.validation import ValidatedLine
@@ -241,6 +241,7 @@ def apply_validation(
 ) -> Batch:
     """Store the outcome of validating a batch's input file.
 
+    ``lines`` is iterated twice (a list, or a re-iterable that streams the file again each time).
     No ``errors``: the lines cut into shards (`jobs.sharding.plan_shards`, ``Settings.shard_target_tokens``),
     one ``queued`` `BatchShard` per shard and one ``pending`` row per line, ``request_counts.total``,
     ``model``, and ``validating -> in_progress``. Errors: ``validating -> failed`` with ``errors``, no rows.
@@ -261,46 +262,52 @@ def apply_validation(
             transition(batch, BatchStatus.FAILED, now)
             return batch
     else:
-        shards = plan_shards(list(lines), target_tokens=get_settings().shard_target_tokens)
+        # Two passes over ``lines``: sketches for the plan, then the rows (no body is held meanwhile).
+        if iter(lines) is lines:
+            raise TypeError("apply_validation iterates lines twice: pass a list or a re-iterable, not an iterator")
+        shards = plan_shards([sketch_line(line) for line in lines], target_tokens=get_settings().shard_target_tokens)
         priority = batch_priority(batch.metadata_)
-        shard_rows: list[dict[str, Any]] = []
-        rows: list[dict[str, Any]] = []
-        for index, shard in enumerate(shards):
-            shard_id = new_id(SHARD_ID_PREFIX)
-            shard_rows.append(
-                {
-                    "id": shard_id,
-                    "batch_id": batch_id,
-                    "shard_index": index,
-                    "num_requests": len(shard.lines),
-                    "num_tokens": shard.num_tokens,
-                    "priority": priority,
-                    "state": ShardState.QUEUED.value,
-                    "attempts": 0,
-                    "created_at": now,
-                }
-            )
-            rows.extend(
-                {
-                    "id": new_id(REQUEST_ID_PREFIX),
-                    "batch_id": batch_id,
-                    "shard_id": shard_id,
-                    "line_number": line.line_number,
-                    "custom_id": line.custom_id,
-                    "body": line.body,
-                    "state": RequestState.PENDING.value,
-                    "prompt_tokens": 0,
-                    "completion_tokens": 0,
-                    "cached_tokens": 0,
-                }
-                for line in shard.lines
-            )
+        shard_ids = [new_id(SHARD_ID_PREFIX) for _ in shards]
+        shard_of = {n: shard_id for shard, shard_id in zip(shards, shard_ids, strict=True) for n in shard.line_numbers}
+        shard_rows = [
+            {
+                "id": shard_id,
+                "batch_id": batch_id,
+                "shard_index": index,
+                "num_requests": len(shard.line_numbers),
+                "num_tokens": shard.num_tokens,
+                "priority": priority,
+                "state": ShardState.QUEUED.value,
+                "attempts": 0,
+                "created_at": now,
+            }
+            for index, (shard, shard_id) in enumerate(zip(shards, shard_ids, strict=True))
+        ]
         if shard_rows:
             session.execute(insert(BatchShard), shard_rows)
-            row_iter = iter(rows)
-            while group := list(islice(row_iter, INSERT_ROWS)):
-                session.execute(insert(BatchRequest), group)
-        batch.total_requests = len(rows)
+        num_lines = 0
+        line_iter = iter(lines)
+        while group := list(islice(line_iter, INSERT_ROWS)):
+            session.execute(
+                insert(BatchRequest),
+                [
+                    {
+                        "id": new_id(REQUEST_ID_PREFIX),
+                        "batch_id": batch_id,
+                        "shard_id": shard_of[line.line_number],
+                        "line_number": line.line_number,
+                        "custom_id": line.custom_id,
+                        "body": line.body,
+                        "state": RequestState.PENDING.value,
+                        "prompt_tokens": 0,
+                        "completion_tokens": 0,
+                        "cached_tokens": 0,
+                    }
+                    for line in group
+                ],
+            )
+            num_lines += len(group)
+        batch.total_requests = num_lines
         batch.model = model
     if status == BatchStatus.CANCELLING:
         session.flush()

@@ -6,14 +6,16 @@ sizes are estimates:
 - a line's tokens = its prompt text's characters / 4 (a common rule of thumb for English text under
   BPE vocabularies) + its completion budget (``max_completion_tokens`` / ``max_tokens``, else 16 on
   ``/v1/completions`` as OpenAI, else 256 on chat) times the number of samples (``best_of`` or ``n``);
-- lines are ordered by their prompt text, so lines that share a prefix are adjacent (a sorted order
+- lines are ordered by their prompt text (its first ``SORT_KEY_CHARS`` characters), so lines that share a
+  prefix are adjacent (a sorted order
   puts every set of strings with a common prefix in one run, as the worker's own token-id order does,
   docs/engine.md "Prefix caching");
 - a shard is closed once it holds ``target_tokens``, but not between two lines whose prompt texts
   share their first ``KEEP_TOGETHER_CHARS`` characters (they would hit the same cached prefix), up to
   ``MAX_OVERSHOOT`` times the target, where it is closed anyway.
 
-Pure functions: no database, no engine.
+The plan reads one small :class:`LineSketch` per line (line number, sort key, size), never the bodies,
+so a 50,000-line file is planned in a few megabytes. Pure functions: no database, no engine.
 """
 
 from __future__ import annotations
@@ -29,14 +31,24 @@ from jobs.validation import ValidatedLine
 CHARS_PER_TOKEN = 4
 CHAT_COMPLETION_BUDGET = 256
 KEEP_TOGETHER_CHARS = 64
+SORT_KEY_CHARS = 256
 MAX_OVERSHOOT = 4
+
+
+@dataclass(slots=True, frozen=True)
+class LineSketch:
+    """What the plan needs of a line: its number, the start of its prompt text and its estimated tokens."""
+
+    line_number: int
+    key: str
+    num_tokens: int
 
 
 @dataclass(slots=True)
 class PlannedShard:
-    """One shard's lines (in line order) and its estimated size in tokens."""
+    """One shard's line numbers (ascending) and its estimated size in tokens."""
 
-    lines: list[ValidatedLine] = field(default_factory=list)
+    line_numbers: list[int] = field(default_factory=list)
     num_tokens: int = 0
 
 
@@ -68,10 +80,15 @@ def estimate_tokens(body: Mapping[str, Any]) -> int:
     return max(1, len(prompt_text(body)) // CHARS_PER_TOKEN) + budget * samples
 
 
-def plan_shards(lines: Sequence[ValidatedLine], *, target_tokens: int) -> list[PlannedShard]:
+def sketch_line(line: ValidatedLine) -> LineSketch:
+    """The :class:`LineSketch` of a validated line."""
+    return LineSketch(line.line_number, prompt_text(line.body)[:SORT_KEY_CHARS], estimate_tokens(line.body))
+
+
+def plan_shards(lines: Sequence[LineSketch], *, target_tokens: int) -> list[PlannedShard]:
     """Group ``lines`` into shards of about ``target_tokens`` estimated tokens (see the module docstring).
 
-    Every line lands in exactly one shard; no shard is empty; each shard's lines are in line order.
+    Every line lands in exactly one shard; no shard is empty; each shard's line numbers ascend.
     O(n log n) in the number of lines.
 
     Raises:
@@ -79,24 +96,22 @@ def plan_shards(lines: Sequence[ValidatedLine], *, target_tokens: int) -> list[P
     """
     if target_tokens <= 0:
         raise ValueError(f"target_tokens must be positive, got {target_tokens}")
-    keys = [prompt_text(line.body) for line in lines]
     shards: list[PlannedShard] = []
     current = PlannedShard()
     previous_key = ""
-    for index in sorted(range(len(lines)), key=keys.__getitem__):
-        key = keys[index]
-        if current.lines and current.num_tokens >= target_tokens:
-            shares_prefix = previous_key[:KEEP_TOGETHER_CHARS] == key[:KEEP_TOGETHER_CHARS]
+    for line in sorted(lines, key=lambda sketch: sketch.key):
+        if current.line_numbers and current.num_tokens >= target_tokens:
+            shares_prefix = previous_key[:KEEP_TOGETHER_CHARS] == line.key[:KEEP_TOGETHER_CHARS]
             if not shares_prefix or current.num_tokens >= MAX_OVERSHOOT * target_tokens:
                 shards.append(current)
                 current = PlannedShard()
-        current.lines.append(lines[index])
-        current.num_tokens += estimate_tokens(lines[index].body)
-        previous_key = key
-    if current.lines:
+        current.line_numbers.append(line.line_number)
+        current.num_tokens += line.num_tokens
+        previous_key = line.key
+    if current.line_numbers:
         shards.append(current)
     for shard in shards:
-        shard.lines.sort(key=lambda line: line.line_number)
+        shard.line_numbers.sort()
     return shards
 
 
