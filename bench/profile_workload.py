@@ -35,7 +35,7 @@ calibration GEMM in this process: a ``--calibration-size`` square float32 produc
 the two. ``limit_tok_per_s = output_tokens / (workload_flops / peak)``; ``fraction_of_limit`` = clean
 ``tok_per_s / limit_tok_per_s``.
 
-Usage: python bench/profile.py [--num-prompts 64] [--threads 2] [--calibration-size 2048] [--calibration-reps 3]
+Usage: python bench/profile_workload.py [--num-prompts 64] [--threads 2] [--calibration-size 2048] [--calibration-reps 3]
 Prints a table per step kind, then a last line with one JSON object (``peak_gflops``, ``limit_tok_per_s``,
 ``fraction_of_limit``, ``parts_s`` and per kind its parts, steps and GFLOP/s). See docs/benchmarks.md.
 """
