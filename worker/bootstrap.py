@@ -101,7 +101,9 @@ def warm_up_engine(engine: LLMEngine) -> None:
     start_s = time.perf_counter()
     vocab_size = int(engine.model_config.vocab_size)
     room = engine.max_model_len - WARMUP_MAX_TOKENS
-    prompts: list[str | list[int]] = [[(i * 7 + 1) % vocab_size for i in range(min(length, room))] for length in WARMUP_PROMPT_LENS]
+    prompts: list[str | list[int]] = [
+        [(i * 7 + 1) % vocab_size for i in range(min(length, room))] for length in WARMUP_PROMPT_LENS
+    ]
     params = SamplingParams(max_tokens=WARMUP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
     engine.make_stats()
