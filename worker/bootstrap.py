@@ -1,7 +1,8 @@
 """One engine per worker process, built lazily from the service settings.
 
 The first task a worker process runs pays for model preparation and engine start-up; every later
-task reuses the same `LLMEngine` (weights and KV cache stay resident). Celery runs the worker with
+task reuses the same `LLMEngine` (weights and KV cache stay resident). The engine is warmed up once
+at start (:func:`warm_up_engine`), so a job's first batch runs at the warm speed. Celery runs the worker with
 ``--pool=solo`` so the process that builds the engine is the one that runs the tasks (forking after
 torch has started threads hangs the prefork pool).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from jobs.config import Settings, get_settings
@@ -23,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 _engine: LLMEngine | None = None
 _lock = threading.Lock()
+
+WARMUP_PROMPT_LENS = (16, 128)  # one short and one longer prompt, prefilled together, then decoded as a batch
+WARMUP_MAX_TOKENS = 4
 
 
 def resolve_device(device: str) -> str:
@@ -80,5 +85,30 @@ def get_engine() -> LLMEngine:
             torch.set_num_threads(num_torch_threads(settings))
             config = engine_config(settings)
             logger.info("starting engine: %s (torch threads: %d)", config, torch.get_num_threads())
-            _engine = LLMEngine(config)
+            engine = LLMEngine(config)
+            warm_up_engine(engine)
+            _engine = engine
         return _engine
+
+
+def warm_up_engine(engine: LLMEngine) -> None:
+    """Run a short greedy generate so the first job's first steps do not pay one-off start-up costs.
+
+    The first forward passes of a fresh process are slow (lazily initialised kernels and thread pools,
+    first-touch page faults on the KV cache and on freshly packed weights). Two prompts of
+    :data:`WARMUP_PROMPT_LENS` tokens (clipped to the context) are prefilled in one step and decoded as a
+    batch for :data:`WARMUP_MAX_TOKENS` tokens, through the same paths a job takes. The engine's statistics
+    window is then reset (:meth:`LLMEngine.make_stats`), so metrics report jobs only.
+    """
+    from worker.engine.sampling_params import SamplingParams
+
+    start_s = time.perf_counter()
+    vocab_size = int(engine.model_config.vocab_size)
+    room = engine.max_model_len - WARMUP_MAX_TOKENS
+    prompts: list[str | list[int]] = [
+        [(i * 7 + 1) % vocab_size for i in range(min(length, room))] for length in WARMUP_PROMPT_LENS
+    ]
+    params = SamplingParams(max_tokens=WARMUP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, params)
+    engine.make_stats()
+    logger.info("engine warmed up in %.2f s", time.perf_counter() - start_s)

@@ -41,3 +41,58 @@ def test_engine_config_rejects_an_unknown_model(tmp_path):
 
     with pytest.raises(ModelNotFoundError):
         engine_config(Settings(data_dir=tmp_path, model=str(tmp_path / "no-such-model")))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from tests.helpers.tiny_llama import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def test_warm_up_generates_and_leaves_a_fresh_stats_window(tiny_model_dir, monkeypatch):
+    from worker import bootstrap
+    from worker.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory_bytes=1 << 22))
+    generated = []
+    real_generate = engine.generate
+
+    def recording_generate(prompts, params):
+        outputs = real_generate(prompts, params)
+        generated.extend(outputs)
+        return outputs
+
+    monkeypatch.setattr(engine, "generate", recording_generate)
+    bootstrap.warm_up_engine(engine)
+    assert [len(o.prompt_token_ids) for o in generated] == list(bootstrap.WARMUP_PROMPT_LENS)
+    assert [len(o.outputs[0].token_ids) for o in generated] == [bootstrap.WARMUP_MAX_TOKENS] * 2
+    assert not engine.has_unfinished_requests()
+    stats = engine.make_stats()
+    assert (stats.num_steps, stats.num_generation_tokens, stats.num_prompt_tokens_computed) == (0, 0, 0)
+
+
+def test_get_engine_starts_a_warm_engine(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from jobs.config import get_settings
+    from worker import bootstrap
+
+    for name, value in {
+        "BATCHINFER_DATA_DIR": str(tmp_path),
+        "BATCHINFER_MODEL": str(tiny_model_dir),
+        "BATCHINFER_DEVICE": "cpu",
+        "BATCHINFER_KV_CACHE_MEMORY_BYTES": str(1 << 22),
+        "BATCHINFER_TORCH_NUM_THREADS": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    get_settings.cache_clear()
+    monkeypatch.setattr(bootstrap, "_engine", None)
+    try:
+        with caplog.at_level(logging.INFO, logger="worker.bootstrap"):
+            engine = bootstrap.get_engine()
+        assert any("warmed up" in record.getMessage() for record in caplog.records)
+        assert bootstrap.get_engine() is engine
+        assert engine.make_stats().num_steps == 0
+    finally:
+        get_settings.cache_clear()
