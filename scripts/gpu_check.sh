@@ -49,7 +49,7 @@ run_check kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_
     tests/worker/engine/executor/test_triton_dispatch.py tests/worker/engine/test_triton_engine.py
 run_check engine_parity "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/worker/engine/test_gpu_parity.py
 if [ "${1:-}" != "--skip-bench" ]; then
-    run_check throughput "$PYTHON" bench/throughput.py --skip-hf --skip-vllm --device cuda --dtype bfloat16
+    run_check throughput "$PYTHON" bench/throughput.py --skip-hf --skip-vllm --rounds 1 --no-fidelity --device cuda --dtype bfloat16
     [ -s /tmp/gpu_check_throughput.log ] && grep '^{' /tmp/gpu_check_throughput.log | tail -n 1
 fi
 printf '{"check": "summary", "ok": %s}\n' "$([ $failed -eq 0 ] && echo true || echo false)"
