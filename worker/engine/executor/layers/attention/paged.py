@@ -231,34 +231,28 @@ def paged_attention_forward(
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale, soft_cap)
     kernel = plan.kernel
-    window = plan.sliding_window
-    if kernel is not None and kernel.token_idx is None:
+
+    def attend_kernel(rows: torch.Tensor) -> torch.Tensor:
+        assert kernel is not None
         return paged_attention_cpu(
-            query,
+            rows,
             kv_cache,
             kernel.query_start_loc,
             kernel.seq_lens,
             kernel.block_tables,
             scale,
-            sliding_window=window,
+            sliding_window=plan.sliding_window,
             logits_soft_cap=soft_cap,
         )
+
+    if kernel is not None and kernel.token_idx is None:
+        return attend_kernel(query)
     output = torch.empty_like(query)
     for start, end in plan.fresh_prefills:
         output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, soft_cap)
     if kernel is not None:
         assert kernel.token_idx is not None  # a kernel plan covering the whole batch returned above
-        kernel_out = paged_attention_cpu(
-            query.index_select(0, kernel.token_idx),
-            kv_cache,
-            kernel.query_start_loc,
-            kernel.seq_lens,
-            kernel.block_tables,
-            scale,
-            sliding_window=window,
-            logits_soft_cap=soft_cap,
-        )
-        output.index_copy_(0, kernel.token_idx, kernel_out)
+        output.index_copy_(0, kernel.token_idx, attend_kernel(query.index_select(0, kernel.token_idx)))
     for group in plan.groups:
         output.index_copy_(0, group.token_idx, _attend_group(query, kv_cache, group, block_size, scale, soft_cap))
     return output
