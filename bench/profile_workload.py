@@ -166,9 +166,9 @@ class StepProfiler:
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
     def timed_attention(self, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def wrapper(query, key, value, kv_cache, attn_metadata, scale):  # type: ignore[no-untyped-def]
+        def wrapper(query, key, value, kv_cache, attn_metadata, *args, **kwargs):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
-            out = forward(query, key, value, kv_cache, attn_metadata, scale)
+            out = forward(query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             plan = attn_metadata.plan
             if plan.cascade is not None:
                 kind = "cascade"
@@ -194,7 +194,7 @@ class StepProfiler:
         return wrapper
 
     def note_shape(self, execute_model: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(scheduler_output: Any, block_ids: Any) -> Any:
+        def wrapper(scheduler_output: Any, *args: Any) -> Any:
             decode = sum(
                 1
                 for seq, n in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens)
@@ -202,7 +202,7 @@ class StepProfiler:
             )
             total = scheduler_output.total_num_scheduled_tokens
             self.step_shape = (total, total - decode, len(scheduler_output.seqs))
-            return execute_model(scheduler_output, block_ids)
+            return execute_model(scheduler_output, *args)
 
         return wrapper
 

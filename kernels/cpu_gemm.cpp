@@ -1,15 +1,18 @@
-// Dense float32 linear layer (y = x W^T + b) for CPUs, tuned for the skinny activations of batched
-// decoding (a few to a few hundred rows against a weight that does not fit in cache).
+// Dense float32 linear layer (y = x W^T + b) for CPUs, for every activation height a batch visits: the
+// skinny activations of batched decoding (a few to a few hundred rows against a weight that does not fit in
+// cache) and prefill chunks of thousands of rows.
 //
-// Registered as the Torch ops `batchinfer_cpu::pack_linear_weight` and `batchinfer_cpu::linear_packed`
-// (built and loaded by cpu_extension.py). The weight [N, K] is packed once into panels of kNR = 16 output
-// columns, each panel K x 16 contiguous, so one pass streams the weight from memory exactly once and
-// each 64-byte row of a panel feeds 16 columns of up to kMR = 6 activation rows held in 12 vector
-// accumulators (the register-blocked micro-kernel of Goto & van de Geijn 2008, "Anatomy of
+// Registered as the Torch ops `batchinfer_cpu::pack_linear_weight`, `batchinfer_cpu::linear_packed` and
+// `batchinfer_cpu::linear_panel_width` (built and loaded by cpu_extension.py). The weight [N, K] is packed
+// once into panels of kNR output columns (two vector registers: 32 with AVX-512, 16 otherwise), each panel
+// K x kNR contiguous, so one pass streams the weight from memory exactly once and each row of a panel
+// feeds kNR columns of up to kMR activation rows (12 with AVX-512's 32 vector registers, 6 with 16) held in
+// 2 * kMR vector accumulators (the register-blocked micro-kernel of Goto & van de Geijn 2008, "Anatomy of
 // high-performance matrix multiplication"). Panels are split across torch's threads.
 //
 // Every output element is one fused multiply-add chain over k = 0 .. K-1 in order, whatever the number
-// of rows or the row's place in the batch, so a row's result never depends on its batch neighbours.
+// of rows, the row's place in the batch or the vector width, so a row's result never depends on its batch
+// neighbours (and the AVX-512 and AVX2 builds give the same bits).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,68 +24,94 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32)));  // GCC/Clang vector extension: AVX on x86, 2x NEON on ARM
-constexpr int64_t kNR = 16;                           // output columns per panel (two vectors)
-constexpr int kMR = 6;                                // activation rows per micro-kernel call
+// GCC/Clang vector extension: one AVX-512 register, or one AVX register (two NEON registers on ARM).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+constexpr int kMR = 12;  // 24 accumulators + 2 weight vectors of the 32 registers
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kMR = 6;  // 12 accumulators + 2 weight vectors of the 16 registers
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int64_t kNR = 2 * kLanes;  // output columns per panel (two vectors)
+constexpr int64_t kRowBlockBytes = 1 << 20;  // activation rows per pass over the panels: about half of L2
 
-inline vec8 load8(const float* p) {
-  vec8 v;
+inline vec loadv(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR.
 template <int MR>
-inline void micro_kernel(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
-                         const float* __restrict bias16, float* __restrict y, int64_t ldy, int64_t ncols) {
-  vec8 acc0[MR], acc1[MR];
-  const vec8 bias0 = load8(bias16), bias1 = load8(bias16 + 8);
+inline void micro_kernel(const float* __restrict x, const float* __restrict panel, int64_t K,
+                         const float* __restrict bias_panel, float* __restrict y, int64_t ldy, int64_t ncols) {
+  vec acc0[MR], acc1[MR];
+  const vec bias0 = loadv(bias_panel), bias1 = loadv(bias_panel + kLanes);
   for (int r = 0; r < MR; ++r) {
     acc0[r] = bias0;
     acc1[r] = bias1;
   }
   for (int64_t k = 0; k < K; ++k) {
-    const vec8 w0 = load8(panel + k * kNR);
-    const vec8 w1 = load8(panel + k * kNR + 8);
+    const vec w0 = loadv(panel + k * kNR);
+    const vec w1 = loadv(panel + k * kNR + kLanes);
     for (int r = 0; r < MR; ++r) {
-      const float xs = x[r * ldx + k];  // scalar * vector: one broadcast load, no extra add
+      const float xs = x[k * MR + r];  // scalar * vector: one broadcast load, no extra add
       acc0[r] += xs * w0;
       acc1[r] += xs * w1;
     }
   }
   for (int r = 0; r < MR; ++r) {
     if (ncols == kNR) {
-      store8(y + r * ldy, acc0[r]);
-      store8(y + r * ldy + 8, acc1[r]);
+      storev(y + r * ldy, acc0[r]);
+      storev(y + r * ldy + kLanes, acc1[r]);
     } else {
       float tail[kNR];
-      store8(tail, acc0[r]);
-      store8(tail + 8, acc1[r]);
+      storev(tail, acc0[r]);
+      storev(tail + kLanes, acc1[r]);
       std::memcpy(y + r * ldy, tail, ncols * sizeof(float));
     }
   }
 }
 
-// All M rows against one panel: full kMR-row blocks, then one block of the remaining rows.
-void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K, const float* bias16, float* y,
+// The last rows (fewer than kMR) against one panel: the micro-kernel instantiated for exactly that many.
+template <int MR>
+inline void tail_rows(int64_t rows, const float* x, const float* panel, int64_t K,
+                      const float* bias_panel, float* y, int64_t ldy, int64_t ncols) {
+  if constexpr (MR > 0) {
+    if (rows == MR) {
+      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols);
+    } else {
+      tail_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols);
+    }
+  }
+}
+
+// Rows [0, M) of x repacked so that each micro-kernel call reads its activations contiguously: groups of
+// kMR rows (then one group of the remaining rows), group g at xpack + g * kMR * K laid out [K][rows].
+void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t K, float* xpack) {
+  for (int64_t m = 0; m < M; m += kMR) {
+    const int64_t rows = std::min<int64_t>(kMR, M - m);
+    float* dst = xpack + m * K;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = x + (m + r) * ldx;
+      for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = src[k];
+    }
+  }
+}
+
+// All M packed rows against one panel: full kMR-row groups, then one group of the remaining rows.
+void panel_rows(const float* xpack, int64_t M, const float* panel, int64_t K, const float* bias_panel, float* y,
                 int64_t ldy, int64_t ncols) {
   int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) micro_kernel<kMR>(x + m * ldx, ldx, panel, K, bias16, y + m * ldy, ldy, ncols);
-  const float* xm = x + m * ldx;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 5: micro_kernel<5>(xm, ldx, panel, K, bias16, ym, ldy, ncols); break;
-    case 4: micro_kernel<4>(xm, ldx, panel, K, bias16, ym, ldy, ncols); break;
-    case 3: micro_kernel<3>(xm, ldx, panel, K, bias16, ym, ldy, ncols); break;
-    case 2: micro_kernel<2>(xm, ldx, panel, K, bias16, ym, ldy, ncols); break;
-    case 1: micro_kernel<1>(xm, ldx, panel, K, bias16, ym, ldy, ncols); break;
-    default: break;
-  }
+  for (; m + kMR <= M; m += kMR) micro_kernel<kMR>(xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols);
+  tail_rows<kMR - 1>(M - m, xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols);
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -132,22 +161,33 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t ldx = x.stride(0);
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // Rows in blocks of about kRowBlockBytes of activations, so a block stays in L2 while a thread's panels
+  // stream past it (a prefill chunk of thousands of rows would otherwise be re-read from L3 per panel).
+  const int64_t row_block = std::max<int64_t>(kMR, kRowBlockBytes / (K * sizeof(float)) / kMR * kMR);
   at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t ncols = std::min(kNR, N - p * kNR);
-      float bias16[kNR] = {};
-      if (b != nullptr) std::memcpy(bias16, b + p * kNR, ncols * sizeof(float));
-      panel_rows(xp, ldx, M, pp + p * K * kNR, K, bias16, yp + p * kNR, N, ncols);
+    std::vector<float> xpack(std::min(row_block, M) * K);
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t rows = std::min(row_block, M - m0);
+      pack_rows(xp + m0 * ldx, ldx, rows, K, xpack.data());
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ncols = std::min(kNR, N - p * kNR);
+        float bias_panel[kNR] = {};
+        if (b != nullptr) std::memcpy(bias_panel, b + p * kNR, ncols * sizeof(float));
+        panel_rows(xpack.data(), rows, pp + p * K * kNR, K, bias_panel, yp + m0 * N + p * kNR, N, ncols);
+      }
     }
   });
   return y;
 }
+
+int64_t linear_panel_width() { return kNR; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_panel_width() -> int", linear_panel_width);  // no tensor argument: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {

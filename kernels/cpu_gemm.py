@@ -1,9 +1,9 @@
-"""C++ float32 linear layer for CPUs over a weight packed once into 16-column panels.
+"""C++ float32 linear layer for CPUs over a weight packed once into column panels (32 wide with AVX-512, else 16).
 
 The source is ``cpu_gemm.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Method:
-the register-blocked micro-kernel of Goto & van de Geijn (2008), 6 rows x 16 columns per call; see the
-source's header. The reference is :func:`torch.nn.functional.linear`.
+the register-blocked micro-kernel of Goto & van de Geijn (2008), 12 rows x 32 columns per call with
+AVX-512 (6 x 16 otherwise), activations repacked per block of rows; see the source's header. The reference is :func:`torch.nn.functional.linear`.
 
 This module imports nothing of batchinfer's outside ``kernels``.
 """
@@ -14,7 +14,16 @@ import torch
 
 from kernels.cpu_extension import require_cpu_kernels
 
-PANEL_WIDTH = 16  # output columns per packed panel
+
+def panel_width() -> int:
+    """Output columns per packed panel in this machine's build: 32 with AVX-512, 16 otherwise.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable.
+    """
+    require_cpu_kernels()
+    width: int = torch.ops.batchinfer_cpu.linear_panel_width()
+    return width
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -24,8 +33,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         weight: float32 CPU ``[out_features, in_features]`` (any strides).
 
     Returns:
-        float32 contiguous ``[ceil(out_features / 16), in_features, 16]``: panel ``p`` holds output
-        columns ``16p .. 16p + 15`` transposed (``packed[p, k, c] = weight[16p + c, k]``), zero padded.
+        float32 contiguous ``[ceil(out_features / W), in_features, W]`` with ``W = panel_width()``: panel
+        ``p`` holds output columns ``Wp .. Wp + W - 1`` transposed (``packed[p, k, c] = weight[Wp + c, k]``),
+        zero padded.
 
     Raises:
         RuntimeError: when the kernels are unavailable, or on a weight that is not 2-D float32 on CPU.

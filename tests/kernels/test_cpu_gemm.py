@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from kernels.cpu_gemm import PANEL_WIDTH, linear_packed, pack_linear_weight
+from kernels.cpu_gemm import linear_packed, pack_linear_weight, panel_width
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -17,17 +17,20 @@ def _weights(out_features, in_features, seed=0):
 
 
 def test_pack_layout_is_transposed_panels_zero_padded():
-    weight, _ = _weights(37, 5)
+    width = panel_width()
+    assert width in (16, 32)  # two vector registers: AVX2 or AVX-512
+    out_features = 2 * width + 5
+    weight, _ = _weights(out_features, 5)
 
     packed = pack_linear_weight(weight)
 
-    assert packed.shape == (3, 5, PANEL_WIDTH)
-    for n in range(37):
-        assert torch.equal(packed[n // PANEL_WIDTH, :, n % PANEL_WIDTH], weight[n])
-    assert torch.count_nonzero(packed[2, :, 37 - 32 :]) == 0
+    assert packed.shape == (3, 5, width)
+    for n in range(out_features):
+        assert torch.equal(packed[n // width, :, n % width], weight[n])
+    assert torch.count_nonzero(packed[2, :, 5:]) == 0
 
 
-@pytest.mark.parametrize("num_rows", [0, 1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 5, 6, 7, 11, 12, 13, 25, 64])
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (37, 29), (960, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_functional_linear(num_rows, out_features, in_features, with_bias):
@@ -68,6 +71,19 @@ def test_rows_are_batch_invariant_bit_for_bit():
 
     assert torch.equal(batched, alone)
     assert torch.equal(shuffled, alone[shuffled_order])
+
+
+def test_rows_beyond_one_row_block():
+    """Wide inputs split the rows into several cache blocks (1 MiB of activations: 64 rows of 4,096
+    features); every block, the last one partial, matches F.linear and the rows stay batch invariant."""
+    weight, bias = _weights(40, 4096)
+    packed = pack_linear_weight(weight)
+    x = torch.randn(150, 4096, generator=torch.Generator().manual_seed(4))
+
+    out = linear_packed(x, packed, 40, bias)
+
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-3, rtol=1e-5)
+    assert torch.equal(out[131:], linear_packed(x[131:], packed, 40, bias))
 
 
 def test_mismatched_shapes_raise():
