@@ -3,7 +3,8 @@
 The source is ``cpu_gemm.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Method:
 the register-blocked micro-kernel of Goto & van de Geijn (2008), 12 rows x 32 columns per call with
-AVX-512 (6 x 16 otherwise), activations repacked per block of rows; see the source's header. The reference is :func:`torch.nn.functional.linear`.
+AVX-512 (6 x 16 otherwise), activations repacked per block of rows; see the source's header. The
+reference is :func:`torch.nn.functional.linear`.
 
 This module imports nothing of batchinfer's outside ``kernels``.
 """
