@@ -1,6 +1,7 @@
 """Build and load batchinfer's C++ CPU kernels (one Torch extension library), compiled on first use.
 
-Sources: ``cpu_attention.cpp`` (paged attention) and ``cpu_gemm.cpp`` (packed-weight linear layer),
+Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, rotary
+embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer) and ``cpu_sampling.cpp`` (exponential race),
 next to this file. The first call builds them with :func:`torch.utils.cpp_extension.load`
 (``-O3 -march=native -fopenmp``) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes reuse the built library, and concurrent builders wait on
@@ -26,7 +27,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "BATCHINFER_CPU_KERNELS"
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_gemm.cpp", "cpu_sampling.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_sampling.cpp")
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _loaded: bool | None = None  # None: not tried yet; False: the build failed

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from worker.engine.executor.layers.linear import pack_linear_layers
-from worker.engine.executor.models.llama import LlamaForCausalLM
+from worker.engine.executor.models.llama import LlamaForCausalLM, enable_cpu_kernels
 from worker.engine.executor.models.registry import resolve_model_class
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -61,7 +61,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
 
     Stored bf16/fp16/fp32 weights are converted to ``dtype``. Returns the model on ``device``
     in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a float32 model on CPU gets
-    packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`).
+    packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`) and
+    fused C++ norms, rotary embeddings and SwiGLU
+    (:func:`worker.engine.executor.models.llama.enable_cpu_kernels`).
 
     Raises:
         FileNotFoundError: if the folder has no safetensors weights.
@@ -81,5 +83,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     model.requires_grad_(False)
-    pack_linear_layers(model)
+    if pack_linear_layers(model):  # float32 on CPU, kernels built
+        enable_cpu_kernels(model)
     return model

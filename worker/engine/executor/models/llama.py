@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kernels.cpu_elementwise import add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu_, silu_and_mul_cpu
 from worker.engine.executor.layers.attention import AttentionMetadata, paged_attention_forward
 
 
@@ -29,7 +30,8 @@ class RMSNorm(nn.Module):
 
     ``x: [..., hidden_size]`` -> same shape and dtype. ``unit_offset`` scales by ``1 + weight`` in
     float32 before casting back (Gemma's layout, weights stored around zero) instead of Llama's
-    ``weight * normed.to(dtype)``.
+    ``weight * normed.to(dtype)``. With ``use_cpu_kernels`` (:func:`enable_cpu_kernels`) one C++ pass per
+    row computes the same (:func:`kernels.cpu_elementwise.rms_norm_cpu`).
     """
 
     def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
@@ -37,12 +39,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.use_cpu_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernels:
+            return rms_norm_cpu(x, self.weight.detach(), self.eps, self.unit_offset)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: ``(x + delta, self(x + delta))``, one pass with the C++ kernels."""
+        if self.use_cpu_kernels:
+            return add_rms_norm_cpu(x, delta, self.weight.detach(), self.eps, self.unit_offset)
+        total = x + delta
+        return total, self(total)
 
 
 def head_size_of(config: PretrainedConfig) -> int:
@@ -138,9 +150,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)
         self.sin = nn.Buffer(emb.sin() * attention_scaling, persistent=False)
+        self.use_cpu_kernels = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x: [num_tokens, num_heads, head_size]`` by its tokens' ``positions: [num_tokens]``."""
+        """Rotate ``x: [num_tokens, num_heads, head_size]`` by its tokens' ``positions: [num_tokens]``.
+
+        With ``use_cpu_kernels`` (:func:`enable_cpu_kernels`) and the whole head rotated, ``x`` is rotated
+        in place by one C++ pass (:func:`kernels.cpu_elementwise.rotary_embedding_cpu_`) and returned.
+        """
+        if self.use_cpu_kernels and self.rotary_dim == x.shape[-1]:
+            rotary_embedding_cpu_(x, positions, self.cos, self.sin)
+            return x
         cos = self.cos.index_select(0, positions)[:, None, :]
         sin = self.sin.index_select(0, positions)[:, None, :]
         x_rot = x[..., : self.rotary_dim]
@@ -241,8 +261,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.use_cpu_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernels:  # x: [num_tokens, hidden_size]
+            activated: torch.Tensor = self.down_proj(silu_and_mul_cpu(self.gate_up_proj(x)))
+            return activated
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
@@ -269,11 +293,20 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
-        )
-        out: torch.Tensor = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        attn = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
+        hidden_states, normed = self.post_attention_layernorm.add_forward(hidden_states, attn)
+        out: torch.Tensor = hidden_states + self.mlp(normed)
         return out
+
+
+def enable_cpu_kernels(model: nn.Module) -> None:
+    """Switch the model's norms, rotary tables and SwiGLU MLPs to the fused C++ kernels
+    (:mod:`kernels.cpu_elementwise`); for a float32 model on CPU with the kernels available (the loader
+    calls it when :func:`~worker.engine.executor.layers.linear.pack_linear_layers` packed the model).
+    A subclass that overrides ``forward`` (Gemma's GeGLU MLP) keeps its own path."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding)) or type(module) is LlamaMLP:
+            module.use_cpu_kernels = True
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,206 @@
+// Fused elementwise layers of a decoder for x86/ARM CPUs, float32: one pass over each row where PyTorch's
+// eager ops make several (a norm is a square, a mean, an rsqrt and two products; SwiGLU is a sigmoid, two
+// products and a copy; rotary embeddings are two gathers, a concatenation, two products and a sum).
+//
+// Registered as the Torch ops `batchinfer_cpu::rms_norm`, `batchinfer_cpu::add_rms_norm`,
+// `batchinfer_cpu::silu_and_mul` and `batchinfer_cpu::rotary_embedding_` (built and loaded by
+// cpu_extension.py). Rows are split across torch's threads with at::parallel_for.
+//
+// Batch invariant: every output row is a fixed sequence of float operations on its own input row (the
+// sum of squares has a fixed lane structure, element i in lane i % 16), whatever the other rows of the
+// call or the thread that runs it (docs/engine.md, "Batch-invariant numerics").
+//
+// Methods: RMSNorm, Zhang & Sennrich 2019 (Hugging Face's order: x * rsqrt(mean(x^2) + eps), then the
+// weight); SwiGLU, Shazeer 2020 (silu(gate) * up); rotary embeddings, Su et al. 2021, "rotate half" layout.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+// exp(x), vectorisable (no libm call): Cephes' expf range reduction and polynomial, relative error about
+// 2e-7. x is clamped to [-87, 88], so the result stays finite and positive.
+#pragma omp declare simd notinbranch
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  // n = round(x / ln 2) by the 1.5 * 2^23 trick: floorf would keep GCC from vectorising the loop.
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// sum of x[i]^2 with kLanes partial sums (element i in lane i % kLanes), added lane by lane.
+inline float sum_of_squares(const float* __restrict x, int64_t n) {
+  float partial[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) partial[l] += x[i + l] * x[i + l];
+  }
+  for (int64_t l = 0; i + l < n; ++l) partial[l] += x[i + l] * x[i + l];
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
+  return sum;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w, with w = weight (Llama) or 1 + weight (Gemma's unit offset).
+inline void rms_norm_row(const float* __restrict x, const float* __restrict weight, int64_t n, float eps,
+                         bool unit_offset, float* __restrict out) {
+  const float inv_rms = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  if (unit_offset) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv_rms) * (1.0f + weight[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv_rms);
+  }
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1, name,
+              " must be a float32 CPU tensor [num_rows, width] with unit stride in its last dimension");
+}
+
+void check_weight(const at::Tensor& weight, int64_t n) {
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == n && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous() && weight.device().is_cpu(),
+              "weight must be a contiguous float32 CPU tensor [", n, "]");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  check_rows(x, "x");
+  const int64_t M = x.size(0), n = x.size(1);
+  check_weight(weight, n);
+  at::Tensor out = at::empty({M, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * ldx, wp, n, static_cast<float>(eps), unit_offset, op + r * n);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps, bool unit_offset) {
+  check_rows(x, "x");
+  check_rows(delta, "delta");
+  const int64_t M = x.size(0), n = x.size(1);
+  TORCH_CHECK(delta.size(0) == M && delta.size(1) == n, "delta must have x's shape");
+  check_weight(weight, n);
+  at::Tensor sum = at::empty({M, n}, x.options());
+  at::Tensor out = at::empty({M, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldd = delta.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* __restrict a = xp + r * ldx;
+      const float* __restrict b = dp + r * ldd;
+      float* __restrict s = sp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) s[i] = a[i] + b[i];
+      rms_norm_row(s, wp, n, static_cast<float>(eps), unit_offset, op + r * n);
+    }
+  });
+  return {sum, out};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t M = gate_up.size(0), width = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * width, "gate_up must have an even width (gate, then up)");
+  at::Tensor out = at::empty({M, width}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ld = gate_up.stride(0);
+  at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* __restrict gate = gp + r * ld;
+      const float* __restrict up = gate + width;
+      float* __restrict o = op + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+// x[t, h, :] rotated in place by its token's row of the cos/sin tables ("rotate half": the first half of
+// the head pairs with the second): x1' = x1 * cos - x2 * sin, x2' = x2 * cos + x1 * sin.
+void rotary_embedding_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(2) == 1,
+              "x must be a float32 CPU tensor [num_tokens, num_heads, head_size] with unit stride in its last "
+              "dimension");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head_size must be even");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
+              "positions must be int64 [num_tokens]");
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->dim() == 2 && table->size(1) == D && table->scalar_type() == at::kFloat &&
+                    table->is_contiguous() && table->device().is_cpu(),
+                "cos and sin must be contiguous float32 CPU tables [max_positions, head_size]");
+  }
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t num_rows = cos.size(0);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < num_rows, "position ", pp[t], " out of range");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t ldt = x.stride(0), ldh = x.stride(1);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* __restrict c = cp + pp[t] * D;
+      const float* __restrict s = sp + pp[t] * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* __restrict v = xp + t * ldt + h * ldh;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[i] + (-x2) * s[i];
+          v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool unit_offset) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_embedding_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("rotary_embedding_", rotary_embedding_);
+}

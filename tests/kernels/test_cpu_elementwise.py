@@ -1,0 +1,119 @@
+"""The fused elementwise C++ kernels against their PyTorch expressions, and their batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from kernels.cpu_elementwise import add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu_, silu_and_mul_cpu
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _reference_rms_norm(x, weight, eps, unit_offset):
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return normed * (1.0 + weight) if unit_offset else weight * normed
+
+
+@pytest.mark.parametrize("width", [1, 15, 64, 576, 1000])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_matches_the_torch_expression(width, unit_offset):
+    x, weight = _randn(37, width, scale=3.0), _randn(width, seed=1)
+
+    out = rms_norm_cpu(x, weight, 1e-5, unit_offset)
+
+    torch.testing.assert_close(out, _reference_rms_norm(x, weight, 1e-5, unit_offset), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_keeps_leading_dimensions_and_reads_strided_rows():
+    wide, weight = _randn(4, 9, 80), _randn(64, seed=1)
+    x = wide[..., 8:72]
+    assert not x.is_contiguous()
+
+    out = rms_norm_cpu(x, weight, 1e-6)
+
+    assert out.shape == (4, 9, 64)
+    torch.testing.assert_close(out, _reference_rms_norm(x, weight, 1e-6, False), atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_returns_the_sum_and_its_norm():
+    x, delta, weight = _randn(21, 576), _randn(21, 576, seed=1), _randn(576, seed=2)
+
+    total, normed = add_rms_norm_cpu(x, delta, weight, 1e-5)
+
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, _reference_rms_norm(x + delta, weight, 1e-5, False), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 1536])
+def test_silu_and_mul_matches_the_torch_expression(width):
+    gate_up = _randn(13, 2 * width, scale=4.0)
+    gate_up[0, :width] = torch.linspace(-200.0, 200.0, width)  # beyond exp's range on both sides
+
+    out = silu_and_mul_cpu(gate_up)
+
+    gate, up = gate_up.split(width, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+def _reference_rotary(x, positions, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[positions][:, None, :] + rotated * sin[positions][:, None, :]
+
+
+def _tables(max_positions, head_size):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2).float() / head_size))
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def test_rotary_embedding_rotates_a_view_of_a_fused_projection_in_place():
+    cos, sin = _tables(512, 64)
+    qkv = _randn(11, 9 + 3 + 3, 64)
+    positions = torch.tensor([0, 5, 511, 3, 3, 100, 7, 8, 9, 200, 1])
+    qk = qkv[:, :12]
+    expected = _reference_rotary(qk.clone(), positions, cos, sin)
+    value = qkv[:, 12:].clone()
+
+    rotary_embedding_cpu_(qk, positions, cos, sin)
+
+    torch.testing.assert_close(qkv[:, :12], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 12:], value)  # the value heads are untouched
+
+
+def test_rotary_embedding_rejects_a_position_outside_the_tables():
+    cos, sin = _tables(16, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        rotary_embedding_cpu_(_randn(2, 1, 8), torch.tensor([0, 16]), cos, sin)
+
+
+def test_rows_are_batch_invariant_bit_for_bit():
+    """Each op's row is identical alone and inside any batch, with one thread or two."""
+    torch.set_num_threads(2)
+    x, delta, weight = _randn(40, 576), _randn(40, 576, seed=1), _randn(576, seed=2)
+    gate_up = _randn(40, 2 * 1536, seed=3)
+    cos, sin = _tables(64, 64)
+    heads, positions = _randn(40, 12, 64, seed=4), torch.arange(40) % 64
+
+    batched = (rms_norm_cpu(x, weight, 1e-5), *add_rms_norm_cpu(x, delta, weight, 1e-5), silu_and_mul_cpu(gate_up))
+    rotated = heads.clone()
+    rotary_embedding_cpu_(rotated, positions, cos, sin)
+    for i in (0, 17, 39):
+        alone = (
+            rms_norm_cpu(x[i : i + 1], weight, 1e-5),
+            *add_rms_norm_cpu(x[i : i + 1], delta[i : i + 1], weight, 1e-5),
+            silu_and_mul_cpu(gate_up[i : i + 1]),
+        )
+        for whole, row in zip(batched, alone):
+            assert torch.equal(whole[i : i + 1], row)
+        one = heads[i : i + 1].clone()
+        rotary_embedding_cpu_(one, positions[i : i + 1], cos, sin)
+        assert torch.equal(rotated[i : i + 1], one)
