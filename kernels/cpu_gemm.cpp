@@ -48,10 +48,13 @@ inline vec loadv(const float* p) {
 
 inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR.
+// y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR. A non-null `prefetch` (the next
+// panel) is pulled into cache at the pace this one is read, so streaming a weight from memory keeps more
+// requests in flight than the hardware prefetcher alone.
 template <int MR>
 inline void micro_kernel(const float* __restrict x, const float* __restrict panel, int64_t K,
-                         const float* __restrict bias_panel, float* __restrict y, int64_t ldy, int64_t ncols) {
+                         const float* __restrict bias_panel, float* __restrict y, int64_t ldy, int64_t ncols,
+                         const float* prefetch) {
   vec acc0[MR], acc1[MR];
   const vec bias0 = loadv(bias_panel), bias1 = loadv(bias_panel + kLanes);
   for (int r = 0; r < MR; ++r) {
@@ -59,6 +62,9 @@ inline void micro_kernel(const float* __restrict x, const float* __restrict pane
     acc1[r] = bias1;
   }
   for (int64_t k = 0; k < K; ++k) {
+    if (prefetch != nullptr) {
+      for (int64_t line = 0; line < kNR; line += 16) __builtin_prefetch(prefetch + k * kNR + line, 0, 2);
+    }
     const vec w0 = loadv(panel + k * kNR);
     const vec w1 = loadv(panel + k * kNR + kLanes);
     for (int r = 0; r < MR; ++r) {
@@ -80,24 +86,33 @@ inline void micro_kernel(const float* __restrict x, const float* __restrict pane
   }
 }
 
-// The last rows (fewer than kMR) against one panel: the micro-kernel instantiated for exactly that many.
+// Rows against one panel with the micro-kernel instantiated for exactly `rows` (1 .. MR) rows.
 template <int MR>
-inline void tail_rows(int64_t rows, const float* x, const float* panel, int64_t K,
-                      const float* bias_panel, float* y, int64_t ldy, int64_t ncols) {
+inline void group_rows(int64_t rows, const float* x, const float* panel, int64_t K, const float* bias_panel, float* y,
+                       int64_t ldy, int64_t ncols, const float* prefetch) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols);
+      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols, prefetch);
     } else {
-      tail_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols);
+      group_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols, prefetch);
     }
   }
 }
 
-// Rows [0, M) of x repacked so that each micro-kernel call reads its activations contiguously: groups of
-// kMR rows (then one group of the remaining rows), group g at xpack + g * kMR * K laid out [K][rows].
+// M rows split into ceil(M / kMR) groups of near-equal size (the first M % count one row taller), so a
+// decode batch of, say, 50 rows runs as 5 groups of 10 rather than 4 of 12 and a thin, slow group of 2.
+struct RowGroups {
+  int64_t count, base, extra;
+  explicit RowGroups(int64_t M) : count((M + kMR - 1) / kMR), base(M / count), extra(M % count) {}
+  int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
+};
+
+// Rows [0, M) of x (M > 0) repacked so that each micro-kernel call reads its activations contiguously: the
+// group of `rows` rows that starts at row m lies at xpack + m * K, laid out [K][rows].
 void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t K, float* xpack) {
-  for (int64_t m = 0; m < M; m += kMR) {
-    const int64_t rows = std::min<int64_t>(kMR, M - m);
+  const RowGroups groups(M);
+  for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
+    const int64_t rows = groups.size(g);
     float* dst = xpack + m * K;
     for (int64_t r = 0; r < rows; ++r) {
       const float* src = x + (m + r) * ldx;
@@ -106,12 +121,15 @@ void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t K, float* xpack) 
   }
 }
 
-// All M packed rows against one panel: full kMR-row groups, then one group of the remaining rows.
+// All M (> 0) packed rows against one panel, group by group; the first group prefetches `next_panel`
+// (null: none).
 void panel_rows(const float* xpack, int64_t M, const float* panel, int64_t K, const float* bias_panel, float* y,
-                int64_t ldy, int64_t ncols) {
-  int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) micro_kernel<kMR>(xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols);
-  tail_rows<kMR - 1>(M - m, xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols);
+                int64_t ldy, int64_t ncols, const float* next_panel) {
+  const RowGroups groups(M);
+  for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
+    group_rows<kMR>(groups.size(g), xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols,
+                    g == 0 ? next_panel : nullptr);
+  }
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -173,7 +191,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
         const int64_t ncols = std::min(kNR, N - p * kNR);
         float bias_panel[kNR] = {};
         if (b != nullptr) std::memcpy(bias_panel, b + p * kNR, ncols * sizeof(float));
-        panel_rows(xpack.data(), rows, pp + p * K * kNR, K, bias_panel, yp + m0 * N + p * kNR, N, ncols);
+        const float* next_panel = p + 1 < p1 ? pp + (p + 1) * K * kNR : nullptr;
+        panel_rows(xpack.data(), rows, pp + p * K * kNR, K, bias_panel, yp + m0 * N + p * kNR, N, ncols, next_panel);
       }
     }
   });

@@ -122,6 +122,15 @@ class ShardRun:
     num_recorded: int
 
 
+@dataclass(frozen=True, slots=True)
+class PendingLine:
+    """A stored line still to run: its request row's id, its 1-based line number in the input file, its body."""
+
+    request_id: str
+    line_number: int
+    body: dict[str, Any]
+
+
 @dataclass(slots=True)
 class LineResult:
     """What `jobs.repository.record_result` stores for one line."""
@@ -214,7 +223,7 @@ def run_next_shard(
             []
             if lease is None
             else [
-                (r.id, r.body)
+                PendingLine(r.id, r.line_number, r.body)
                 for r in repository.pending_requests(session, batch_id=lease.batch_id, shard_id=lease.shard_id)
             ]
         )
@@ -262,7 +271,7 @@ def run_next_shard(
 
 def _run_lines(
     lease: shards.Lease,
-    pending: list[tuple[str, dict[str, Any]]],
+    pending: list[PendingLine],
     sink: _ResultSink,
     *,
     engine: Engine | None,
@@ -337,7 +346,7 @@ def _send_message_for(lease: shards.Lease) -> None:
 def _stream(
     engine: Engine,
     lease: shards.Lease,
-    pending: list[tuple[str, dict[str, Any]]],
+    pending: list[PendingLine],
     sink: _ResultSink,
     *,
     model_name: str,
@@ -350,6 +359,7 @@ def _stream(
     """Feed all lines, step until done (`ShardEnd.FINISHED`) or until told to stop (how, returned)."""
     endpoint, batch_id = lease.endpoint, lease.batch_id
     mapped = _map_lines(engine, endpoint, pending, sink)
+    line_of = {line.request_id: line.line_number for line in pending}
     in_flight: dict[str, MappedRequest] = {}
     try:
         items = list(mapped.items())
@@ -358,13 +368,13 @@ def _stream(
             try:
                 engine.add_request(request_id, request.prompt_token_ids, request.params)
             except PromptTooLongError as exc:
-                sink.add(_context_length_result(request_id, endpoint, exc))
+                sink.add(_context_length_result(request_id, line_of[request_id], endpoint, exc))
                 continue
             except InvalidParameterError as exc:
-                sink.add(_rejected(request_id, str(exc), param=exc.param, code="invalid_value"))
+                sink.add(_rejected(request_id, line_of[request_id], str(exc), param=exc.param, code="invalid_value"))
                 continue
             except ValueError as exc:
-                sink.add(_rejected(request_id, str(exc), param=None))
+                sink.add(_rejected(request_id, line_of[request_id], str(exc), param=None))
                 continue
             in_flight[request_id] = request
 
@@ -413,16 +423,16 @@ def _stream(
 
 
 def _map_lines(
-    engine: Engine, endpoint: str, pending: Iterable[tuple[str, dict[str, Any]]], sink: _ResultSink
+    engine: Engine, endpoint: str, pending: Iterable[PendingLine], sink: _ResultSink
 ) -> dict[str, MappedRequest]:
     mapped: dict[str, MappedRequest] = {}
-    for request_id, body in pending:
+    for line in pending:
         try:
-            request = map_request(endpoint, body, engine.tokenizer)
+            request = map_request(endpoint, line.body, engine.tokenizer)
         except InvalidRequest as exc:
-            sink.add(_rejected(request_id, exc.message, param=exc.param, code=exc.code))
+            sink.add(_rejected(line.request_id, line.line_number, exc.message, param=exc.param, code=exc.code))
             continue
-        mapped[request_id] = request
+        mapped[line.request_id] = request
     return mapped
 
 
@@ -465,16 +475,20 @@ def _completed(output: RequestOutput, request: MappedRequest, *, model_name: str
     )
 
 
-def _rejected(request_id: str, message: str, *, param: str | None, code: str | None = None) -> LineResult:
-    body = error_envelope(message, type="invalid_request_error", param=param, code=code)
+def _rejected(
+    request_id: str, line_number: int, message: str, *, param: str | None, code: str | None = None
+) -> LineResult:
+    """A 400 for one line whose body the endpoint or the engine refuses; the message names the line."""
+    body = error_envelope(f"line {line_number}: {message}", type="invalid_request_error", param=param, code=code)
     return LineResult(
         request_id=request_id, response={"status_code": 400, "request_id": new_request_id(), "body": body}
     )
 
 
-def _context_length_result(request_id: str, endpoint: str, exc: PromptTooLongError) -> LineResult:
+def _context_length_result(request_id: str, line_number: int, endpoint: str, exc: PromptTooLongError) -> LineResult:
     return _rejected(
         request_id,
+        line_number,
         context_length_message(exc.num_prompt_tokens, exc.max_model_len),
         param="messages" if endpoint == CHAT_COMPLETIONS else "prompt",
         code="context_length_exceeded",

@@ -129,6 +129,7 @@ def test_too_long_and_invalid_lines_fail_alone(service, served_tokenizer):
     num_prompt_tokens = len(served_tokenizer.encode(long_prompt))
     assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded"
     assert error["param"] == "prompt"
+    assert error["message"].startswith("line 2: ")
     assert str(num_prompt_tokens) in error["message"] and "64" in error["message"]
     bad = errors["line-3"]["response"]
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
@@ -167,7 +168,7 @@ def test_a_body_the_endpoint_rejects_is_a_400_for_its_line_alone(
     error = envelope["response"]["body"]["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
-    assert error["message"].startswith(f"{param}: must be ")
+    assert error["message"].startswith(f"line 2: {param}: must be ")
     with session_scope() as session:
         envelopes = b"".join(file_chunks(get_file(session, file_id=batch.error_file_id))).decode().splitlines()
     assert len(envelopes) == 1
@@ -319,6 +320,7 @@ def test_token_ids_outside_the_vocabulary_or_an_unreachable_min_tokens_fail_thei
         error = response["body"]["error"]
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_value", param)
         assert all(number in error["message"] for number in numbers), error["message"]
+        assert error["message"].startswith(f"line {custom_id.removeprefix('line-')}: "), error["message"]
 
 
 def test_a_stop_signal_hands_the_shard_back_and_fails_no_line(service, served_tokenizer):
