@@ -31,27 +31,11 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_exp.h"
+
 namespace {
 
-// exp(x) for x <= 0, vectorisable (no libm call): Cephes' expf range reduction and polynomial,
-// relative error about 2e-7. Inputs below -87 return about 1e-38 (softmax weights that small vanish).
-#pragma omp declare simd notinbranch
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick: floorf would keep GCC from vectorising the loop.
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
+using batchinfer_kernels::exp_clamped;
 
 // q . k with kLanes independent partial sums (one vector register each) rather than one serial chain.
 template <int64_t kHeadSize>
@@ -164,10 +148,10 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
       // tanh is increasing, so the capped maximum is the cap of the maximum.
       const float inv_cap = 1.0f / soft_cap;
       m = soft_cap * std::tanh(m * inv_cap);
-      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_nonpositive(soft_cap * std::tanh(row[i] * inv_cap) - m);
+      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_clamped(soft_cap * std::tanh(row[i] * inv_cap) - m);
     } else {
 #pragma omp simd
-      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_nonpositive(row[i] - m);
+      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_clamped(row[i] - m);
     }
     const float sum = lane_sum(row, context_len);
     inv_sum[h] = 1.0f / sum;

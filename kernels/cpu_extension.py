@@ -31,6 +31,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_sampling.cpp")
 ]
+_HEADERS = [Path(__file__).with_name("cpu_exp.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _loaded: bool | None = None  # None: not tried yet; False: the build failed
@@ -45,7 +46,7 @@ def _build_tag() -> str:
     except OSError:
         pass
     digest = hashlib.sha256(f"{platform.machine()} {flags}".encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
