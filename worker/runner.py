@@ -359,22 +359,21 @@ def _stream(
     """Feed all lines, step until done (`ShardEnd.FINISHED`) or until told to stop (how, returned)."""
     endpoint, batch_id = lease.endpoint, lease.batch_id
     mapped = _map_lines(engine, endpoint, pending, sink)
-    line_of = {line.request_id: line.line_number for line in pending}
     in_flight: dict[str, MappedRequest] = {}
     try:
-        items = list(mapped.items())
-        admission_order = order_by_shared_prefix([request.prompt_token_ids for _, request in items])
-        for request_id, request in (items[index] for index in admission_order):
+        admission_order = order_by_shared_prefix([request.prompt_token_ids for _, request in mapped])
+        for line, request in (mapped[index] for index in admission_order):
+            request_id = line.request_id
             try:
                 engine.add_request(request_id, request.prompt_token_ids, request.params)
             except PromptTooLongError as exc:
-                sink.add(_context_length_result(request_id, line_of[request_id], endpoint, exc))
+                sink.add(_context_length_result(request_id, line.line_number, endpoint, exc))
                 continue
             except InvalidParameterError as exc:
-                sink.add(_rejected(request_id, line_of[request_id], str(exc), param=exc.param, code="invalid_value"))
+                sink.add(_rejected(request_id, line.line_number, str(exc), param=exc.param, code="invalid_value"))
                 continue
             except ValueError as exc:
-                sink.add(_rejected(request_id, line_of[request_id], str(exc), param=None))
+                sink.add(_rejected(request_id, line.line_number, str(exc), param=None))
                 continue
             in_flight[request_id] = request
 
@@ -424,15 +423,16 @@ def _stream(
 
 def _map_lines(
     engine: Engine, endpoint: str, pending: Iterable[PendingLine], sink: _ResultSink
-) -> dict[str, MappedRequest]:
-    mapped: dict[str, MappedRequest] = {}
+) -> list[tuple[PendingLine, MappedRequest]]:
+    """Each line with its engine request; a body its endpoint refuses becomes that line's 400 instead."""
+    mapped: list[tuple[PendingLine, MappedRequest]] = []
     for line in pending:
         try:
             request = map_request(endpoint, line.body, engine.tokenizer)
         except InvalidRequest as exc:
             sink.add(_rejected(line.request_id, line.line_number, exc.message, param=exc.param, code=exc.code))
             continue
-        mapped[line.request_id] = request
+        mapped.append((line, request))
     return mapped
 
 
