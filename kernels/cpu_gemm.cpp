@@ -48,22 +48,23 @@ inline vec loadv(const float* p) {
 
 inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR. A non-null `prefetch` (the next
-// panel) is pulled into cache at the pace this one is read, so streaming a weight from memory keeps more
-// requests in flight than the hardware prefetcher alone.
+// y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR. The `prefetch_rows` rows of
+// the next panel at `prefetch` are pulled into cache spread evenly over this call's K steps, so the
+// weight keeps streaming from memory while every row group computes (not only the first).
 template <int MR>
 inline void micro_kernel(const float* __restrict x, const float* __restrict panel, int64_t K,
                          const float* __restrict bias_panel, float* __restrict y, int64_t ldy, int64_t ncols,
-                         const float* prefetch) {
+                         const float* prefetch, int64_t prefetch_rows) {
   vec acc0[MR], acc1[MR];
   const vec bias0 = loadv(bias_panel), bias1 = loadv(bias_panel + kLanes);
   for (int r = 0; r < MR; ++r) {
     acc0[r] = bias0;
     acc1[r] = bias1;
   }
+  int64_t prefetched = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (prefetch != nullptr) {
-      for (int64_t line = 0; line < kNR; line += 16) __builtin_prefetch(prefetch + k * kNR + line, 0, 2);
+    for (; prefetched * K < (k + 1) * prefetch_rows; ++prefetched) {
+      for (int64_t line = 0; line < kNR; line += 16) __builtin_prefetch(prefetch + prefetched * kNR + line, 0, 2);
     }
     const vec w0 = loadv(panel + k * kNR);
     const vec w1 = loadv(panel + k * kNR + kLanes);
@@ -89,12 +90,12 @@ inline void micro_kernel(const float* __restrict x, const float* __restrict pane
 // Rows against one panel with the micro-kernel instantiated for exactly `rows` (1 .. MR) rows.
 template <int MR>
 inline void group_rows(int64_t rows, const float* x, const float* panel, int64_t K, const float* bias_panel, float* y,
-                       int64_t ldy, int64_t ncols, const float* prefetch) {
+                       int64_t ldy, int64_t ncols, const float* prefetch, int64_t prefetch_rows) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols, prefetch);
+      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
     } else {
-      group_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols, prefetch);
+      group_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
     }
   }
 }
@@ -121,14 +122,15 @@ void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t K, float* xpack) 
   }
 }
 
-// All M (> 0) packed rows against one panel, group by group; the first group prefetches `next_panel`
-// (null: none).
+// All M (> 0) packed rows against one panel, group by group; the groups share the prefetch of
+// `next_panel` (null: none), group g taking its rows [g K / G, (g + 1) K / G).
 void panel_rows(const float* xpack, int64_t M, const float* panel, int64_t K, const float* bias_panel, float* y,
                 int64_t ldy, int64_t ncols, const float* next_panel) {
   const RowGroups groups(M);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
+    const int64_t first = g * K / groups.count, last = next_panel == nullptr ? first : (g + 1) * K / groups.count;
     group_rows<kMR>(groups.size(g), xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols,
-                    g == 0 ? next_panel : nullptr);
+                    next_panel == nullptr ? nullptr : next_panel + first * kNR, last - first);
   }
 }
 
