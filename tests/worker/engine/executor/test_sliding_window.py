@@ -15,6 +15,7 @@ import torch
 from kernels.cpu_extension import DISABLE_ENV
 from kernels.reference import paged_attention_reference, reshape_and_cache
 from worker.engine.executor.layers.attention import build_attention_metadata, paged_attention_forward
+from worker.engine.executor.layers.attention import plan as attention_plan
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 6, 2, 16
@@ -50,10 +51,15 @@ def _batch(seed: int = 0):
 
 
 @pytest.mark.parametrize("logits_soft_cap", [None, 1.5])
+@pytest.mark.parametrize("short_extends_to_kernel", [False, True], ids=["decode-only-kernel", "short-extend-kernel"])
 @pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["kernels", "pytorch"])
-def test_windowed_layer_matches_reference_on_every_path(use_cpu_kernels, logits_soft_cap):
+def test_windowed_layer_matches_reference_on_every_path(
+    use_cpu_kernels, short_extends_to_kernel, logits_soft_cap, monkeypatch
+):
     if use_cpu_kernels and shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on PATH")
+    if not short_extends_to_kernel:  # every extend of the batch is short: keep them off the kernel to test the rest
+        monkeypatch.setattr(attention_plan, "MAX_KERNEL_QUERY_LEN", 1)
     query, key, value, kv_cache, tables = _batch()
     metadata = build_attention_metadata(
         [q for q, _ in BATCH],
@@ -67,9 +73,13 @@ def test_windowed_layer_matches_reference_on_every_path(use_cpu_kernels, logits_
     plan = metadata.sliding_plan
     assert plan is not None and plan is not metadata.plan and plan.sliding_window == WINDOW
     assert plan.cascade is None
-    # The 9-token fresh prompt is longer than the window: masked group; the 4-token one stays a causal SDPA.
-    assert plan.fresh_prefills == [(10, 14)] and metadata.plan.fresh_prefills == [(1, 10), (10, 14)]
-    assert (plan.kernel is not None) == use_cpu_kernels
+    if use_cpu_kernels and short_extends_to_kernel:  # every query is at most 9 tokens: the kernel takes them all
+        assert plan.fresh_prefills == metadata.plan.fresh_prefills == [] and not plan.groups
+        assert plan.kernel is not None and plan.kernel.token_idx is None
+    else:
+        # The 9-token fresh prompt is longer than the window: masked group; the 4-token one stays a causal SDPA.
+        assert plan.fresh_prefills == [(10, 14)] and metadata.plan.fresh_prefills == [(1, 10), (10, 14)]
+        assert (plan.kernel is not None) == use_cpu_kernels
     expected_cache = kv_cache.clone()
     reshape_and_cache(key, value, expected_cache, metadata.slot_mapping)
     scale = HEAD_SIZE**-0.5

@@ -7,8 +7,10 @@ Paths (executed by :mod:`.paged`):
   place; the paths below are the CPU's:
 - a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached)
   attends its own K/V with one causal ``scaled_dot_product_attention`` call (no gather, no mask);
-- decode rows (``query_len == 1``) go to the C++ CPU kernel, which reads K/V from the blocks in place,
-  when the kernels apply (float32 on CPU, :func:`~.metadata.cpu_kernels_apply`);
+- decode rows (``query_len == 1``) and short extends (``query_len <= MAX_KERNEL_QUERY_LEN``, such as the
+  verification of speculative drafts) go to the C++ CPU kernel, which reads K/V from the blocks in place,
+  when the kernels apply (float32 on CPU, :func:`~.metadata.cpu_kernels_apply`); the kernel computes each
+  row alone, so a verified draft gets the very bits a plain decode step would give it;
 - the rest (prefill chunks over a cached prefix or an earlier chunk, and decode rows without the
   kernel) are split into two groups, decode rows and the others; for each group, one ``index_select``
   gathers the whole blocks of every sequence into a padded
@@ -49,6 +51,10 @@ from itertools import accumulate
 import torch
 
 from worker.engine.executor.layers.attention import cascade as cascade_attention
+
+# Extends up to this many tokens take the C++ kernel, like decode rows: speculative verification (k + 1
+# positions) costs about k + 1 decode rows there, against a gather of the whole context for the masked group.
+MAX_KERNEL_QUERY_LEN = 16
 
 
 @dataclass(slots=True)
@@ -321,14 +327,15 @@ def build_attention_plan(
     decode_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1]
     # A fresh prompt longer than the window needs the window's mask: it joins the masked group.
     fresh_limit = math.inf if sliding_window is None else sliding_window
-    kernel_ids = [i for i, query_len in enumerate(query_lens_list) if query_len == 1 or invariant[i]]
+    short = MAX_KERNEL_QUERY_LEN if use_kernel else 1  # longest query the kernel (or the decode group) takes
+    kernel_ids = [i for i, query_len in enumerate(query_lens_list) if query_len <= short or invariant[i]]
     fresh_ids = [
-        i for i, q in enumerate(query_lens_list) if 1 < q == seq_lens_list[i] <= fresh_limit and not invariant[i]
+        i for i, q in enumerate(query_lens_list) if short < q == seq_lens_list[i] <= fresh_limit and not invariant[i]
     ]
     other_ids = [
         i
         for i, q in enumerate(query_lens_list)
-        if q > 1 and not q == seq_lens_list[i] <= fresh_limit and not invariant[i]
+        if q > short and not q == seq_lens_list[i] <= fresh_limit and not invariant[i]
     ]
     kernel = _build_kernel_plan(batch, kernel_ids, cu_query_lens) if use_kernel and kernel_ids else None
     groups = [
