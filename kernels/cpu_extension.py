@@ -3,11 +3,11 @@
 Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, rotary
 embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer) and ``cpu_sampling.cpp`` (exponential race),
 next to this file. The first call builds them with :func:`torch.utils.cpp_extension.load`
-(``-O3 -march=native -fopenmp``) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
+(``-O3 -march=native -fno-trapping-math -fopenmp``) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes reuse the built library, and concurrent builders wait on
 torch's file baton. The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``. Because
 ``-march=native`` ties the binary to the CPU, the extension name carries a digest of the CPU's feature
-flags and of the sources, so a shared cache never hands one machine another's build or a stale one.
+flags, of the compiler flags and of the sources, so a shared cache never hands one machine another's build or a stale one.
 
 Set ``BATCHINFER_CPU_KERNELS=0`` to disable the kernels (:func:`cpu_kernels_available` then returns
 ``False`` and callers use their PyTorch paths). When the build fails (no compiler, no ninja), a warning is
@@ -32,20 +32,24 @@ _SOURCES = [
     for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_sampling.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("cpu_exp.h")]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# NOTE: -fno-trapping-math lets GCC if-convert float comparisons (the clamp of exp_clamped) on AVX2, where it
+# would otherwise leave the exp loops of the softmax and SiLU scalar; it only drops the assumption that
+# floating-point exceptions are observed, so every value computed is unchanged.
+_CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 _loaded: bool | None = None  # None: not tried yet; False: the build failed
 
 
 def _build_tag() -> str:
-    """Short digest of the machine type, the CPU feature flags (``/proc/cpuinfo``) and the sources."""
+    """Short digest of the machine type, the CPU feature flags (``/proc/cpuinfo``), the compiler flags and the
+    sources."""
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode())
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {' '.join(_CFLAGS)}".encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
