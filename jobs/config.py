@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     # small and drafts are accepted; "on" / "off" force it. No request can turn it on for itself.
     speculative_mode: str = "auto"
     speculative_method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 4
     torch_num_threads: int | None = None
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.

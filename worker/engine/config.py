@@ -48,7 +48,7 @@ class EngineConfig:
     enable_forks: bool = True
     speculative_mode: str = "off"
     speculative_method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
