@@ -51,8 +51,11 @@ def _batch(seed: int = 0):
 
 
 @pytest.mark.parametrize("logits_soft_cap", [None, 1.5])
-@pytest.mark.parametrize("short_extends_to_kernel", [False, True], ids=["decode-only-kernel", "short-extend-kernel"])
-@pytest.mark.parametrize("use_cpu_kernels", [True, False], ids=["kernels", "pytorch"])
+@pytest.mark.parametrize(
+    ("use_cpu_kernels", "short_extends_to_kernel"),
+    [(True, True), (True, False), (False, False)],
+    ids=["kernels-short-extends", "kernels-decode-only", "pytorch"],
+)
 def test_windowed_layer_matches_reference_on_every_path(
     use_cpu_kernels, short_extends_to_kernel, logits_soft_cap, monkeypatch
 ):
