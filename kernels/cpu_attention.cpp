@@ -11,7 +11,7 @@
 //
 // Batch invariant: a token's output is a fixed sequence of float operations on its query, its context
 // and the cached K/V, whatever other tokens share the call or which thread runs it. Every reduction has
-// a fixed lane structure (`dot`, `lane_sum`) and score rows start 64-byte aligned, so the compiler's
+// a fixed lane structure (`dot_lanes`, `transpose_sum8`, `lane_sum`) and score rows start 64-byte aligned, so the compiler's
 // vectorised loops never split a row differently from one call to the next (docs/engine.md,
 // "Batch-invariant numerics").
 //
@@ -37,25 +37,58 @@ namespace {
 
 using batchinfer_kernels::exp_clamped;
 
-// q . k with kLanes independent partial sums (one vector register each) rather than one serial chain.
+// Eight floats in one AVX register (GCC/Clang vector extension; AVX-512 builds use the same width, so both
+// builds give the same bits), and its integer twin for shuffle masks.
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t ivec8 __attribute__((vector_size(8 * sizeof(int32_t))));
+constexpr int64_t kTile = 8;  // positions scored together
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// q . k folded to eight lanes: lane l sums q[d] k[d] over the d = l and d = l + 8 (mod 16), each a fused
+// multiply-add chain in d order, and then adds the two (16 lanes folded once). A tail of head_size % 16
+// elements (test-sized heads only) is added lane by lane.
 template <int64_t kHeadSize>
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  constexpr int64_t kLanes = 16;
-  if constexpr (kHeadSize > 0 && kHeadSize % kLanes == 0) {
-    float partial[kLanes] = {};
-    for (int64_t d = 0; d < kHeadSize; d += kLanes) {
-#pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[d + l] * b[d + l];
-    }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
-    return sum;
+inline vec8 dot_lanes(const float* __restrict q, const float* __restrict k, int64_t head_size) {
+  const int64_t n = kHeadSize > 0 ? kHeadSize : head_size;
+  vec8 lo = {}, hi = {};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    lo += load8(q + d) * load8(k + d);
+    hi += load8(q + d + 8) * load8(k + d + 8);
   }
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
-  return sum;
+  if (kHeadSize == 0 && d < n) {
+    float tail[16] = {};
+    for (int64_t i = 0; d + i < n; ++i) tail[i] = q[d + i] * k[d + i];
+    lo += load8(tail);
+    hi += load8(tail + 8);
+  }
+  return lo + hi;
+}
+
+// out[j] = the sum of the eight lanes of x[j], for j = 0 .. 7, by one fixed tree (lane l with l + 4, then
+// with l + 2, then the pair): the transposed reduction of eight dot products in 14 shuffles and 7 adds,
+// instead of a horizontal sum per dot product. Each out[j] depends on x[j] alone.
+inline vec8 transpose_sum8(const vec8* x) {
+  vec8 pairs[4];  // lanes 0-3: x[2i] folded to four lanes, 4-7: x[2i + 1]
+  for (int i = 0; i < 4; ++i) {
+    pairs[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], ivec8{0, 1, 2, 3, 8, 9, 10, 11}) +
+               __builtin_shuffle(x[2 * i], x[2 * i + 1], ivec8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  vec8 quads[2];  // two lanes each of x[4i], x[4i + 2], x[4i + 1], x[4i + 3], in that order
+  for (int i = 0; i < 2; ++i) {
+    quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], ivec8{0, 1, 8, 9, 4, 5, 12, 13}) +
+               __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], ivec8{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  const vec8 sums = __builtin_shuffle(quads[0], quads[1], ivec8{0, 2, 8, 10, 4, 6, 12, 14}) +
+                    __builtin_shuffle(quads[0], quads[1], ivec8{1, 3, 9, 11, 5, 7, 13, 15});
+  return __builtin_shuffle(sums, ivec8{0, 4, 1, 5, 2, 6, 3, 7});  // sums held x[0, 2, 4, 6, 1, 3, 5, 7]
 }
 
 // sum of x[0 .. n-1] with kLanes partial sums (element i goes to lane i % kLanes), added lane by lane:
@@ -125,25 +158,42 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 #pragma omp simd
     for (int64_t d = 0; d < head_size; ++d) q_scaled[h * head_size + d] = q[d] * scale;
   }
-  float max_score[kMaxHeads];
-  std::fill(max_score, max_score + num_heads, -std::numeric_limits<float>::infinity());
-
+  // Scores, kTile positions at a time: each position's dot products with every query head, folded to eight
+  // lanes as its K row arrives (the next block's rows stream in meanwhile), then the tile's eight per head
+  // reduced together (transpose_sum8) and stored as one vector.
+  vec8 max_score[kMaxHeads];
+  std::fill(max_score, max_score + num_heads, vec8{} - std::numeric_limits<float>::infinity());
+  vec8 dots[kMaxHeads * kTile];
+  int64_t tile_len = 0, tile_start = 0;
+  const auto reduce_tile = [&]() {
+    const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t j = tile_len; j < kTile; ++j) dots[h * kTile + j] = dots[h * kTile];  // padding, never read
+      vec8 tile_scores = transpose_sum8(dots + h * kTile);
+      store8(scores + h * row_stride + tile_start, tile_scores);
+      tile_scores = lane < static_cast<float>(tile_len) ? tile_scores : max_score[h];
+      max_score[h] = tile_scores > max_score[h] ? tile_scores : max_score[h];
+    }
+    tile_start += kTile;
+    tile_len = 0;
+  };
   for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
-                    [&](int64_t pos, const float* row) {
+                    [&](int64_t, const float* row) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       const float* k = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        const float score = dot<kHeadSize>(q_scaled + h * head_size, k, head_size);
-        scores[h * row_stride + pos - context_start] = score;
-        max_score[h] = std::max(max_score[h], score);
+        dots[h * kTile + tile_len] = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
       }
     }
+    if (++tile_len == kTile) reduce_tile();
   });
+  if (tile_len > 0) reduce_tile();
 
   float inv_sum[kMaxHeads];
   for (int64_t h = 0; h < num_heads; ++h) {
     float* __restrict row = scores + h * row_stride;
-    float m = max_score[h];
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < kTile; ++l) m = std::max(m, max_score[h][l]);
     if (soft_cap > 0.0f) {
       // tanh is increasing, so the capped maximum is the cap of the maximum.
       const float inv_cap = 1.0f / soft_cap;

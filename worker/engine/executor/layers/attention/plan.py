@@ -5,14 +5,16 @@ Paths (executed by :mod:`.paged`):
 - on CUDA with Triton installed (:func:`~.metadata.triton_kernels_apply`), every row goes to one Triton
   kernel (:func:`kernels.triton_attention.paged_attention_triton`) that reads K/V through the block table in
   place; the paths below are the CPU's:
-- a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached)
-  attends its own K/V with one causal ``scaled_dot_product_attention`` call (no gather, no mask);
-- decode rows (``query_len == 1``) and short extends (``query_len <= MAX_KERNEL_QUERY_LEN``, such as the
-  verification of speculative drafts) go to the C++ CPU kernel, which reads K/V from the blocks in place,
-  when the kernels apply (float32 on CPU, :func:`~.metadata.cpu_kernels_apply`); the kernel computes each
-  row alone, so a verified draft gets the very bits a plain decode step would give it;
-- the rest (prefill chunks over a cached prefix or an earlier chunk, and decode rows without the
-  kernel) are split into two groups, decode rows and the others; for each group, one ``index_select``
+- a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached) and
+  too long for the kernel (below) attends its own K/V with one causal ``scaled_dot_product_attention``
+  call (no gather, no mask);
+- decode rows (``query_len == 1``) and queries of up to ``MAX_KERNEL_QUERY_LEN`` tokens (the verification of
+  speculative drafts, prompts and prefill chunks of a few hundred tokens) go to the C++ CPU kernel, which
+  reads K/V from the blocks in place, when the kernels apply (float32 on CPU,
+  :func:`~.metadata.cpu_kernels_apply`); the kernel computes each row alone, so a verified draft gets the
+  very bits a plain decode step would give it, and a prompt the bits of the same prompt computed in chunks;
+- the rest (longer prefill chunks over a cached prefix or an earlier chunk; without the kernels, decode
+  rows and short extends too) are split into two groups, decode rows and the others; for each group, one ``index_select``
   gathers the whole blocks of every sequence into a padded
   ``[num_group_seqs, num_blocks * block_size, num_kv_heads, head_size]`` tensor and one
   ``scaled_dot_product_attention`` call runs over it with an additive mask (causal and length).
@@ -52,9 +54,10 @@ import torch
 
 from worker.engine.executor.layers.attention import cascade as cascade_attention
 
-# Extends up to this many tokens take the C++ kernel, like decode rows: speculative verification (k + 1
-# positions) costs about k + 1 decode rows there, against a gather of the whole context for the masked group.
-MAX_KERNEL_QUERY_LEN = 16
+# Queries up to this many tokens take the C++ kernel, like decode rows: a speculative verification (k + 1
+# positions) costs about k + 1 decode rows there, against a gather of the whole context for the masked group,
+# and a prompt of a few hundred tokens costs less than the causal SDPA call (docs/engine.md, "Attention metadata and plan").
+MAX_KERNEL_QUERY_LEN = 512
 
 
 @dataclass(slots=True)
