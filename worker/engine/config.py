@@ -51,7 +51,7 @@ class EngineConfig:
     num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 4
     prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_max: int = 8
     speculative_model: str | None = None
     speculative_draft_num_layers: int | None = None
 

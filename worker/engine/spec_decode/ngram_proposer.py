@@ -40,7 +40,7 @@ class NgramProposer(Proposer):
 
     cost_per_token = 0.0
 
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 8) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max ({prompt_lookup_max})"
