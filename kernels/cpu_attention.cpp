@@ -36,20 +36,12 @@
 namespace {
 
 using batchinfer_kernels::exp_clamped;
+using batchinfer_kernels::ivec8;
+using batchinfer_kernels::load8;
+using batchinfer_kernels::store8;
+using batchinfer_kernels::vec8;
 
-// Eight floats in one AVX register (GCC/Clang vector extension; AVX-512 builds use the same width, so both
-// builds give the same bits), and its integer twin for shuffle masks.
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef int32_t ivec8 __attribute__((vector_size(8 * sizeof(int32_t))));
 constexpr int64_t kTile = 8;  // positions scored together
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // q . k folded to eight lanes: lane l sums q[d] k[d] over the d = l and d = l + 8 (mod 16), each a fused
 // multiply-add chain in d order, and then adds the two (16 lanes folded once). A tail of head_size % 16
