@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     speculative_mode: str = "auto"
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 12
-    speculative_disable_by_batch_size: int = 4
+    speculative_disable_by_batch_size: int = 16
     torch_num_threads: int | None = None
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000

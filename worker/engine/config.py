@@ -49,7 +49,7 @@ class EngineConfig:
     speculative_mode: str = "off"
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 12
-    speculative_disable_by_batch_size: int = 4
+    speculative_disable_by_batch_size: int = 16
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 8
     speculative_model: str | None = None

@@ -194,6 +194,12 @@ class LLMEngine:
         self._count_scheduled(scheduler_output, start_s=time.monotonic())
         runner_output = self.model_runner.execute_model(scheduler_output, block_ids, draft_probs)
         sampled_s = time.monotonic()
+        if speculator is not None:
+            speculator.observe_step(
+                scheduler_output.seqs,
+                scheduler_output.num_scheduled_tokens,
+                runner_output.forward_s + runner_output.sampling_s,
+            )
         # Verified tokens are appended before the scheduler marks them computed (it needs their ids).
         finished_seqs = self._process_verified(runner_output.verified_seqs, runner_output.verified, sampled_s)
         self.scheduler.update_from_output(scheduler_output)

@@ -1,18 +1,24 @@
 """When to speculate and how many tokens: the automatic policy (docs/engine.md, "Speculative decoding").
 
 A verification step pays for itself when the batch is small: a decode step then reads every weight for
-one token per sequence, so checking ``k`` more positions costs little next to the ``k`` tokens that may
-be accepted. The policy therefore:
+few tokens, so checking ``k`` more positions costs little next to the ``k`` tokens that may be accepted.
+The policy therefore:
 
 1. speculates only while the running batch has at most ``disable_by_batch_size`` sequences (vLLM V0's
    ``speculative_disable_by_batch_size``), unless the deployment forces it on;
 2. measures each sequence's acceptance and picks ``k`` to maximise expected tokens per unit of cost.
    Under Leviathan et al.'s model (each draft accepted with probability ``alpha``, independently), a
    step with ``k`` drafts yields ``(1 - alpha ** (k + 1)) / (1 - alpha)`` tokens and costs
-   ``1 + k * (verify_cost_per_token + proposer cost_per_token)`` decode steps; ``k = 0`` (plain decode)
-   yields 1 for 1. ``alpha`` is estimated from decayed counts of accepted and rejected drafts (a
-   rejection ends a run), ``(accepted + 1) / (accepted + rejected + 2)``; the counts decay at every
-   decision, so a sequence whose drafts stopped paying is re-tried once its old rejections fade.
+   ``1 + k * c`` token-steps; ``k = 0`` (plain decode) yields 1 for 1. ``alpha`` is estimated from
+   decayed counts of accepted and rejected drafts (a rejection ends a run),
+   ``(accepted + 1) / (accepted + rejected + 2)``; the counts decay at every decision, so a sequence
+   whose drafts stopped paying is re-tried once its old rejections fade;
+3. prices a verified position by the machine's measured step cost (:class:`StepCostModel`): a step over
+   ``T`` tokens takes ``w + T * t`` seconds (``w`` reading the weights and fixed costs, ``t`` per token),
+   fitted online to the steps that only decode or verify. One more position in a step of ``B`` running
+   sequences costs ``t`` while the step yields ``B`` tokens in ``w + B * t``, so speculating pays when
+   its extra tokens beat ``k * c`` with ``c = B * t / (w + B * t)``, the share of the step that one
+   token's worth of rows takes: small at batch 1, near 1 in a large batch.
 """
 
 from __future__ import annotations
@@ -20,9 +26,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECAY = 0.8  # weight of the past per decision: about the last five draft steps count
-# NOTE: an estimate for CPU at small batches (docs/engine.md, "Speculative decoding"), not measured per machine: one more
-# verified position costs about this fraction of a decode step.
-VERIFY_COST_PER_TOKEN = 0.1
+# The step cost before any measurement: a token's rows cost this fraction of the fixed part of a step (t / w).
+PRIOR_TOKEN_COST = 0.1
+COST_DECAY = 0.98  # weight of the past per observed step: about the last 50 steps count
+MIN_TOKEN_SPREAD = 1.0  # the fit needs steps of different sizes: variance of the token counts >= this
+
+
+class StepCostModel:
+    """Seconds of a decode step as ``w + num_tokens * t``, a least-squares line over recent steps.
+
+    Observed steps are those without prompt tokens (plain decodes and verifications), weighted by
+    ``COST_DECAY`` per step. Until their token counts spread (``MIN_TOKEN_SPREAD``) or when the fit is not
+    positive, ``t / w`` is ``PRIOR_TOKEN_COST``.
+    """
+
+    def __init__(self) -> None:
+        self._weight = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Count one step of ``num_tokens`` scheduled tokens that took ``seconds``."""
+        for name in ("_weight", "_x", "_y", "_xx", "_xy"):
+            setattr(self, name, getattr(self, name) * COST_DECAY)
+        self._weight += 1.0
+        self._x += num_tokens
+        self._y += seconds
+        self._xx += num_tokens * num_tokens
+        self._xy += num_tokens * seconds
+
+    def token_cost_ratio(self) -> float:
+        """``t / w``: one token's rows relative to the fixed part of a step."""
+        if self._weight > 0.0:
+            mean_x, mean_y = self._x / self._weight, self._y / self._weight
+            var_x = self._xx / self._weight - mean_x * mean_x
+            if var_x >= MIN_TOKEN_SPREAD:
+                per_token = (self._xy / self._weight - mean_x * mean_y) / var_x
+                fixed = mean_y - per_token * mean_x
+                if per_token > 0.0 and fixed > 0.0:
+                    return per_token / fixed
+        return PRIOR_TOKEN_COST
+
+    def row_share(self, num_rows: int) -> float:
+        """``B * t / (w + B * t)`` for ``B = num_rows``: the cost of one verified position relative to the
+        tokens a step of ``num_rows`` plain decodes yields (module docstring, 3)."""
+        ratio = self.token_cost_ratio()
+        return num_rows * ratio / (1.0 + num_rows * ratio)
 
 
 @dataclass(slots=True)
@@ -48,34 +95,43 @@ class SpecDecodePolicy:
         force: speculate at any batch size and never drop to ``k = 0`` (the deployment forced it on).
         max_spec_tokens: the most drafts per step (``num_speculative_tokens``).
         disable_by_batch_size: no speculation while more sequences run (ignored when forced).
-        cost_per_token: cost of one draft token (verification plus proposal) relative to a decode step.
+        proposer_cost_per_token: the proposer's cost of one draft token relative to a decode step.
 
     Raises:
         ValueError: on a non-positive ``max_spec_tokens`` or ``disable_by_batch_size``, or a negative cost.
     """
 
-    def __init__(self, *, force: bool, max_spec_tokens: int, disable_by_batch_size: int, cost_per_token: float) -> None:
-        if max_spec_tokens < 1 or disable_by_batch_size < 1 or cost_per_token < 0:
-            raise ValueError("max_spec_tokens and disable_by_batch_size must be >= 1, cost_per_token >= 0")
+    def __init__(
+        self, *, force: bool, max_spec_tokens: int, disable_by_batch_size: int, proposer_cost_per_token: float
+    ) -> None:
+        if max_spec_tokens < 1 or disable_by_batch_size < 1 or proposer_cost_per_token < 0:
+            raise ValueError("max_spec_tokens and disable_by_batch_size must be >= 1, proposer_cost_per_token >= 0")
         self.force = force
         self.max_spec_tokens = max_spec_tokens
         self.disable_by_batch_size = disable_by_batch_size
-        self.cost_per_token = cost_per_token
+        self.proposer_cost_per_token = proposer_cost_per_token
+        self.step_cost = StepCostModel()
         self._acceptance: dict[int, _Acceptance] = {}
 
     def batch_speculates(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` running sequences speculates at all."""
         return self.force or num_running <= self.disable_by_batch_size
 
-    def num_spec_tokens(self, seq_id: int) -> int:
-        """Drafts to propose for ``seq_id`` this step (0: decode plainly); decays its counts."""
+    def cost_per_token(self, num_running: int) -> float:
+        """Cost of one draft token (verification plus proposal) in a step of ``num_running`` sequences."""
+        return self.step_cost.row_share(num_running) + self.proposer_cost_per_token
+
+    def num_spec_tokens(self, seq_id: int, num_running: int) -> int:
+        """Drafts to propose for ``seq_id`` in a step of ``num_running`` sequences (0: decode plainly);
+        decays its counts."""
         acceptance = self._acceptance.setdefault(seq_id, _Acceptance())
         alpha = acceptance.rate
         acceptance.accepted *= DECAY
         acceptance.rejected *= DECAY
+        cost = self.cost_per_token(num_running)
         best_k, best_rate = 0, 1.0
         for k in range(1, self.max_spec_tokens + 1):
-            rate = expected_tokens(alpha, k) / (1.0 + k * self.cost_per_token)
+            rate = expected_tokens(alpha, k) / (1.0 + k * cost)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return max(best_k, 1) if self.force else best_k

@@ -3,7 +3,8 @@
 Before each step the engine asks :meth:`Speculator.propose` for drafts: running sequences about to
 decode get ``seq.spec_token_ids`` (the scheduler schedules them after the last token, the model runner
 verifies them in the same ragged batch as every other sequence). After the step :meth:`record` counts
-the verification (vLLM's spec-decoding counters) and feeds the policy.
+the verification (vLLM's spec-decoding counters) and feeds the policy, and :meth:`observe_step` gives the
+policy the step's duration.
 
 Who may speculate (docs/engine.md, "Speculative decoding"): a sequence decoding one token at a time
 (not beam search). Under ``"auto"`` only lines whose output cannot depend on the decision: greedy lines
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence, SequenceStatus
 from worker.engine.spec_decode.ngram_proposer import NgramProposer
-from worker.engine.spec_decode.policy import VERIFY_COST_PER_TOKEN, SpecDecodePolicy
+from worker.engine.spec_decode.policy import SpecDecodePolicy
 from worker.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class Speculator:
         for seq in running:
             if not self.eligible(seq):
                 continue
-            k = min(self.policy.num_spec_tokens(seq.seq_id), self.max_useful_tokens(seq))
+            k = min(self.policy.num_spec_tokens(seq.seq_id, len(running)), self.max_useful_tokens(seq))
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
@@ -123,6 +124,12 @@ class Speculator:
         """Count one verification of ``seq`` (counters and the policy's acceptance estimate)."""
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
         self.policy.record(seq.seq_id, num_draft_tokens, num_accepted_tokens)
+
+    def observe_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], seconds: float) -> None:
+        """Feed the policy's step-cost model a step that only decoded or verified (no prompt tokens):
+        ``seqs[i]`` computed ``num_scheduled_tokens[i]`` tokens in ``seconds`` (forward and sampling)."""
+        if all(seq.output_token_ids and n == 1 + len(seq.spec_token_ids) for seq, n in zip(seqs, num_scheduled_tokens)):
+            self.policy.step_cost.observe(sum(num_scheduled_tokens), seconds)
 
     def free(self, seqs: Iterable[Sequence], *, finished: bool) -> None:
         """Drop the proposer's state of ``seqs`` (preempted or finished); finished ones leave the policy too."""
@@ -153,6 +160,6 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
         force=force,
         max_spec_tokens=config.num_speculative_tokens,
         disable_by_batch_size=config.speculative_disable_by_batch_size,
-        cost_per_token=VERIFY_COST_PER_TOKEN + proposer.cost_per_token,
+        proposer_cost_per_token=proposer.cost_per_token,
     )
     return Speculator(proposer, policy, force=force, max_model_len=max_model_len)
