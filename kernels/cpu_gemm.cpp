@@ -108,16 +108,24 @@ struct RowGroups {
   int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
 };
 
+constexpr int64_t kPackBytes = 32 << 10;  // a group's packed activations written in spans of up to this (L1)
+
 // Rows [0, M) of x (M > 0) repacked so that each micro-kernel call reads its activations contiguously: the
-// group of `rows` rows that starts at row m lies at xpack + m * K, laid out [K][rows].
+// group of `rows` rows that starts at row m lies at xpack + m * K, laid out [K][rows]. A group wider than
+// kPackBytes is written 256 k values at a time: one row across all of K at a stride of `rows` floats would
+// leave L1 before the next row fills the same lines (K = 1536, 2048 rows: 3 ms a thread instead of 0.3).
 void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t K, float* xpack) {
+  const int64_t span = K * kMR * static_cast<int64_t>(sizeof(float)) <= kPackBytes ? K : 256;
   const RowGroups groups(M);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
     const int64_t rows = groups.size(g);
     float* dst = xpack + m * K;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = x + (m + r) * ldx;
-      for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = src[k];
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+      const int64_t k1 = std::min(K, k0 + span);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* src = x + (m + r) * ldx;
+        for (int64_t k = k0; k < k1; ++k) dst[k * rows + r] = src[k];
+      }
     }
   }
 }
