@@ -50,7 +50,7 @@ def test_add_rms_norm_returns_the_sum_and_its_norm():
     torch.testing.assert_close(normed, _reference_rms_norm(x + delta, weight, 1e-5, False), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("width", [1, 7, 16, 1536])
+@pytest.mark.parametrize("width", [1, 7, 13, 16, 1536])  # 8-wide vectors, their tail, both
 def test_silu_and_mul_matches_the_torch_expression(width):
     gate_up = _randn(13, 2 * width, scale=4.0)
     gate_up[0, :width] = torch.linspace(-200.0, 200.0, width)  # beyond exp's range on both sides
