@@ -13,7 +13,7 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:prompt_tokens_total`` / ``generation_tokens_total`` | counter | prefill tokens (per request) / sampled tokens |
 | ``batchinfer:iteration_tokens_total`` | histogram | tokens scheduled per engine step |
 | ``batchinfer:time_to_first_token_seconds`` | histogram | arrival to first token |
-| ``batchinfer:inter_token_latency_seconds`` | histogram | between a request's consecutive tokens |
+| ``batchinfer:inter_token_latency_seconds`` | histogram | between a request's consecutive steps that gave it tokens |
 | ``batchinfer:e2e_request_latency_seconds`` | histogram | arrival to finish |
 | ``batchinfer:request_queue_time_seconds`` | histogram | arrival to first scheduled |
 | ``batchinfer:request_prefill_time_seconds`` | histogram | first scheduled to first token |
