@@ -45,13 +45,11 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Count one step of ``num_tokens`` scheduled tokens that took ``seconds``."""
-        for name in ("_weight", "_x", "_y", "_xx", "_xy"):
-            setattr(self, name, getattr(self, name) * COST_DECAY)
-        self._weight += 1.0
-        self._x += num_tokens
-        self._y += seconds
-        self._xx += num_tokens * num_tokens
-        self._xy += num_tokens * seconds
+        self._weight = self._weight * COST_DECAY + 1.0
+        self._x = self._x * COST_DECAY + num_tokens
+        self._y = self._y * COST_DECAY + seconds
+        self._xx = self._xx * COST_DECAY + num_tokens * num_tokens
+        self._xy = self._xy * COST_DECAY + num_tokens * seconds
 
     def token_cost_ratio(self) -> float:
         """``t / w``: one token's rows relative to the fixed part of a step."""
