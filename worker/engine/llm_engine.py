@@ -184,7 +184,9 @@ class LLMEngine:
         """Schedule, run one forward pass, process samples; returns the requests that finished this step."""
         start_s = time.perf_counter()
         speculator = self.speculator
-        draft_probs = speculator.propose(self.scheduler.running) if speculator is not None else {}
+        draft_probs = {}
+        if speculator is not None:
+            draft_probs = speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
         scheduler_output = self.scheduler.schedule()
         if speculator is not None and scheduler_output.preempted_seqs:
             speculator.free(scheduler_output.preempted_seqs, finished=False)

@@ -10,7 +10,9 @@ Who may speculate (docs/engine.md, "Speculative decoding"): a sequence decoding 
 (not beam search). Under ``"auto"`` only lines whose output cannot depend on the decision: greedy lines
 (the same ids, up to the near-tie rule) and unseeded sampled lines (the same distribution). A seeded
 sampled line keeps its reproducible stream (its draws would differ with speculation, and the automatic
-decision depends on the batch); ``"on"`` speculates it too. No request parameter turns speculation on.
+decision depends on the batch); ``"on"`` speculates it too. In a job's tail (nothing waiting) ``"auto"``
+lets only the sequences that may finish last speculate (:meth:`Speculator.propose`). No request parameter
+turns speculation on.
 """
 
 from __future__ import annotations
@@ -94,18 +96,27 @@ class Speculator:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids))
         return room - 1
 
-    def propose(self, running: list[Sequence]) -> dict[int, torch.Tensor]:
+    def propose(self, running: list[Sequence], num_waiting: int) -> dict[int, torch.Tensor]:
         """Set ``spec_token_ids`` on the running sequences that speculate this step.
+
+        With nothing waiting (``num_waiting == 0``, the tail of a job) and speculation not forced, only
+        the running sequences with the most tokens left to generate (:meth:`max_useful_tokens`) may
+        speculate: a step's fixed cost is paid until the last sequence finishes, so only drafts accepted
+        by a sequence that may finish last shorten the job; any other sequence's drafts add verified rows
+        to steps that run anyway (docs/engine.md, "Speculative decoding").
 
         Returns:
             the draft distributions of proposals that have them, by ``seq_id`` (float32
             ``[k, vocab_size]``; absent: one-hot drafts).
         """
-        if not self.policy.batch_speculates(len(running)):
+        if not running or not self.policy.batch_speculates(len(running)):
             return {}
+        longest = 0
+        if num_waiting == 0 and not self.force:
+            longest = max(self.max_useful_tokens(seq) for seq in running)
         seqs, ks = [], []
         for seq in running:
-            if not self.eligible(seq):
+            if not self.eligible(seq) or self.max_useful_tokens(seq) < longest:
                 continue
             k = min(self.policy.num_spec_tokens(seq.seq_id, len(running)), self.max_useful_tokens(seq))
             if k > 0:
