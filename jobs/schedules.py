@@ -33,12 +33,15 @@ from sqlalchemy.orm import Session
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.errors import InvalidRequest, NotFound
+from jobs.files import file_chunks
 from jobs.intake import validate_and_start
-from jobs.models import SCHEDULE_ID_PREFIX, Schedule, new_id
+from jobs.models import SCHEDULE_ID_PREFIX, File, Schedule, new_id
 from jobs.paging import keyset_page
 from jobs.repository import check_batch_params, create_batch, get_batch_input_file
 from jobs.schemas import COMPLETION_WINDOW, ListedObject
 from jobs.status import now_s
+from jobs.storage import storage_from_settings
+from jobs.validation import validate_batch_file
 
 logger = logging.getLogger(__name__)
 
@@ -124,18 +127,22 @@ def create_schedule(
     completion_window: str = COMPLETION_WINDOW,
     owner: str | None = None,
     now: int | None = None,
+    settings: Settings | None = None,
 ) -> Schedule:
     """Insert a schedule whose first run is the first ``cron`` time after ``now`` (flushed, not committed).
 
     ``owner``: the API key that owns it, its input file and the batches it creates (None: no key).
 
-    Checks now what each run's ``POST /v1/batches`` would check (so a run fails only when the file
-    is deleted later): endpoint, completion window, metadata with room for ``schedule_id``, and an
-    input file of purpose "batch".
+    Checks now what each run's ``POST /v1/batches`` and its validation would check (so a run fails only
+    when the file is deleted later): endpoint, completion window, metadata with room for ``schedule_id``,
+    an input file of purpose "batch", and that file's structure for ``endpoint`` (`jobs.validation`:
+    every line's ``url`` is the endpoint, its model the served one, ...; one pass over the file).
 
     Raises:
         InvalidRequest: a bad ``cron`` (``param="cron"``), an unknown input file or one not of
-            purpose "batch" (``param="input_file_id"``), or what `check_batch_params` rejects.
+            purpose "batch" (``param="input_file_id"``), a file every run would fail on
+            (``param="input_file_id"``, the code and message of its first problem, with its line
+            number), or what `check_batch_params` rejects.
     """
     now = now_s() if now is None else now
     cron = " ".join(cron.split())
@@ -146,7 +153,8 @@ def create_schedule(
         completion_window=completion_window,
         metadata={**(metadata or {}), SCHEDULE_ID_METADATA_KEY: schedule_id},
     )
-    get_batch_input_file(session, file_id=input_file_id, owner=owner)
+    file = get_batch_input_file(session, file_id=input_file_id, owner=owner)
+    _check_input_file(session, file, endpoint, settings or get_settings())
     schedule = Schedule(
         owner_key_id=owner,
         id=schedule_id,
@@ -161,6 +169,28 @@ def create_schedule(
     session.add(schedule)
     session.flush()
     return schedule
+
+
+def _check_input_file(session: Session, file: File, endpoint: str, settings: Settings) -> None:
+    """Refuse a file whose structure every run of ``endpoint`` would fail on (module docstring of
+    `jobs.validation`), naming the first problem and its line."""
+    result = validate_batch_file(
+        file_chunks(file, storage=storage_from_settings(settings), session=session),
+        endpoint=endpoint,
+        model_names={settings.served_model_name},
+        max_lines=settings.max_file_lines,
+        max_bytes=settings.max_file_bytes,
+    )
+    if result.ok:
+        return
+    first = result.errors[0]
+    where = "" if first.line is None else f"line {first.line}: "
+    more = f" (and {len(result.errors) - 1} more)" if len(result.errors) > 1 else ""
+    raise InvalidRequest(
+        f"every run of file {file.id!r} as {endpoint} would fail: {where}{first.message}{more}",
+        param="input_file_id",
+        code=first.code,
+    )
 
 
 def get_schedule(session: Session, *, schedule_id: str, owner: str | None = None) -> Schedule:

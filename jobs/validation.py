@@ -212,12 +212,14 @@ def _validate_line(
         raise _LineProblem(
             "invalid_line", f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)", unknown[0]
         )
-    if line.get("method") != "POST":
-        raise _LineProblem("invalid_method", f"method must be 'POST', got {line.get('method')!r}", "method")
-    if line.get("url") != endpoint:
-        raise _LineProblem(
-            "invalid_url", f"url {line.get('url')!r} does not match the batch endpoint {endpoint!r}", "url"
-        )
+    if "method" not in line:
+        raise _LineProblem("invalid_method", "method is missing; it must be 'POST'", "method")
+    if line["method"] != "POST":
+        raise _LineProblem("invalid_method", f"method must be 'POST', got {line['method']!r}", "method")
+    if "url" not in line:
+        raise _LineProblem("invalid_url", f"url is missing; it must be the batch endpoint {endpoint!r}", "url")
+    if line["url"] != endpoint:
+        raise _LineProblem("invalid_url", f"url {line['url']!r} does not match the batch endpoint {endpoint!r}", "url")
     if not isinstance(line.get("body"), dict):
         raise _LineProblem("invalid_body", "body must be a JSON object", "body")
     _check_model(line["body"], model_names)

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +136,43 @@ def _model_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_database_problem() -> str | None:
+    """Why ``keys`` cannot use the configured database, or None. A SQLite file that does not exist is
+    reported, not created (the default lives under ``BATCHINFER_DATA_DIR``, relative to the current
+    directory); a database without the tables is reported by :func:`_keys_command`."""
+    settings = get_settings()
+    url = settings.database_url
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return (
+            f"no database at {url.removeprefix('sqlite:///')}: run this where the service runs (its "
+            f"BATCHINFER_DATA_DIR is relative to the current directory), or set BATCHINFER_DATA_DIR or "
+            f"BATCHINFER_DATABASE_URL to the service's"
+        )
+    return None
+
+
+def _keys_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run a ``keys`` handler only on a database that exists and has the tables; else say why (exit 1)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        problem = _keys_database_problem()
+        if problem is None:
+            try:
+                return handler(args)
+            except (OperationalError, ProgrammingError) as exc:
+                problem = (
+                    f"the database at {get_settings().database_url} cannot hold API keys "
+                    f"({exc.orig}); run `batchinfer db upgrade` against it first"
+                )
+        print(f"batchinfer: {problem}", file=sys.stderr)
+        return 1
+
+    return run
+
+
+@_keys_command
 def _keys_create(args: argparse.Namespace) -> int:
     from jobs.api_keys import create_key
     from jobs.db import session_scope
@@ -147,6 +184,7 @@ def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+@_keys_command
 def _keys_ls(args: argparse.Namespace) -> int:
     from jobs.api_keys import list_keys
     from jobs.db import session_scope
@@ -160,6 +198,7 @@ def _keys_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+@_keys_command
 def _keys_revoke(args: argparse.Namespace) -> int:
     from jobs.api_keys import revoke_key
     from jobs.db import session_scope

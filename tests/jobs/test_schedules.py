@@ -31,6 +31,7 @@ from jobs.schedules import (
 from jobs.status import BatchStatus, now_s
 from tests.helpers.service import (  # noqa: F401
     CHAT,
+    COMPLETIONS,
     chat_line,
     configure_service,
     jsonl,
@@ -114,6 +115,26 @@ def test_create_schedule_checks_what_each_batch_will_need(settings: Settings) ->
         assert schedule.id.startswith("sched_")
         assert (schedule.next_run_at, schedule.last_run_at, schedule.last_batch_id) == (T0, None, None)
         assert session.scalar(select(Schedule.id)) == schedule.id
+
+
+@pytest.mark.parametrize(
+    ("content", "endpoint", "code", "line"),
+    [
+        (jsonl([chat_line("a"), chat_line("b")]), COMPLETIONS, "invalid_url", 1),  # chat lines, completions runs
+        (jsonl([chat_line("a"), "{not json", chat_line("c")]), CHAT, "invalid_json", 2),
+        (jsonl([chat_line("a"), chat_line("a")]), CHAT, "duplicate_custom_id", 2),
+    ],
+)
+def test_create_schedule_refuses_a_file_every_run_would_fail_on(
+    settings: Settings, content: bytes, endpoint: str, code: str, line: int
+) -> None:
+    with session_scope() as session:
+        file_id = write_file(session, chunks=[content], filename="eval.jsonl", purpose="batch").id
+        with pytest.raises(InvalidRequest) as info:
+            create_schedule(session, cron="0 * * * *", input_file_id=file_id, endpoint=endpoint, now=T0)
+        assert (info.value.param, info.value.code) == ("input_file_id", code)
+        assert f"line {line}:" in info.value.message
+        assert session.scalar(select(Schedule.id)) is None
 
 
 def test_tick_creates_one_batch_per_due_schedule_and_advances(settings: Settings) -> None:

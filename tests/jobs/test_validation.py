@@ -99,6 +99,15 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
         assert error.message
 
 
+@pytest.mark.parametrize(("field", "code"), [("method", "invalid_method"), ("url", "invalid_url")])
+def test_a_missing_method_or_url_is_named_as_missing(field: str, code: str) -> None:
+    line = chat_line("a")
+    del line[field]
+    [error] = _validate(jsonl([line])).errors
+    assert (error.line, error.code, error.param) == (1, code, field)
+    assert error.message.startswith(f"{field} is missing") and "None" not in error.message
+
+
 @pytest.mark.parametrize(
     ("data", "code"),
     [(b"", "empty_file"), (b"\n\n  \n", "empty_file"), (b"\xef\xbb\xbf", "empty_file")],

@@ -202,3 +202,16 @@ def test_keys_create_ls_revoke(data_dir, capsys):
     with session_scope() as session:
         assert find_key(session, secret=secret) is None
     assert cli.main(["keys", "revoke", "key_nope"]) == 1
+
+
+def test_keys_say_where_the_database_is_missing_instead_of_a_traceback(data_dir, capsys):
+    """``batchinfer keys`` away from the service's data directory: no traceback, no empty database left behind;
+    on a database without the tables, a hint to upgrade it."""
+    assert cli.main(["keys", "ls"]) == 1
+    err = capsys.readouterr().err
+    assert "no database at" in err and "BATCHINFER_DATA_DIR" in err and "Traceback" not in err
+    assert not (data_dir / "batchinfer.db").exists()
+    data_dir.mkdir(parents=True)
+    (data_dir / "batchinfer.db").touch()  # a database file without the tables
+    assert cli.main(["keys", "create", "--name", "x"]) == 1
+    assert "batchinfer db upgrade" in capsys.readouterr().err
