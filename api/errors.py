@@ -79,7 +79,11 @@ def _unknown_cursor(_request: Request, exc: Exception) -> JSONResponse:
 def _request_validation(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors: list[dict[str, Any]] = list(exc.errors())
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":  # its loc is ("body", character position), not a field
+        reason = (first.get("ctx") or {}).get("error", first["msg"])
+        message = f"the request body is not valid JSON: {reason} (character {first['loc'][-1]})"
+        return error_response(400, message, code="invalid_json")
     # NOTE: drop the location kind ("body", "query", "path", "form") OpenAI's param does not carry.
     loc = [str(part) for part in first["loc"][1:]] if len(first["loc"]) > 1 else [str(p) for p in first["loc"]]
     param = ".".join(loc) or None

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+MAX_ERRORS_SHOWN = 5  # file errors the summary of a failed batch lists
+
 
 @dataclass(slots=True)
 class Rates:
@@ -131,7 +133,8 @@ class ProgressView:
             )
 
     def summary(self, batch: dict[str, Any]) -> str:
-        """One line for the end: status, counts, wall time and rates of the run."""
+        """One line for the end: status, counts, wall time and rates of the run; then, for a batch that failed
+        validation, its first ``MAX_ERRORS_SHOWN`` file errors (line, code, message), one per line."""
         completed, failed, total = counts(batch)
         started, ended = batch.get("in_progress_at"), _ended_at(batch)
         elapsed = (ended - started) if started is not None and ended is not None else None
@@ -141,6 +144,12 @@ class ProgressView:
                 f" in {_duration(elapsed)} ({(completed + failed) / elapsed:.2f} lines/s, "
                 f"{output_tokens(batch) / elapsed:.1f} output tok/s)"
             )
+        errors = (batch.get("errors") or {}).get("data") or []
+        for error in errors[:MAX_ERRORS_SHOWN]:  # a batch that failed validation: why, line by line
+            where = "" if error.get("line") is None else f"line {error['line']}: "
+            text += f"\n  {where}{error.get('code')}: {error.get('message')}"
+        if len(errors) > MAX_ERRORS_SHOWN:
+            text += f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more (the batch's errors)"
         print(text, file=self.stream, flush=True)
         return text
 

@@ -141,6 +141,10 @@ def test_create_rejects_bad_parameters_with_openai_errors(client: Any) -> None:
         assert response.status_code == 400, (body, response.text)
         error = response.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    response = client.post("/v1/batches", content=b"garbage", headers={"Content-Type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and (error["param"], error["code"]) == (None, "invalid_json")
+    assert error["message"].startswith("the request body is not valid JSON") and "character 0" in error["message"]
     assert client.get("/v1/batches").json()["data"] == []
 
 

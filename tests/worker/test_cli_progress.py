@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -19,6 +20,7 @@ from tests.helpers.service import completion_line, jsonl, queued_tasks
 from tests.helpers.stand_in_engine import StandInEngine
 from tests.worker.test_cli import data_dir, live_api  # noqa: F401  (fixtures)
 from worker import runner
+from worker.cli_views import ProgressView
 from worker.metrics import EngineMetrics
 from worker.telemetry import WorkerActivity, WorkerTelemetry
 
@@ -140,3 +142,16 @@ def test_status_and_ls_piped(stand_in_worker, data_dir, tmp_path):
     rows = [line.split("\t") for line in listing.stdout.splitlines()]
     assert rows[0][:5] == ["id", "status", "completed", "failed", "total"]
     assert rows[1][:5] == [batch_id, "completed", str(NUM_LINES), "0", str(NUM_LINES)]
+
+
+def test_the_summary_of_a_batch_that_failed_validation_lists_its_errors():
+    errors = [{"code": "invalid_url", "message": f"url {i} does not match", "line": i} for i in range(1, 8)]
+    errors.append({"code": "empty_file", "message": "no requests", "line": None})
+    batch = {"id": "batch_x", "status": "failed", "errors": {"object": "list", "data": errors}}
+    stream = io.StringIO()
+    text = ProgressView(stream).summary(batch)
+    assert stream.getvalue() == text + "\n"
+    lines = text.splitlines()
+    assert lines[0].startswith("batch batch_x: failed")
+    assert lines[1:6] == [f"  line {i}: invalid_url: url {i} does not match" for i in range(1, 6)]
+    assert lines[6] == "  ... and 3 more (the batch's errors)"
