@@ -21,7 +21,8 @@ MAX_ERRORS_SHOWN = 5  # file errors the summary of a failed batch lists
 
 @dataclass(slots=True)
 class Rates:
-    """Lines and output tokens per second since the first poll that saw the batch ``in_progress``; ETA in s."""
+    """Lines and output tokens per second since the first poll that saw the batch ``in_progress`` with a line
+    finished (the lines finished by then do not count); ETA in s."""
 
     lines_per_s: float
     tokens_per_s: float
@@ -97,7 +98,9 @@ class ProgressView:
         completed, failed, total = counts(batch)
         done, tokens = completed + failed, output_tokens(batch)
         if self._started_s is None:
-            if batch.get("status") != "in_progress":
+            # NOTE: the clock starts at the first finished line, not at in_progress: a worker may take a
+            # while to start (loading the model), and counting that time made the first ETA hours long.
+            if batch.get("status") != "in_progress" or (done == 0 and tokens == 0):
                 return Rates(0.0, 0.0, None)
             self._started_s, self._start_done, self._start_tokens = self.clock(), done, tokens
         elapsed_s = max(self.clock() - self._started_s, 1e-9)

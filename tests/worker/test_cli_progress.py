@@ -155,3 +155,20 @@ def test_the_summary_of_a_batch_that_failed_validation_lists_its_errors():
     assert lines[0].startswith("batch batch_x: failed")
     assert lines[1:6] == [f"  line {i}: invalid_url: url {i} does not match" for i in range(1, 6)]
     assert lines[6] == "  ... and 3 more (the batch's errors)"
+
+
+def test_rates_start_at_the_first_finished_line_not_while_the_worker_starts():
+    now = [0.0]
+    view = ProgressView(io.StringIO(), clock=lambda: now[0])
+
+    def batch(done, tokens):
+        counts = {"total": 100, "completed": done, "failed": 0}
+        return {"id": "b", "status": "in_progress", "request_counts": counts, "usage": {"output_tokens": tokens}}
+
+    assert view.rates(batch(0, 0)).eta_s is None
+    now[0] = 40.0  # the worker took 40 s to load its model
+    assert view.rates(batch(0, 0)).eta_s is None
+    view.rates(batch(10, 100))  # the clock starts here, at 10 lines done
+    now[0] = 50.0
+    rates = view.rates(batch(30, 300))
+    assert (rates.lines_per_s, rates.tokens_per_s, rates.eta_s) == (2.0, 20.0, 35.0)
