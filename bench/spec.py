@@ -165,8 +165,9 @@ def main() -> None:
     for name, workload in workloads.items():
         paths[name] = folder / f"{name}.json"
         workload.save(paths[name])
-    runs = [] if args.skip_batch_one else [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain")]
-    runs += [] if args.skip_batch_one else [("edit", "ngram")]
+    runs = []
+    if not args.skip_batch_one:
+        runs += [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain"), ("edit", "ngram")]
     if not args.skip_mixed:
         runs += [("mixed", "off"), ("mixed", "auto")]
     mixed_repeats = args.repeats if args.mixed_repeats is None else args.mixed_repeats

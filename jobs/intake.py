@@ -17,16 +17,17 @@ from collections.abc import Callable, Iterable, Iterator
 
 from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.files import file_chunks, get_file
-from jobs.models import BatchShard
+from jobs.models import BatchShard, File
 from jobs.queue import enqueue_shards
 from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
 from jobs.status import BatchStatus, now_s
-from jobs.storage import storage_from_settings
+from jobs.storage import FileStorage, storage_from_settings
 from jobs.validation import ValidatedLine, ValidationResult, validate_batch_file, validated_lines
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,7 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
     try:
         if file is None:
             raise FileNotFoundError(input_file_id)
-        result = validate_batch_file(
-            file_chunks(file, storage=storage),
-            endpoint=endpoint,
-            model_names=model_names,
-            max_lines=settings.max_file_lines,
-            max_bytes=settings.max_file_bytes,
-        )
+        result = validate_input_file(file, endpoint=endpoint, settings=settings, storage=storage)
     except OSError:
         message = f"the input file {input_file_id!r} no longer exists or cannot be read"
         result = ValidationResult(errors=[LineError(code="file_not_found", message=message, param="input_file_id")])
@@ -95,6 +90,24 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
         except BrokerUnreachable as exc:
             logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
     return status
+
+
+def validate_input_file(
+    file: File, *, endpoint: str, settings: Settings, storage: FileStorage, session: Session | None = None
+) -> ValidationResult:
+    """The structure checks of `jobs.validation` on stored ``file`` as a batch of ``endpoint``, against the
+    served model and the deployment's file limits (``session``: read in that transaction).
+
+    Raises:
+        FileNotFoundError: the file's bytes are gone.
+    """
+    return validate_batch_file(
+        file_chunks(file, storage=storage, session=session),
+        endpoint=endpoint,
+        model_names={settings.served_model_name},
+        max_lines=settings.max_file_lines,
+        max_bytes=settings.max_file_bytes,
+    )
 
 
 class _FileLines:

@@ -33,15 +33,13 @@ from sqlalchemy.orm import Session
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
 from jobs.errors import InvalidRequest, NotFound
-from jobs.files import file_chunks
-from jobs.intake import validate_and_start
+from jobs.intake import validate_and_start, validate_input_file
 from jobs.models import SCHEDULE_ID_PREFIX, File, Schedule, new_id
 from jobs.paging import keyset_page
 from jobs.repository import check_batch_params, create_batch, get_batch_input_file
 from jobs.schemas import COMPLETION_WINDOW, ListedObject
 from jobs.status import now_s
 from jobs.storage import storage_from_settings
-from jobs.validation import validate_batch_file
 
 logger = logging.getLogger(__name__)
 
@@ -174,13 +172,8 @@ def create_schedule(
 def _check_input_file(session: Session, file: File, endpoint: str, settings: Settings) -> None:
     """Refuse a file whose structure every run of ``endpoint`` would fail on (module docstring of
     `jobs.validation`), naming the first problem and its line."""
-    result = validate_batch_file(
-        file_chunks(file, storage=storage_from_settings(settings), session=session),
-        endpoint=endpoint,
-        model_names={settings.served_model_name},
-        max_lines=settings.max_file_lines,
-        max_bytes=settings.max_file_bytes,
-    )
+    storage = storage_from_settings(settings)
+    result = validate_input_file(file, endpoint=endpoint, settings=settings, storage=storage, session=session)
     if result.ok:
         return
     first = result.errors[0]

@@ -140,11 +140,12 @@ def _keys_database_problem() -> str | None:
     """Why ``keys`` cannot use the configured database, or None. A SQLite file that does not exist is
     reported, not created (the default lives under ``BATCHINFER_DATA_DIR``, relative to the current
     directory); a database without the tables is reported by :func:`_keys_command`."""
-    settings = get_settings()
-    url = settings.database_url
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+    from sqlalchemy.engine import make_url
+
+    url = make_url(get_settings().database_url)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
         return (
-            f"no database at {url.removeprefix('sqlite:///')}: run this where the service runs (its "
+            f"no database at {url.database}: run this where the service runs (its "
             f"BATCHINFER_DATA_DIR is relative to the current directory), or set BATCHINFER_DATA_DIR or "
             f"BATCHINFER_DATABASE_URL to the service's"
         )

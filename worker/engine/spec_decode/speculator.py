@@ -111,14 +111,13 @@ class Speculator:
         """
         if not running or not self.policy.batch_speculates(len(running)):
             return {}
-        longest = 0
-        if num_waiting == 0 and not self.force:
-            longest = max(self.max_useful_tokens(seq) for seq in running)
+        useful = [self.max_useful_tokens(seq) for seq in running]
+        longest = max(useful) if num_waiting == 0 and not self.force else 0
         seqs, ks = [], []
-        for seq in running:
-            if not self.eligible(seq) or self.max_useful_tokens(seq) < longest:
+        for seq, max_useful in zip(running, useful, strict=True):
+            if not self.eligible(seq) or max_useful < longest:
                 continue
-            k = min(self.policy.num_spec_tokens(seq.seq_id, len(running)), self.max_useful_tokens(seq))
+            k = min(self.policy.num_spec_tokens(seq.seq_id, len(running)), max_useful)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
