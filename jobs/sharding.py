@@ -12,7 +12,10 @@ sizes are estimates:
   docs/engine.md "Prefix caching");
 - a shard is closed once it holds ``target_tokens``, but not between two lines whose prompt texts
   share their first ``KEEP_TOGETHER_CHARS`` characters (they would hit the same cached prefix), up to
-  ``MAX_OVERSHOOT`` times the target, where it is closed anyway.
+  ``MAX_OVERSHOOT`` times the target, where it is closed anyway;
+- a line counts for at most ``MAX_LINE_SHARE`` of the target: the engine stops a sample at the context
+  limit whatever its ``max_tokens`` asks, and one line sized at a whole shard would close its shard and
+  push the lines sorted after it into the next one, to wait until its long generation ends.
 
 The plan reads one small :class:`LineSketch` per line (line number, sort key, size), never the bodies,
 so a 50,000-line file is planned in a few megabytes. Pure functions: no database, no engine.
@@ -33,6 +36,7 @@ CHAT_COMPLETION_BUDGET = 256
 KEEP_TOGETHER_CHARS = 64
 SORT_KEY_CHARS = 256
 MAX_OVERSHOOT = 4
+MAX_LINE_SHARE = 0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,7 +50,8 @@ class LineSketch:
 
 @dataclass(slots=True)
 class PlannedShard:
-    """One shard's line numbers (ascending) and its estimated size in tokens."""
+    """One shard's line numbers (ascending) and its estimated size in tokens (each line's estimate, capped
+    at ``MAX_LINE_SHARE`` of the target)."""
 
     line_numbers: list[int] = field(default_factory=list)
     num_tokens: int = 0
@@ -96,6 +101,7 @@ def plan_shards(lines: Sequence[LineSketch], *, target_tokens: int) -> list[Plan
     """
     if target_tokens <= 0:
         raise ValueError(f"target_tokens must be positive, got {target_tokens}")
+    max_line_tokens = max(1, int(MAX_LINE_SHARE * target_tokens))
     shards: list[PlannedShard] = []
     current = PlannedShard()
     previous_key = ""
@@ -106,7 +112,7 @@ def plan_shards(lines: Sequence[LineSketch], *, target_tokens: int) -> list[Plan
                 shards.append(current)
                 current = PlannedShard()
         current.line_numbers.append(line.line_number)
-        current.num_tokens += line.num_tokens
+        current.num_tokens += min(line.num_tokens, max_line_tokens)
         previous_key = line.key
     if current.line_numbers:
         shards.append(current)

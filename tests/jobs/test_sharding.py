@@ -6,6 +6,7 @@ import pytest
 
 from jobs.sharding import (
     KEEP_TOGETHER_CHARS,
+    MAX_LINE_SHARE,
     MAX_OVERSHOOT,
     batch_priority,
     estimate_tokens,
@@ -58,6 +59,27 @@ def test_lines_sharing_a_prefix_stay_together_up_to_the_overshoot():
     assert len(holding) == 1 + (12 * estimate_tokens(shared[0].body) - 1) // (MAX_OVERSHOOT * target)
     for shard in shards:
         assert set(shard.line_numbers) <= shared_numbers or not shared_numbers & set(shard.line_numbers)
+
+
+def test_a_line_with_a_huge_budget_does_not_push_its_neighbours_into_a_later_shard():
+    # max_tokens far beyond any context: the engine stops it at the context limit, so it must not count as
+    # a whole shard, which would send the lines sorted after it to the next shard, behind its generation.
+    lines = [
+        _line(1, "c one", max_tokens=3),
+        _line(2, "b", max_tokens=100_000),
+        _line(3, "a one", max_tokens=3),
+        _line(4, "c two", max_tokens=3),
+    ]
+    shards = plan_shards([sketch_line(line) for line in lines], target_tokens=65_536)
+    assert [shard.line_numbers for shard in shards] == [[1, 2, 3, 4]]
+    assert shards[0].num_tokens == int(MAX_LINE_SHARE * 65_536) + 3 * estimate_tokens(lines[0].body)
+    # Two such lines still fill a shard: the next line starts another.
+    many = [_line(n, f"long {n}", max_tokens=10**12) for n in range(1, 6)]
+    assert [shard.line_numbers for shard in plan_shards([sketch_line(line) for line in many], target_tokens=100)] == [
+        [1, 2],
+        [3, 4],
+        [5],
+    ]
 
 
 def test_priority_comes_from_metadata():
