@@ -150,9 +150,10 @@ def test_create_rejects_bad_parameters_with_openai_errors(client: Any) -> None:
 
 def test_list_pages_newest_first_with_cursor(client: Any) -> None:
     file_id = _upload(client, [chat_line("a")])
-    ids = {_create(client, file_id).json()["id"] for _ in range(5)}
+    created = [_create(client, file_id).json()["id"] for _ in range(5)]
     full = client.get("/v1/batches", params={"limit": 100}).json()
-    assert {b["id"] for b in full["data"]} == ids and not full["has_more"]
+    # Newest first, also among batches created within the same second (ids sort by creation time).
+    assert [b["id"] for b in full["data"]] == created[::-1] and not full["has_more"]
     keys = [(b["created_at"], b["id"]) for b in full["data"]]
     assert keys == sorted(keys, reverse=True)
 
