@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 _SHUTDOWN_GRACE_S = 30
+LIST_PAGE_MAX = 100  # the most GET /v1/batches returns per page (docs/api.md)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=_status)
 
     ls = commands.add_parser("ls", help="list the latest batches")
-    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--limit", type=_positive_int, default=20, help="how many (pages of 100 are fetched as needed)")
     _add_base_url_arg(ls, settings.api_host, settings.api_port)
     ls.set_defaults(handler=_ls)
 
@@ -386,9 +387,17 @@ def _ls(args: argparse.Namespace) -> int:
 
         from worker.cli_views import print_batches
 
+        batches: list[dict[str, Any]] = []
         with httpx.Client(base_url=server_root(args.base_url), headers=_auth_headers(), timeout=30) as client:
-            page = _json_or_exit(client.get("/v1/batches", params={"limit": args.limit}))
-        print_batches(page["data"], sys.stdout)
+            params: dict[str, str | int] = {}
+            while len(batches) < args.limit:
+                params["limit"] = min(LIST_PAGE_MAX, args.limit - len(batches))
+                page = _json_or_exit(client.get("/v1/batches", params=params))
+                batches += page["data"]
+                if not page["has_more"]:
+                    break
+                params["after"] = page["last_id"]
+        print_batches(batches, sys.stdout)
         return 0
 
     return _over_http("ls", args, run)
@@ -451,6 +460,13 @@ def _json_or_exit(response: httpx.Response) -> dict[str, Any]:
         raise SystemExit(f"batchinfer: HTTP {response.status_code}: {response.text}")
     body: dict[str, Any] = response.json()
     return body
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _key_value(item: str) -> tuple[str, str]:

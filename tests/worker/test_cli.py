@@ -150,6 +150,21 @@ def test_submit_reports_http_errors(live_api, tmp_path):
         )
 
 
+def test_ls_pages_past_the_api_limit(live_api, tmp_path, capsys, monkeypatch):
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": BUILTIN_MODEL}}
+    path = tmp_path / "job.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    for _ in range(3):
+        assert cli.main(["submit", str(path), "--base-url", live_api]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(cli, "LIST_PAGE_MAX", 2)  # three batches take two pages
+    assert cli.main(["ls", "--limit", "1000", "--base-url", live_api]) == 0
+    out = capsys.readouterr().out
+    assert out.count("batch_") == 3
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["ls", "--limit", "0"])
+
+
 def test_stop_children_terminates_then_kills(monkeypatch):
     ignores_term = [
         sys.executable,
