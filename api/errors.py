@@ -5,6 +5,7 @@
 | `jobs.errors.InvalidRequest`, bad request fields, unknown ``after`` cursor | 400 | invalid_request_error / the error's code |
 | `api.auth.Unauthorized` (keys exist; none, a wrong or a revoked one sent) | 401 | invalid_request_error / ``invalid_api_key`` |
 | `jobs.errors.NotFound`, unknown route | 404 | invalid_request_error / ``{kind}_not_found`` |
+| a method the route does not take | 405 | invalid_request_error / ``method_not_allowed`` |
 | `jobs.status.IllegalTransition` (e.g. cancel a completed batch) | 409 | invalid_request_error / ``invalid_status`` |
 | `UploadTooLarge`, a request body over the size limit | 413 | invalid_request_error / ``file_too_large`` or ``too_many_lines`` |
 | SQLAlchemy's ``OperationalError`` or ``InterfaceError`` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
@@ -121,7 +122,7 @@ def _http_exception(request: Request, exc: Exception) -> JSONResponse:
         # NOTE: api.limits.BodySizeLimit refused a chunked body as it went over the limit.
         message = too_large_message(request.app.state.settings.max_file_bytes)
         return error_response(413, message, param="file", code="file_too_large")
-    code = "not_found" if exc.status_code == 404 else None
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(exc.status_code, str(exc.detail), code=code)
 
 

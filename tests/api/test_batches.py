@@ -204,6 +204,15 @@ def test_cancel_failed_batch_conflicts_and_unknown_batch_is_404(client: Any) -> 
     assert conflict.json()["error"]["code"] == "invalid_status"
     for response in (client.post("/v1/batches/batch_nope/cancel"), client.get("/v1/batches/batch_nope")):
         assert response.status_code == 404 and response.json()["error"]["code"] == "batch_not_found"
+    route = client.get("/v1/batchez")
+    assert route.status_code == 404 and route.json()["error"]["code"] == "not_found"
+    method = client.put("/v1/batches")
+    assert method.status_code == 405 and method.json()["error"] == {
+        "message": "Method Not Allowed",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "method_not_allowed",
+    }
 
 
 def test_batches_left_validating_by_an_earlier_process_are_resumed_at_start_up(
