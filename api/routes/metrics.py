@@ -10,7 +10,7 @@ Each app has its own `CollectorRegistry` (`install_metrics`), holding:
 | ``batchinfer_tokens_total`` | counter | ``kind`` (input, output, cached) | batches' usage, on scrape |
 | ``batchinfer_files`` / ``batchinfer_file_bytes`` | gauge | ``purpose`` | files table, on scrape |
 | ``batchinfer_schedules`` | gauge | | schedules table, on scrape |
-| ``batchinfer_http_requests_total`` | counter | ``method``, ``route`` (the path template, or "unmatched"), ``status_code`` | this process |
+| ``batchinfer_http_requests_total`` | counter | ``method``, ``route`` (the path template, ``/ui/static/{path}``, or "unmatched"), ``status_code`` | this process |
 
 Database figures are read on every scrape by a custom collector (the prometheus_client pattern for
 state owned elsewhere), so they are right whichever process changed them. HTTP counts are this
@@ -128,8 +128,19 @@ class RequestCountMiddleware:
         try:
             await self.app(scope, receive, send_and_note_status)
         finally:
-            route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
-            self.counter.labels(scope["method"], route, str(status_code)).inc()
+            self.counter.labels(scope["method"], _route_label(scope), str(status_code)).inc()
+
+
+def _route_label(scope: Scope) -> str:
+    """The matched route's path template; under a mount (the UI's static files) ``{mount}/{path}``;
+    else ``UNMATCHED_ROUTE``. Starlette's ``Mount`` sets no ``route`` but extends ``root_path`` by its prefix."""
+    route = getattr(scope.get("route"), "path", None)
+    if route:
+        return str(route)
+    root_path, app_root_path = scope.get("root_path", ""), scope.get("app_root_path", "")
+    if root_path and root_path.startswith(app_root_path) and root_path != app_root_path:
+        return root_path[len(app_root_path) :] + "/{path}"
+    return UNMATCHED_ROUTE
 
 
 def install_metrics(app: FastAPI, database_url: str) -> CollectorRegistry:

@@ -48,6 +48,7 @@ def test_metrics_follow_batches_lines_files_and_requests(client: Any, service_se
     assert batch.status_code == 200
     assert client.get("/v1/batches/batch_nope").status_code == 404
     assert client.get("/no/such/route").status_code == 404
+    assert client.get("/ui/static/ui.js").status_code == 200
     after = _scrape(client)
 
     assert (
@@ -62,6 +63,8 @@ def test_metrics_follow_batches_lines_files_and_requests(client: Any, service_se
     assert _http(after, "POST", "/v1/files", 200) == _http(before, "POST", "/v1/files", 200) + 1
     assert _http(after, "GET", "/v1/batches/{batch_id}", 404) == _http(before, "GET", "/v1/batches/{batch_id}", 404) + 1
     assert _http(after, "GET", "unmatched", 404) == _http(before, "GET", "unmatched", 404) + 1
+    static = "/ui/static/{path}"
+    assert _http(after, "GET", static, 200) == _http(before, "GET", static, 200) + 1
     assert _http(after, "GET", "/metrics", 200) >= 1
 
     with session_scope(service_settings.database_url) as session:
