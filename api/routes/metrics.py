@@ -10,7 +10,7 @@ Each app has its own `CollectorRegistry` (`install_metrics`), holding:
 | ``batchinfer_tokens_total`` | counter | ``kind`` (input, output, cached) | batches' usage, on scrape |
 | ``batchinfer_files`` / ``batchinfer_file_bytes`` | gauge | ``purpose`` | files table, on scrape |
 | ``batchinfer_schedules`` | gauge | | schedules table, on scrape |
-| ``batchinfer_http_requests_total`` | counter | ``method``, ``route`` (the path template, ``/ui/static/{path}``, or "unmatched"), ``status_code`` | this process |
+| ``batchinfer_http_requests_total`` | counter | ``method``, ``route`` (template, or "unmatched"), ``status_code`` | this process |
 
 Database figures are read on every scrape by a custom collector (the prometheus_client pattern for
 state owned elsewhere), so they are right whichever process changed them. HTTP counts are this
@@ -137,7 +137,7 @@ def _route_label(scope: Scope) -> str:
     route = getattr(scope.get("route"), "path", None)
     if route:
         return str(route)
-    root_path, app_root_path = scope.get("root_path", ""), scope.get("app_root_path", "")
+    root_path, app_root_path = str(scope.get("root_path", "")), str(scope.get("app_root_path", ""))
     if root_path and root_path.startswith(app_root_path) and root_path != app_root_path:
         return root_path[len(app_root_path) :] + "/{path}"
     return UNMATCHED_ROUTE
