@@ -125,8 +125,10 @@ class ResidentChild:
     def __init__(self, workload_path: Path, config_name: str, threads: int) -> None:
         self.config_name = config_name
         command = [sys.executable, __file__, "--serve", str(workload_path), config_name, f"--threads={threads}"]
+        # A file, not a pipe: nobody reads it while we wait; closed in close().
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True
         )
         self._expect(lambda line: line == "ready")
 
@@ -135,7 +137,8 @@ class ResidentChild:
         for line in self.proc.stdout:
             if accept(line.strip()):
                 return line
-        raise RuntimeError(f"{self.config_name} child exited (rc={self.proc.wait()})")
+        self.stderr.seek(0)
+        raise RuntimeError(f"{self.config_name} child exited (rc={self.proc.wait()}):\n{self.stderr.read()[-3000:]}")
 
     def run(self) -> dict:
         assert self.proc.stdin is not None
@@ -147,6 +150,7 @@ class ResidentChild:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait()
+        self.stderr.close()
 
 
 def run_mixed_paired(workload_path: Path, repeats: int, threads: int) -> dict[str, list[dict]]:
