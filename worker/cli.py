@@ -300,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        return _supervise(children, lambda: stopping)
+        return _supervise(children, lambda: stopping, api_address=(args.host, args.port))
     finally:
         _stop_children([child.process for child in children])
 
@@ -336,9 +336,10 @@ class _Child:
 _MAX_RESTARTS = 3
 _RESTART_WINDOW_S = 300.0
 _RESTART_BACKOFF_S = 1.0
+_UVICORN_STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start (uvicorn.config)
 
 
-def _supervise(children: list[_Child], stopping: Callable[[], bool]) -> int:
+def _supervise(children: list[_Child], stopping: Callable[[], bool], api_address: tuple[str, int]) -> int:
     """Watch the children until ``stopping()`` (then 0) or until one exits for good (then its status).
 
     An exited restartable child is started again (see `_Child`); any other exit, or a restartable
@@ -351,7 +352,7 @@ def _supervise(children: list[_Child], stopping: Callable[[], bool]) -> int:
             if returncode is None:
                 continue
             if child.restart_at is None:
-                if not _schedule_restart(child, returncode, now):
+                if not _schedule_restart(child, returncode, now, api_address):
                     return returncode if returncode > 0 else 1
             elif now >= child.restart_at:
                 child.restart()
@@ -359,12 +360,13 @@ def _supervise(children: list[_Child], stopping: Callable[[], bool]) -> int:
     return 0
 
 
-def _schedule_restart(child: _Child, returncode: int, now: float) -> bool:
+def _schedule_restart(child: _Child, returncode: int, now: float, api_address: tuple[str, int]) -> bool:
     """Say on stderr that ``child`` exited with ``returncode`` and set when it starts again; False when
     it is not to be restarted (the API, or a child exiting too often) and ``serve`` must stop."""
     exited = f"batchinfer: {child.name} {_describe_exit(returncode)}"
     if not child.restartable:
-        print(f"{exited}; stopping", file=sys.stderr, flush=True)
+        hint = _api_exit_hint(*api_address) if returncode == _UVICORN_STARTUP_FAILURE else ""
+        print(f"{exited}; stopping{hint}", file=sys.stderr, flush=True)
         return False
     recent = child.record_exit(now)
     if recent > _MAX_RESTARTS:
@@ -394,6 +396,24 @@ def _describe_exit(returncode: int) -> str:
         except ValueError:
             pass
     return f"exited with status {returncode}"
+
+
+def _api_exit_hint(host: str, port: int) -> str:
+    """Why the API may have failed to start: its address in use or unusable, as a ``: ...`` suffix."""
+    import errno
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (
+                f": port {port} on {host} is in use (another `batchinfer serve`?); "
+                f"pick another with --port or BATCHINFER_API_PORT"
+            )
+        return f": cannot listen on {host}:{port} ({exc.strerror or exc}); check --host/--port"
+    return ": the API failed while starting (its log above says why)"
 
 
 def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:

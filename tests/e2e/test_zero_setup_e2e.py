@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -130,3 +131,21 @@ def test_serve_restarts_a_worker_killed_with_sigkill_and_stays_up(tmp_path):
     assert "batchinfer: worker exited with status -9 (killed by SIGKILL); restarting it in 1 s (restart 1)" in (
         serve_log.read_text()
     )
+
+
+def test_serve_names_the_port_setting_when_the_port_is_taken(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        serve = subprocess.run(  # noqa: PLW1510 (the exit code is asserted below)
+            cli("serve", "--host", "127.0.0.1", "--port", str(port), "--no-beat"),
+            env=child_env(data_dir=str(tmp_path / "data")),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert serve.returncode == 3, serve.stderr
+    assert (
+        f"batchinfer: api exited with status 3; stopping: port {port} on 127.0.0.1 is in use (another "
+        f"`batchinfer serve`?); pick another with --port or BATCHINFER_API_PORT"
+    ) in serve.stderr

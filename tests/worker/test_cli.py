@@ -232,7 +232,7 @@ def test_serve_restarts_a_killed_worker_and_keeps_the_api(quick_restarts, capsys
     first_worker = worker.process
     stop = threading.Event()
     result = []
-    watcher = threading.Thread(target=lambda: result.append(cli._supervise([api, worker], stop.is_set)))
+    watcher = threading.Thread(target=lambda: result.append(cli._supervise([api, worker], stop.is_set, ("h", 1))))
     watcher.start()
     try:
         first_worker.kill()
@@ -255,7 +255,7 @@ def test_serve_gives_up_on_a_worker_that_exits_at_every_start(quick_restarts, ca
     api = cli._Child("api", _python("import time; time.sleep(60)"), restartable=False)
     worker = cli._Child("worker", _python("raise SystemExit(2)"), restartable=True)
     try:
-        assert cli._supervise([api, worker], lambda: False) == 2
+        assert cli._supervise([api, worker], lambda: False, ("h", 1)) == 2
     finally:
         cli._stop_children([api.process, worker.process])
     lines = capsys.readouterr().err.splitlines()
@@ -268,7 +268,22 @@ def test_serve_gives_up_on_a_worker_that_exits_at_every_start(quick_restarts, ca
     assert len(lines) == 4
 
 
+def test_serve_says_which_port_is_taken_when_the_api_cannot_start(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        api = cli._Child("api", _python("raise SystemExit(3)"), restartable=False)
+        worker = cli._Child("worker", _python("import time; time.sleep(60)"), restartable=True)
+        try:
+            assert cli._supervise([api, worker], lambda: False, ("127.0.0.1", port)) == 3
+        finally:
+            cli._stop_children([api.process, worker.process])
+    assert capsys.readouterr().err == (
+        f"batchinfer: api exited with status 3; stopping: port {port} on 127.0.0.1 is in use (another "
+        f"`batchinfer serve`?); pick another with --port or BATCHINFER_API_PORT\n"
+    )
+
+
 def test_serve_stops_when_the_api_exits_after_starting(capsys):
     api = cli._Child("api", _python("raise SystemExit(1)"), restartable=False)
-    assert cli._supervise([api], lambda: False) == 1
+    assert cli._supervise([api], lambda: False, ("127.0.0.1", 1)) == 1
     assert capsys.readouterr().err == "batchinfer: api exited with status 1; stopping\n"
