@@ -5,7 +5,8 @@
     batchinfer api                    the HTTP API (uvicorn, ``api.main:create_app``)
     batchinfer worker                 a Celery worker (solo pool: one engine per process)
     batchinfer beat                   Celery beat + a light worker for its ticks (scheduled runs; no engine)
-    batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes
+    batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes (a
+                                      worker or beat that dies is restarted)
     batchinfer submit FILE [--endpoint URL] [--wait] [--output PATH]
     batchinfer status BATCH_ID        one batch's status, counts, tokens and files
     batchinfer ls [--limit N]         the latest batches
@@ -280,12 +281,12 @@ def _serve(args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_database()
     own = [sys.executable, "-m", "worker.cli"]
-    children = {
-        "api": subprocess.Popen(own + ["api", "--host", args.host, "--port", str(args.port)]),
-        "worker": subprocess.Popen(own + ["worker"]),
-    }
+    children = [
+        _Child("api", own + ["api", "--host", args.host, "--port", str(args.port)], restartable=False),
+        _Child("worker", own + ["worker"], restartable=True),
+    ]
     if not args.no_beat:
-        children["beat"] = subprocess.Popen(own + ["beat"])
+        children.append(_Child("beat", own + ["beat"], restartable=True))
     print(
         f"batchinfer: API on http://{args.host}:{args.port}/v1, data in {settings.data_dir}",
         file=sys.stderr,
@@ -299,19 +300,121 @@ def _serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    exit_code = 0
     try:
-        while not stopping:
-            exited = {name: child.returncode for name, child in children.items() if child.poll() is not None}
-            if exited:
-                name, returncode = next(iter(exited.items()))
-                print(f"batchinfer: {name} exited with status {returncode}; stopping", file=sys.stderr, flush=True)
-                exit_code = returncode or 1
-                break
-            time.sleep(0.5)
+        return _supervise(children, lambda: stopping, api_address=(args.host, args.port))
     finally:
-        _stop_children(list(children.values()))
-    return exit_code
+        _stop_children([child.process for child in children])
+
+
+class _Child:
+    """One child process of ``serve``, started at once: its command, its process, its recent exits.
+
+    A restartable child (the worker, beat) that exits while ``serve`` is not stopping is started again
+    after a back-off (:data:`_RESTART_BACKOFF_S`, doubled for each earlier exit within
+    :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``.
+    """
+
+    def __init__(self, name: str, command: list[str], *, restartable: bool) -> None:
+        self.name = name
+        self.command = command
+        self.restartable = restartable
+        self.restarts = 0
+        self.restart_at: float | None = None
+        self._exits: list[float] = []
+        self.process = subprocess.Popen(self.command)
+
+    def restart(self) -> None:
+        """Start the child's process again."""
+        self.process = subprocess.Popen(self.command)
+        self.restart_at = None
+
+    def record_exit(self, now: float) -> int:
+        """Note an unexpected exit at ``now``; return how many happened within the restart window."""
+        self._exits = [t for t in self._exits if now - t < _RESTART_WINDOW_S] + [now]
+        return len(self._exits)
+
+
+_MAX_RESTARTS = 3
+_RESTART_WINDOW_S = 300.0
+_RESTART_BACKOFF_S = 1.0
+_UVICORN_STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start (uvicorn.config)
+
+
+def _supervise(children: list[_Child], stopping: Callable[[], bool], api_address: tuple[str, int]) -> int:
+    """Watch the children until ``stopping()`` (then 0) or until one exits for good (then its status).
+
+    An exited restartable child is started again (see `_Child`); any other exit, or a restartable
+    child exiting too often, ends the watch with one line on stderr saying why.
+    """
+    while not stopping():
+        now = time.monotonic()
+        for child in children:
+            returncode = child.process.poll()
+            if returncode is None:
+                continue
+            if child.restart_at is None:
+                if not _schedule_restart(child, returncode, now, api_address):
+                    return returncode if returncode > 0 else 1
+            elif now >= child.restart_at:
+                child.restart()
+        time.sleep(0.2)
+    return 0
+
+
+def _schedule_restart(child: _Child, returncode: int, now: float, api_address: tuple[str, int]) -> bool:
+    """Say on stderr that ``child`` exited with ``returncode`` and set when it starts again; False when
+    it is not to be restarted (the API, or a child exiting too often) and ``serve`` must stop."""
+    exited = f"batchinfer: {child.name} {_describe_exit(returncode)}"
+    if not child.restartable:
+        hint = _api_exit_hint(*api_address) if returncode == _UVICORN_STARTUP_FAILURE else ""
+        print(f"{exited}; stopping{hint}", file=sys.stderr, flush=True)
+        return False
+    recent = child.record_exit(now)
+    if recent > _MAX_RESTARTS:
+        print(
+            f"{exited} ({recent} exits within {_RESTART_WINDOW_S:.0f} s); giving up on it and stopping "
+            f"(its log above says why it exits)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    delay_s = _RESTART_BACKOFF_S * 2 ** (recent - 1)
+    child.restarts += 1
+    child.restart_at = now + delay_s
+    print(
+        f"{exited}; restarting it in {delay_s:g} s (restart {child.restarts})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
+
+
+def _describe_exit(returncode: int) -> str:
+    """``exited with status 1``, or ``exited with status -9 (killed by SIGKILL)`` for a signal."""
+    if returncode < 0:
+        try:
+            return f"exited with status {returncode} (killed by {signal.Signals(-returncode).name})"
+        except ValueError:
+            pass
+    return f"exited with status {returncode}"
+
+
+def _api_exit_hint(host: str, port: int) -> str:
+    """Why the API may have failed to start: its address in use or unusable, as a ``: ...`` suffix."""
+    import errno
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (
+                f": port {port} on {host} is in use (another `batchinfer serve`?); "
+                f"pick another with --port or BATCHINFER_API_PORT"
+            )
+        return f": cannot listen on {host}:{port} ({exc.strerror or exc}); check --host/--port"
+    return ": the API failed while starting (its log above says why)"
 
 
 def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:

@@ -61,6 +61,20 @@ def running(command: list[str], env: dict[str, str], log_path: Path) -> Iterator
                     process.wait()
 
 
+def child_processes(pid: int) -> dict[int, list[str]]:
+    """The live (not yet exited) children of process ``pid``, pid -> argv, read from Linux's /proc."""
+    children = {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat_path.read_text().rsplit(")", 1)[1].split()[:2]
+            argv = (stat_path.parent / "cmdline").read_bytes().split(b"\0")[:-1]
+        except (OSError, IndexError, ValueError):
+            continue  # exited while being read
+        if int(ppid) == pid and state != "Z":
+            children[int(stat_path.parent.name)] = [arg.decode() for arg in argv]
+    return children
+
+
 def wait_for_health(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
+import time
 
+import httpx
 import pytest
 
 from jobs.config import BUILTIN_MODEL
-from tests.e2e.processes import ROOT, child_env, cli, free_port, running, wait_for_health
+from tests.e2e.processes import ROOT, child_env, child_processes, cli, free_port, running, wait_for_health
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +100,52 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
         assert len(content) >= 1
         assert all(len(entry["top_logprobs"]) == 2 for entry in content)
     assert samples["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in samples["choices"])
+
+
+def _serve_children(serve: subprocess.Popen) -> dict[str, int]:
+    """``serve``'s running children by role (``api``, ``worker``, ``beat``) -> pid."""
+    return {argv[3]: pid for pid, argv in child_processes(serve.pid).items() if argv[1:3] == ["-m", "worker.cli"]}
+
+
+def test_serve_restarts_a_worker_killed_with_sigkill_and_stays_up(tmp_path):
+    """``kill -9`` of the worker (what the OOM killer does) leaves the API and beat up and starts a new
+    worker; Ctrl-C then stops everything cleanly. No job runs: the worker is killed while it loads."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    serve_log = tmp_path / "serve.log"
+    with running(
+        cli("serve", "--host", "127.0.0.1", "--port", str(port)), child_env(data_dir=str(tmp_path / "data")), serve_log
+    ) as serve:
+        wait_for_health(base_url, serve, serve_log)
+        before = _serve_children(serve)
+        assert set(before) == {"api", "worker", "beat"}, before
+        os.kill(before["worker"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (after := _serve_children(serve)).get("worker") in (None, before["worker"]):
+            assert time.monotonic() < deadline and serve.poll() is None, serve_log.read_text()[-4000:]
+            time.sleep(0.2)
+        assert after == {**before, "worker": after["worker"]}
+        assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=60) == 0, serve_log.read_text()[-4000:]
+    assert "batchinfer: worker exited with status -9 (killed by SIGKILL); restarting it in 1 s (restart 1)" in (
+        serve_log.read_text()
+    )
+
+
+def test_serve_names_the_port_setting_when_the_port_is_taken(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        serve = subprocess.run(  # noqa: PLW1510 (the exit code is asserted below)
+            cli("serve", "--host", "127.0.0.1", "--port", str(port), "--no-beat"),
+            env=child_env(data_dir=str(tmp_path / "data")),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert serve.returncode == 3, serve.stderr
+    assert (
+        f"batchinfer: api exited with status 3; stopping: port {port} on 127.0.0.1 is in use (another "
+        f"`batchinfer serve`?); pick another with --port or BATCHINFER_API_PORT"
+    ) in serve.stderr

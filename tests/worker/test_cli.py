@@ -230,3 +230,75 @@ def test_keys_say_where_the_database_is_missing_instead_of_a_traceback(data_dir,
     (data_dir / "batchinfer.db").touch()  # a database file without the tables
     assert cli.main(["keys", "create", "--name", "x"]) == 1
     assert "batchinfer db upgrade" in capsys.readouterr().err
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.fixture
+def quick_restarts(monkeypatch):
+    monkeypatch.setattr(cli, "_RESTART_BACKOFF_S", 0.05)
+
+
+def test_serve_restarts_a_killed_worker_and_keeps_the_api(quick_restarts, capsys):
+    api = cli._Child("api", _python("import time; time.sleep(60)"), restartable=False)
+    worker = cli._Child("worker", _python("import time; time.sleep(60)"), restartable=True)
+    first_worker = worker.process
+    stop = threading.Event()
+    result = []
+    watcher = threading.Thread(target=lambda: result.append(cli._supervise([api, worker], stop.is_set, ("h", 1))))
+    watcher.start()
+    try:
+        first_worker.kill()
+        deadline = time.monotonic() + 10
+        while worker.process is first_worker and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.process is not first_worker and worker.process.poll() is None
+        assert api.process.poll() is None
+    finally:
+        stop.set()
+        watcher.join()
+        cli._stop_children([api.process, worker.process])
+    assert result == [0]
+    assert capsys.readouterr().err == (
+        "batchinfer: worker exited with status -9 (killed by SIGKILL); restarting it in 0.05 s (restart 1)\n"
+    )
+
+
+def test_serve_gives_up_on_a_worker_that_exits_at_every_start(quick_restarts, capsys):
+    api = cli._Child("api", _python("import time; time.sleep(60)"), restartable=False)
+    worker = cli._Child("worker", _python("raise SystemExit(2)"), restartable=True)
+    try:
+        assert cli._supervise([api, worker], lambda: False, ("h", 1)) == 2
+    finally:
+        cli._stop_children([api.process, worker.process])
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.rsplit("(", 1)[1] for line in lines[:3]] == ["restart 1)", "restart 2)", "restart 3)"]
+    assert "restarting it in 0.1 s" in lines[1] and "restarting it in 0.2 s" in lines[2]
+    assert lines[3] == (
+        "batchinfer: worker exited with status 2 (4 exits within 300 s); giving up on it and stopping "
+        "(its log above says why it exits)"
+    )
+    assert len(lines) == 4
+
+
+def test_serve_says_which_port_is_taken_when_the_api_cannot_start(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        api = cli._Child("api", _python("raise SystemExit(3)"), restartable=False)
+        worker = cli._Child("worker", _python("import time; time.sleep(60)"), restartable=True)
+        try:
+            assert cli._supervise([api, worker], lambda: False, ("127.0.0.1", port)) == 3
+        finally:
+            cli._stop_children([api.process, worker.process])
+    assert capsys.readouterr().err == (
+        f"batchinfer: api exited with status 3; stopping: port {port} on 127.0.0.1 is in use (another "
+        f"`batchinfer serve`?); pick another with --port or BATCHINFER_API_PORT\n"
+    )
+
+
+def test_serve_stops_when_the_api_exits_after_starting(capsys):
+    api = cli._Child("api", _python("raise SystemExit(1)"), restartable=False)
+    assert cli._supervise([api], lambda: False, ("127.0.0.1", 1)) == 1
+    assert capsys.readouterr().err == "batchinfer: api exited with status 1; stopping\n"
