@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,3 +114,14 @@ def test_tick_creates_the_batch_post_v1_batches_would(client: Any) -> None:
         assert batch[field] == expected[field], field
     listed = [b["id"] for b in client.get("/v1/batches").json()["data"]]
     assert run.batch_id in listed
+
+
+def test_a_file_with_a_line_nested_too_deep_is_the_400_of_any_invalid_file(client: Any) -> None:
+    deep = json.dumps(chat_line("deep")).replace('"Say hi."', "[" * 5000 + "1" + "]" * 5000)
+    data = jsonl([chat_line("ok"), deep])
+    file_id = client.post("/v1/files", files={"file": ("deep.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
+    response = _create(client, input_file_id=file_id)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("input_file_id", "invalid_json")
+    assert "line 2: the line nests arrays and objects more than 64 levels deep" in error["message"]

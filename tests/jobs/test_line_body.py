@@ -233,3 +233,15 @@ def test_completion_sampling_kwargs(fields: dict[str, Any], expected: dict[str, 
 def test_chat_defaults_leave_max_tokens_to_the_context() -> None:
     assert parse_body(CHAT_COMPLETIONS, _chat()).sampling_kwargs() == {"n": 1, "max_tokens": None}
     assert parse_body(CHAT_COMPLETIONS, _chat(logprobs=True)).sampling_kwargs()["logprobs"] == 0
+
+
+@pytest.mark.parametrize("depth", [70, 990, 5000])
+def test_a_deeply_nested_body_is_a_400_not_a_recursion_error(depth: int) -> None:
+    """A stored body is at most 63 levels deep (validation caps the line at 64); a deeper one (stored
+    before the cap, or built by hand) is refused like any bad body, whatever the caller's stack depth."""
+    nested: Any = 1
+    for _ in range(depth):
+        nested = [nested]
+    error = _rejection(CHAT_COMPLETIONS, _chat(user=nested))
+    assert error.message == "the body nests arrays and objects more than 63 levels deep"
+    assert (error.param, error.code) == (None, "invalid_value")
