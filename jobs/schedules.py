@@ -132,7 +132,8 @@ def create_schedule(
     ``owner``: the API key that owns it, its input file and the batches it creates (None: no key).
 
     Checks now what each run's ``POST /v1/batches`` and its validation would check (so a run fails only
-    when the file is deleted later): endpoint, completion window, metadata with room for ``schedule_id``,
+    when the file is deleted later): endpoint, completion window, metadata with room for ``schedule_id``
+    (and without a ``schedule_id`` key of its own, which every batch's would overwrite),
     an input file of purpose "batch", and that file's structure for ``endpoint`` (`jobs.validation`:
     every line's ``url`` is the endpoint, its model the served one, ...; one pass over the file).
 
@@ -140,12 +141,19 @@ def create_schedule(
         InvalidRequest: a bad ``cron`` (``param="cron"``), an unknown input file or one not of
             purpose "batch" (``param="input_file_id"``), a file every run would fail on
             (``param="input_file_id"``, the code and message of its first problem, with its line
-            number), or what `check_batch_params` rejects.
+            number), a ``schedule_id`` metadata key (``param="metadata"``), or what `check_batch_params`
+            rejects.
     """
     now = now_s() if now is None else now
     cron = " ".join(cron.split())
     next_run_at = next_run_after(cron, now)
     schedule_id = new_id(SCHEDULE_ID_PREFIX)
+    if metadata and SCHEDULE_ID_METADATA_KEY in metadata:
+        raise InvalidRequest(
+            f"metadata key {SCHEDULE_ID_METADATA_KEY!r} is reserved: each batch of the schedule gets the "
+            "schedule's id there",
+            param="metadata",
+        )
     check_batch_params(
         endpoint=endpoint,
         completion_window=completion_window,

@@ -86,12 +86,15 @@ def test_list_pages_newest_first(client: Any) -> None:
         ({"endpoint": "/v1/embeddings"}, "endpoint"),
         ({"completion_window": "48h"}, "completion_window"),
         ({"cron_expression": "0 3 * * *"}, "cron_expression"),
+        ({"metadata": {"schedule_id": "mine"}}, "metadata"),
+        ({"metadata": {f"k{idx}": "v" for idx in range(16)}}, "metadata"),
     ],
 )
 def test_bad_request_is_a_400_naming_the_field(client: Any, body: dict[str, Any], param: str) -> None:
     response = _create(client, **{"input_file_id": _upload(client), **body})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
     assert client.get("/v1/schedules").json()["data"] == []
 
 
