@@ -128,3 +128,22 @@ def test_a_file_with_a_line_nested_too_deep_is_the_400_of_any_invalid_file(clien
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("input_file_id", "invalid_json")
     assert "line 2: the line nests arrays and objects more than 64 levels deep" in error["message"]
+
+
+def test_a_file_a_schedule_uses_cannot_be_deleted_until_the_schedule_is(client: Any) -> None:
+    """Deleting it would leave the schedule creating nothing at every tick: a 409 naming the schedules."""
+    file_id = _upload(client)
+    first, second = (_create(client, input_file_id=file_id).json()["id"] for _ in range(2))
+
+    refused = client.delete(f"/v1/files/{file_id}")
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "file_in_use", None)
+    assert first in error["message"] and second in error["message"]
+    assert client.get(f"/v1/files/{file_id}").status_code == 200
+
+    client.delete(f"/v1/schedules/{first}")
+    assert client.delete(f"/v1/files/{file_id}").status_code == 409
+    client.delete(f"/v1/schedules/{second}")
+    deleted = client.delete(f"/v1/files/{file_id}")
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
