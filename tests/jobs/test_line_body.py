@@ -181,13 +181,17 @@ def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
             "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}],
             "name": "ann",
         },
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": "Hello.", "refusal": None},
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "assistant", "content": "Non.", "refusal": "I cannot."},
     ]
     parsed = parse_body(CHAT_COMPLETIONS, body)
     assert parsed.conversation() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
-        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "assistant", "content": "Non."},
     ]
     assert parsed.sampling_kwargs() == {
         "max_tokens": 6,
@@ -245,3 +249,30 @@ def test_a_deeply_nested_body_is_a_400_not_a_recursion_error(depth: int) -> None
     error = _rejection(CHAT_COMPLETIONS, _chat(user=nested))
     assert error.message == "the body nests arrays and objects more than 63 levels deep"
     assert (error.param, error.code) == (None, "invalid_value")
+
+
+def test_the_assistant_message_this_service_writes_is_accepted_back_as_history() -> None:
+    """Output choices carry ``{role, content, refusal: null}``; fed back as a turn, it parses (the refusal
+    is not part of the prompt)."""
+    written = {"role": "assistant", "content": "Paris", "refusal": None}
+    body = _chat(messages=[{"role": "user", "content": "Capital of France?"}, written])
+    assert parse_body(CHAT_COMPLETIONS, body).conversation()[1] == {"role": "assistant", "content": "Paris"}
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "text"),
+    [
+        ({"role": "user", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "system", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "assistant", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "user"}, "messages[0].content", "is required"),
+        ({"role": "user", "content": "Hi", "refusal": None}, "messages[0].refusal", "only assistant messages"),
+        ({"role": "assistant", "content": "Hi", "refusal": 3}, "messages[0].refusal", "must be a valid string"),
+    ],
+)
+def test_null_or_missing_content_and_a_misplaced_refusal_are_400s(
+    message: dict[str, Any], param: str, text: str
+) -> None:
+    error = _rejection(CHAT_COMPLETIONS, _chat(messages=[message]))
+    assert error.param == param
+    assert text in error.message
