@@ -276,3 +276,36 @@ def test_null_or_missing_content_and_a_misplaced_refusal_are_400s(
     error = _rejection(CHAT_COMPLETIONS, _chat(messages=[message]))
     assert error.param == param
     assert text in error.message
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field", "value"),
+    [
+        (CHAT_COMPLETIONS, "response_format", {"type": "text"}),
+        (CHAT_COMPLETIONS, "store", False),
+        (CHAT_COMPLETIONS, "stream_options", None),
+        (CHAT_COMPLETIONS, "metadata", {}),
+        (CHAT_COMPLETIONS, "tools", []),
+        (CHAT_COMPLETIONS, "tool_choice", "none"),
+        (CHAT_COMPLETIONS, "parallel_tool_calls", False),
+        (CHAT_COMPLETIONS, "functions", []),
+        (CHAT_COMPLETIONS, "function_call", "none"),
+        (CHAT_COMPLETIONS, "audio", None),
+        (CHAT_COMPLETIONS, "modalities", ["text"]),
+        (CHAT_COMPLETIONS, "prediction", None),
+        (CHAT_COMPLETIONS, "reasoning_effort", "low"),
+        (CHAT_COMPLETIONS, "verbosity", "low"),
+        (CHAT_COMPLETIONS, "service_tier", "auto"),
+        (CHAT_COMPLETIONS, "web_search_options", {}),
+        (CHAT_COMPLETIONS, "prompt_cache_key", "k"),
+        (CHAT_COMPLETIONS, "safety_identifier", "s"),
+        (COMPLETIONS, "suffix", "x"),
+        (COMPLETIONS, "stream_options", None),
+    ],
+)
+def test_openai_fields_docs_list_as_refused_are_refused_by_name(endpoint: str, field: str, value: Any) -> None:
+    """docs/api.md, "Deviations from OpenAI": each of these is a per-line 400 naming the field."""
+    body = _chat() if endpoint == CHAT_COMPLETIONS else _completion()
+    error = _rejection(endpoint, {**body, field: value})
+    assert error.param == field
+    assert "unknown field" in error.message
