@@ -7,6 +7,7 @@
 | `jobs.errors.NotFound`, unknown route | 404 | invalid_request_error / ``{kind}_not_found`` |
 | a method the route does not take | 405 | invalid_request_error / ``method_not_allowed`` |
 | `jobs.status.IllegalTransition` (e.g. cancel a completed batch) | 409 | invalid_request_error / ``invalid_status`` |
+| `jobs.errors.Conflict` (e.g. delete a file a schedule uses) | 409 | invalid_request_error / the error's code |
 | `UploadTooLarge`, a request body over the size limit | 413 | invalid_request_error / ``file_too_large`` or ``too_many_lines`` |
 | SQLAlchemy's ``OperationalError`` or ``InterfaceError`` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
 | anything else | 500 | server_error |
@@ -24,7 +25,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import Unauthorized
-from jobs.errors import InvalidRequest, NotFound, error_envelope
+from jobs.errors import Conflict, InvalidRequest, NotFound, error_envelope
 from jobs.paging import UnknownCursor
 from jobs.status import IllegalTransition
 
@@ -71,6 +72,11 @@ def _not_found(_request: Request, exc: Exception) -> JSONResponse:
 
 def _illegal_transition(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(409, str(exc), code="invalid_status")
+
+
+def _conflict(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Conflict)
+    return error_response(409, exc.message, code=exc.code)
 
 
 def _unknown_cursor(_request: Request, exc: Exception) -> JSONResponse:
@@ -140,6 +146,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(InterfaceError, _database_unavailable)
     app.add_exception_handler(IllegalTransition, _illegal_transition)
+    app.add_exception_handler(Conflict, _conflict)
     app.add_exception_handler(UnknownCursor, _unknown_cursor)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_exception)

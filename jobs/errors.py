@@ -27,6 +27,16 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+class Conflict(ValueError):
+    """A request the current state of another object forbids (a 409), e.g. deleting a file a schedule
+    uses; ``code`` is OpenAI's ``error.code``."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
 def error_envelope(
     message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

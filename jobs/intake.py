@@ -17,16 +17,18 @@ from collections.abc import Callable, Iterable, Iterator
 
 from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import func, select
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
+from jobs.errors import NotFound
 from jobs.files import file_chunks, get_file
 from jobs.models import BatchShard, File
 from jobs.queue import enqueue_shards
 from jobs.repository import apply_validation, batches_left_validating, get_batch
 from jobs.schemas import LineError
-from jobs.status import BatchStatus, now_s
+from jobs.status import BatchStatus, IllegalTransition, now_s
 from jobs.storage import FileStorage, storage_from_settings
 from jobs.validation import ValidatedLine, ValidationResult, validate_batch_file, validated_lines
 
@@ -40,11 +42,48 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
     which case the reaper sends them later), ``failed`` (``errors`` set; an unreadable or deleted
     input file gives one ``file_not_found`` error) or ``cancelled`` (cancelled while validating).
 
+    A validation that raises anything else (a bug) does not leave the batch ``validating``: it is
+    logged and the batch ends ``failed`` with one ``internal_error`` (``cancelled`` if it was being
+    cancelled). Only an unreachable database leaves it as it was, for `resume_validating_batches`.
+
     Raises:
         jobs.errors.NotFound: no such batch.
         jobs.status.IllegalTransition: the batch was already validated.
+        sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError: the database is unreachable.
     """
     settings = settings or get_settings()
+    try:
+        status, num_lines, num_shards, num_errors = _validate(batch_id, settings)
+    except (NotFound, IllegalTransition, OperationalError, InterfaceError):
+        raise
+    except Exception as exc:
+        logger.exception("validating batch %s raised; the batch fails with internal_error", batch_id)
+        message = f"the input file could not be validated: the service hit an unexpected {type(exc).__name__}"
+        error = LineError(code="internal_error", message=message)
+        with session_scope(settings.database_url) as session:
+            batch = apply_validation(
+                session,
+                batch_id=batch_id,
+                lines=(),
+                errors=[error],
+                model=settings.served_model_name,
+                storage=storage_from_settings(settings),
+            )
+            return BatchStatus(batch.status)
+    logger.info(
+        "batch %s validated: %s (%d lines in %d shards, %d errors)", batch_id, status, num_lines, num_shards, num_errors
+    )
+    if status == BatchStatus.IN_PROGRESS:
+        try:
+            enqueue_shards(num_shards, broker_url=settings.broker_url)
+        except BrokerUnreachable as exc:
+            logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
+    return status
+
+
+def _validate(batch_id: str, settings: Settings) -> tuple[BatchStatus, int, int, int]:
+    """Check the batch's file and store the outcome (`apply_validation`); returns the new status and the
+    numbers of lines, shards and errors."""
     storage = storage_from_settings(settings)
     model_names = {settings.served_model_name}
     with session_scope(settings.database_url) as session:
@@ -76,20 +115,7 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
         )
         status = BatchStatus(batch.status)
         num_shards = session.scalar(select(func.count()).where(BatchShard.batch_id == batch_id)) or 0
-    logger.info(
-        "batch %s validated: %s (%d lines in %d shards, %d errors)",
-        batch_id,
-        status,
-        result.num_lines,
-        num_shards,
-        len(result.errors),
-    )
-    if status == BatchStatus.IN_PROGRESS:
-        try:
-            enqueue_shards(num_shards, broker_url=settings.broker_url)
-        except BrokerUnreachable as exc:
-            logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
-    return status
+    return status, result.num_lines, num_shards, len(result.errors)
 
 
 def validate_input_file(
@@ -122,7 +148,8 @@ class _FileLines:
 
 def resume_validating_batches(*, settings: Settings | None = None, started_at: int | None = None) -> list[str]:
     """Validate and start every batch an earlier API process left in ``validating`` (it stopped between
-    creating a batch and validating it), so no accepted batch is lost.
+    creating a batch and validating it), so no accepted batch is lost; one cancelled meanwhile (left
+    ``cancelling``) ends ``cancelled`` this way.
 
     Only batches created before ``started_at`` (default: now) are taken, so batches created by this
     process meanwhile are left to their own background task. A batch that fails (another process got

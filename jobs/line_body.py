@@ -14,7 +14,11 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from jobs.errors import InvalidRequest
+from jobs.nesting import MAX_JSON_DEPTH, too_deep
 from jobs.schemas import BODY_SCHEMAS, LineBody
+
+# The body sits one level below its line, which `jobs.validation` holds to MAX_JSON_DEPTH levels.
+_MAX_BODY_DEPTH = MAX_JSON_DEPTH - 1
 
 
 def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
@@ -23,13 +27,18 @@ def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
     Raises:
         InvalidRequest: the endpoint is not served (``param`` "url"), or the body breaks a rule of its
             schema: ``param`` is the first field at fault (``messages[0].content`` style), ``message``
-            names every problem in plain words.
+            names every problem in plain words; or it nests arrays and objects too deeply (no ``param``).
     """
     schema = BODY_SCHEMAS.get(endpoint)
     if schema is None:
         raise InvalidRequest(f"unsupported endpoint {endpoint!r}; use one of {sorted(BODY_SCHEMAS)}", param="url")
+    too_deep_message = f"the body nests arrays and objects more than {_MAX_BODY_DEPTH} levels deep"
+    if too_deep(body, max_depth=_MAX_BODY_DEPTH):
+        raise InvalidRequest(too_deep_message)
     try:
         return schema.model_validate(body)
+    except RecursionError:
+        raise InvalidRequest(too_deep_message) from None
     except ValidationError as exc:
         problems = [(_param(error), _describe(error, endpoint)) for error in exc.errors()]
         message = "; ".join(dict.fromkeys(f"{param}: {text}" if param else text for param, text in problems))

@@ -220,11 +220,14 @@ def list_batches(
 
 
 def batches_left_validating(session: Session, *, created_before: int) -> list[str]:
-    """Ids of batches still ``validating`` that were created before ``created_before`` (epoch s), oldest first."""
+    """Ids of batches never validated that were created before ``created_before`` (epoch s), oldest first:
+    ``validating`` ones, and ``cancelling`` ones that were cancelled while validating (they end when
+    their validation does)."""
+    never_started = (Batch.status == BatchStatus.VALIDATING.value) | (
+        (Batch.status == BatchStatus.CANCELLING.value) & Batch.in_progress_at.is_(None)
+    )
     query = (
-        select(Batch.id)
-        .where(Batch.status == BatchStatus.VALIDATING.value, Batch.created_at < created_before)
-        .order_by(Batch.created_at, Batch.id)
+        select(Batch.id).where(never_started, Batch.created_at < created_before).order_by(Batch.created_at, Batch.id)
     )
     return list(session.scalars(query))
 

@@ -131,21 +131,30 @@ def create_schedule(
 
     ``owner``: the API key that owns it, its input file and the batches it creates (None: no key).
 
-    Checks now what each run's ``POST /v1/batches`` and its validation would check (so a run fails only
-    when the file is deleted later): endpoint, completion window, metadata with room for ``schedule_id``,
-    an input file of purpose "batch", and that file's structure for ``endpoint`` (`jobs.validation`:
-    every line's ``url`` is the endpoint, its model the served one, ...; one pass over the file).
+    Checks now what each run's ``POST /v1/batches`` and its validation would check (the file cannot be
+    deleted while the schedule exists: ``DELETE /v1/files`` asks `schedules_using_file`): endpoint,
+    completion window, metadata with room for ``schedule_id`` (and without a ``schedule_id`` key of its
+    own, which every batch's would overwrite), an input file of purpose "batch", and that file's
+    structure for ``endpoint`` (`jobs.validation`: every line's ``url`` is the endpoint, its model the
+    served one, ...; one pass over the file).
 
     Raises:
         InvalidRequest: a bad ``cron`` (``param="cron"``), an unknown input file or one not of
             purpose "batch" (``param="input_file_id"``), a file every run would fail on
             (``param="input_file_id"``, the code and message of its first problem, with its line
-            number), or what `check_batch_params` rejects.
+            number), a ``schedule_id`` metadata key (``param="metadata"``), or what `check_batch_params`
+            rejects.
     """
     now = now_s() if now is None else now
     cron = " ".join(cron.split())
     next_run_at = next_run_after(cron, now)
     schedule_id = new_id(SCHEDULE_ID_PREFIX)
+    if metadata and SCHEDULE_ID_METADATA_KEY in metadata:
+        raise InvalidRequest(
+            f"metadata key {SCHEDULE_ID_METADATA_KEY!r} is reserved: each batch of the schedule gets the "
+            "schedule's id there",
+            param="metadata",
+        )
     check_batch_params(
         endpoint=endpoint,
         completion_window=completion_window,
@@ -224,6 +233,13 @@ def delete_schedule(session: Session, *, schedule_id: str, owner: str | None = N
     session.flush()
 
 
+def schedules_using_file(session: Session, *, file_id: str) -> list[str]:
+    """Ids of the schedules whose input file is ``file_id``, oldest first (deleting the file would
+    leave each of them creating no batch at all)."""
+    query = select(Schedule.id).where(Schedule.input_file_id == file_id).order_by(Schedule.created_at, Schedule.id)
+    return list(session.scalars(query))
+
+
 def due_schedule_ids(session: Session, *, now: int) -> list[str]:
     """Ids of the schedules with ``next_run_at <= now``, most overdue first (no lock taken)."""
     query = select(Schedule.id).where(Schedule.next_run_at <= now).order_by(Schedule.next_run_at, Schedule.id)
@@ -235,7 +251,8 @@ def fire_schedule(session: Session, *, schedule_id: str, now: int) -> ScheduledR
 
     Locks the schedule row (PostgreSQL: ``FOR UPDATE SKIP LOCKED``), so call it in a short
     transaction of its own and commit before validating the batch. A batch the file checks refuse
-    (input file deleted since) is not created; the schedule still advances and ``error`` says why.
+    (input file gone: deleted before ``DELETE /v1/files`` checked `schedules_using_file`) is not
+    created; the schedule still advances and ``error`` says why.
 
     Returns:
         the run, or None when the schedule is gone, no longer due, or being fired by another tick.

@@ -247,25 +247,34 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of text parts."""
+    """One chat message; content is a string or a list of text parts, never null (OpenAI allows a null
+    content only next to ``tool_calls``, which this service does not take).
+
+    An assistant message may carry OpenAI's ``refusal`` (a string or null), as the messages this service
+    writes in its output do; it is not part of the prompt. Another role with a ``refusal`` is refused.
+    """
 
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: (
-        Annotated[
-            str | list[TextContentPart],
-            _one_message('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
-        ]
-        | None
-    ) = None
+    content: Annotated[
+        str | list[TextContentPart],
+        _one_message('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
+    ]
     name: str | None = None
+    refusal: str | None = None
+
+    @field_validator("refusal")
+    @classmethod
+    def _assistant_refusal_only(cls, refusal: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role is not None and role != "assistant":
+            raise ValueError(f"only assistant messages have a refusal (this message's role is {role!r})")
+        return refusal
 
     @property
     def text(self) -> str:
-        """The content as one string (text parts joined, no content = empty)."""
-        if self.content is None:
-            return ""
+        """The content as one string (text parts joined)."""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -10,7 +10,7 @@ Each bad line yields exactly one `LineError` (the first problem found, checked i
 | code | meaning |
 |---|---|
 | ``invalid_encoding`` | the line is not valid UTF-8 |
-| ``invalid_json`` | the line is not a JSON object (``NaN``/``Infinity`` are not JSON) |
+| ``invalid_json`` | not a JSON object (``NaN``/``Infinity`` are not JSON), or nested over 64 levels (`jobs.nesting`) |
 | ``missing_custom_id`` | ``custom_id`` absent, not a string, or empty |
 | ``invalid_custom_id`` | ``custom_id`` longer than 512 characters |
 | ``duplicate_custom_id`` | ``custom_id`` already used by an earlier line |
@@ -39,6 +39,7 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.nesting import MAX_JSON_DEPTH, too_deep
 from jobs.schemas import MAX_CUSTOM_ID_CHARS, BatchLine, LineError
 
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -199,10 +200,15 @@ def _validate_line(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _LineProblem("invalid_encoding", f"the line is not valid UTF-8 (byte {exc.start})") from None
+    too_deep_message = f"the line nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
     try:
         line = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise _LineProblem("invalid_json", too_deep_message) from None
     except ValueError as exc:
         raise _LineProblem("invalid_json", f"the line is not valid JSON: {exc}") from None
+    if too_deep(line, text=text):
+        raise _LineProblem("invalid_json", too_deep_message)
     if not isinstance(line, dict):
         raise _LineProblem("invalid_json", f"the line must be a JSON object, got {_json_type(line)}")
 

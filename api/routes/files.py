@@ -2,7 +2,8 @@
 
 An upload is copied from the multipart parser's spool into storage (`jobs.storage`) 1 MiB at a
 time, counting bytes and lines on the way: over ``max_file_bytes`` or ``max_file_lines`` it is a 413
-naming the limit, and nothing is kept. Content is streamed back from storage the same way. Every
+naming the limit, and nothing is kept. Content is streamed back from storage the same way. A file a
+schedule runs cannot be deleted (a 409 ``file_in_use``) until that schedule is. Every
 route sees only the files of the request's API key (`api.auth`); another key's file is a 404.
 """
 
@@ -18,10 +19,11 @@ from fastapi.responses import StreamingResponse
 from api.auth import OwnerDep
 from api.deps import SessionDep, SettingsDep
 from api.errors import UploadTooLarge, too_large_message
-from jobs.errors import InvalidRequest, NotFound
+from jobs.errors import Conflict, InvalidRequest, NotFound
 from jobs.files import delete_file, file_chunks, get_file, list_files, read_chunks, write_file
 from jobs.models import File
 from jobs.repository import INPUT_PURPOSE
+from jobs.schedules import schedules_using_file
 from jobs.schemas import FileDeleted, FileObject, ListPage
 from jobs.storage import FileTooLarge, storage_from_settings
 from jobs.validation import TooManyLines, limit_lines
@@ -97,7 +99,17 @@ def retrieve_file(session: SessionDep, owner: OwnerDep, file_id: str) -> FileObj
 
 @router.delete("/{file_id}", response_model=FileDeleted)
 def remove_file(session: SessionDep, settings: SettingsDep, owner: OwnerDep, file_id: str) -> FileDeleted:
-    delete_file(session, file=_existing(session, file_id, owner), storage=storage_from_settings(settings))
+    """Delete the file and its bytes; a file a schedule still runs is a 409 ``file_in_use`` naming the
+    schedules (delete them first), since each of their ticks would otherwise create nothing."""
+    file = _existing(session, file_id, owner)
+    schedule_ids = schedules_using_file(session, file_id=file_id)
+    if schedule_ids:
+        raise Conflict(
+            f"file {file_id!r} is the input file of schedule(s) {', '.join(schedule_ids)}; "
+            "delete the schedule(s) first (DELETE /v1/schedules/{id})",
+            code="file_in_use",
+        )
+    delete_file(session, file=file, storage=storage_from_settings(settings))
     return FileDeleted(id=file_id)
 
 

@@ -28,6 +28,8 @@ def _parse_metadata(raw: str | None) -> dict[str, str] | None:
         return None
     try:
         metadata = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequest("metadata is nested too deeply to parse", param="metadata") from None
     except ValueError as exc:
         raise InvalidRequest(f"metadata is not valid JSON: {exc}", param="metadata") from None
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):

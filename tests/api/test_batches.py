@@ -236,3 +236,48 @@ def test_batches_left_validating_by_an_earlier_process_are_resumed_at_start_up(
 
     assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 2
     assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])]
+
+
+def test_a_line_nested_too_deep_fails_the_batch_at_validation(client: Any) -> None:
+    deep = json.dumps(chat_line("deep")).replace('"Say hi."', "[" * 5000 + "1" + "]" * 5000)
+    batch_id = _create(client, _upload(client, [chat_line("a"), deep])).json()["id"]
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    assert batch["status"] == "failed"
+    assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == [(2, "invalid_json")]
+
+
+def test_a_validation_that_raises_fails_the_batch_instead_of_leaving_it_validating(
+    client: Any, monkeypatch: Any
+) -> None:
+    import jobs.intake
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(jobs.intake, "validate_input_file", broken)
+    batch_id = _create(client, _upload(client, [chat_line("a")])).json()["id"]
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    assert batch["status"] == "failed" and batch["failed_at"] is not None
+    [error] = batch["errors"]["data"]
+    assert (error["code"], error["line"]) == ("internal_error", None)
+    assert "unexpected RuntimeError" in error["message"]
+
+
+def test_a_batch_cancelled_while_its_validation_was_lost_ends_cancelled_at_start_up(
+    client: Any, service_settings: Settings
+) -> None:
+    """The API stopped while validating a batch that was then cancelled: the next start-up finishes it."""
+    from jobs.intake import resume_validating_batches
+    from jobs.repository import cancel_batch, create_batch
+
+    file_id = _upload(client, [chat_line("a"), chat_line("b")])
+    with session_scope(service_settings.database_url) as session:
+        batch_id = create_batch(session, input_file_id=file_id, endpoint=CHAT, now=int(time.time()) - 5).id
+    with session_scope(service_settings.database_url) as session:
+        assert cancel_batch(session, batch_id=batch_id).status == "cancelling"
+
+    assert resume_validating_batches(settings=service_settings) == [batch_id]
+
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}

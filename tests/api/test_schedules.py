@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,12 +86,15 @@ def test_list_pages_newest_first(client: Any) -> None:
         ({"endpoint": "/v1/embeddings"}, "endpoint"),
         ({"completion_window": "48h"}, "completion_window"),
         ({"cron_expression": "0 3 * * *"}, "cron_expression"),
+        ({"metadata": {"schedule_id": "mine"}}, "metadata"),
+        ({"metadata": {f"k{idx}": "v" for idx in range(16)}}, "metadata"),
     ],
 )
 def test_bad_request_is_a_400_naming_the_field(client: Any, body: dict[str, Any], param: str) -> None:
     response = _create(client, **{"input_file_id": _upload(client), **body})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
     assert client.get("/v1/schedules").json()["data"] == []
 
 
@@ -113,3 +117,33 @@ def test_tick_creates_the_batch_post_v1_batches_would(client: Any) -> None:
         assert batch[field] == expected[field], field
     listed = [b["id"] for b in client.get("/v1/batches").json()["data"]]
     assert run.batch_id in listed
+
+
+def test_a_file_with_a_line_nested_too_deep_is_the_400_of_any_invalid_file(client: Any) -> None:
+    deep = json.dumps(chat_line("deep")).replace('"Say hi."', "[" * 5000 + "1" + "]" * 5000)
+    data = jsonl([chat_line("ok"), deep])
+    file_id = client.post("/v1/files", files={"file": ("deep.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
+    response = _create(client, input_file_id=file_id)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("input_file_id", "invalid_json")
+    assert "line 2: the line nests arrays and objects more than 64 levels deep" in error["message"]
+
+
+def test_a_file_a_schedule_uses_cannot_be_deleted_until_the_schedule_is(client: Any) -> None:
+    """Deleting it would leave the schedule creating nothing at every tick: a 409 naming the schedules."""
+    file_id = _upload(client)
+    first, second = (_create(client, input_file_id=file_id).json()["id"] for _ in range(2))
+
+    refused = client.delete(f"/v1/files/{file_id}")
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "file_in_use", None)
+    assert first in error["message"] and second in error["message"]
+    assert client.get(f"/v1/files/{file_id}").status_code == 200
+
+    client.delete(f"/v1/schedules/{first}")
+    assert client.delete(f"/v1/files/{file_id}").status_code == 409
+    client.delete(f"/v1/schedules/{second}")
+    deleted = client.delete(f"/v1/files/{file_id}")
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True

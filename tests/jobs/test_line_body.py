@@ -181,13 +181,17 @@ def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:
             "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}],
             "name": "ann",
         },
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": "Hello.", "refusal": None},
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "assistant", "content": "Non.", "refusal": "I cannot."},
     ]
     parsed = parse_body(CHAT_COMPLETIONS, body)
     assert parsed.conversation() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
-        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "assistant", "content": "Non."},
     ]
     assert parsed.sampling_kwargs() == {
         "max_tokens": 6,
@@ -233,3 +237,75 @@ def test_completion_sampling_kwargs(fields: dict[str, Any], expected: dict[str, 
 def test_chat_defaults_leave_max_tokens_to_the_context() -> None:
     assert parse_body(CHAT_COMPLETIONS, _chat()).sampling_kwargs() == {"n": 1, "max_tokens": None}
     assert parse_body(CHAT_COMPLETIONS, _chat(logprobs=True)).sampling_kwargs()["logprobs"] == 0
+
+
+@pytest.mark.parametrize("depth", [70, 990, 5000])
+def test_a_deeply_nested_body_is_a_400_not_a_recursion_error(depth: int) -> None:
+    """A stored body is at most 63 levels deep (validation caps the line at 64); a deeper one (stored
+    before the cap, or built by hand) is refused like any bad body, whatever the caller's stack depth."""
+    nested: Any = 1
+    for _ in range(depth):
+        nested = [nested]
+    error = _rejection(CHAT_COMPLETIONS, _chat(user=nested))
+    assert error.message == "the body nests arrays and objects more than 63 levels deep"
+    assert (error.param, error.code) == (None, "invalid_value")
+
+
+def test_the_assistant_message_this_service_writes_is_accepted_back_as_history() -> None:
+    """Output choices carry ``{role, content, refusal: null}``; fed back as a turn, it parses (the refusal
+    is not part of the prompt)."""
+    written = {"role": "assistant", "content": "Paris", "refusal": None}
+    body = _chat(messages=[{"role": "user", "content": "Capital of France?"}, written])
+    assert parse_body(CHAT_COMPLETIONS, body).conversation()[1] == {"role": "assistant", "content": "Paris"}
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "text"),
+    [
+        ({"role": "user", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "system", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "assistant", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "user"}, "messages[0].content", "is required"),
+        ({"role": "user", "content": "Hi", "refusal": None}, "messages[0].refusal", "only assistant messages"),
+        ({"role": "assistant", "content": "Hi", "refusal": 3}, "messages[0].refusal", "must be a valid string"),
+    ],
+)
+def test_null_or_missing_content_and_a_misplaced_refusal_are_400s(
+    message: dict[str, Any], param: str, text: str
+) -> None:
+    error = _rejection(CHAT_COMPLETIONS, _chat(messages=[message]))
+    assert error.param == param
+    assert text in error.message
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field", "value"),
+    [
+        (CHAT_COMPLETIONS, "response_format", {"type": "text"}),
+        (CHAT_COMPLETIONS, "store", False),
+        (CHAT_COMPLETIONS, "stream_options", None),
+        (CHAT_COMPLETIONS, "metadata", {}),
+        (CHAT_COMPLETIONS, "tools", []),
+        (CHAT_COMPLETIONS, "tool_choice", "none"),
+        (CHAT_COMPLETIONS, "parallel_tool_calls", False),
+        (CHAT_COMPLETIONS, "functions", []),
+        (CHAT_COMPLETIONS, "function_call", "none"),
+        (CHAT_COMPLETIONS, "audio", None),
+        (CHAT_COMPLETIONS, "modalities", ["text"]),
+        (CHAT_COMPLETIONS, "prediction", None),
+        (CHAT_COMPLETIONS, "reasoning_effort", "low"),
+        (CHAT_COMPLETIONS, "verbosity", "low"),
+        (CHAT_COMPLETIONS, "service_tier", "auto"),
+        (CHAT_COMPLETIONS, "web_search_options", {}),
+        (CHAT_COMPLETIONS, "prompt_cache_key", "k"),
+        (CHAT_COMPLETIONS, "safety_identifier", "s"),
+        (COMPLETIONS, "suffix", "x"),
+        (COMPLETIONS, "stream_options", None),
+    ],
+)
+def test_openai_fields_docs_list_as_refused_are_refused_by_name(endpoint: str, field: str, value: Any) -> None:
+    """docs/api.md, "Deviations from OpenAI": each of these is a per-line 400 naming the field."""
+    body = _chat() if endpoint == CHAT_COMPLETIONS else _completion()
+    error = _rejection(endpoint, {**body, field: value})
+    assert error.param == field
+    assert "unknown field" in error.message

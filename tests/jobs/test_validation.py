@@ -207,3 +207,25 @@ def test_missing_model_is_invalid_body() -> None:
 def test_too_long_custom_id() -> None:
     result = _validate(jsonl([chat_line("x" * 513)]))
     assert [e.code for e in result.errors] == ["invalid_custom_id"]
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+def test_a_line_nested_thousands_of_levels_deep_is_invalid_json_with_its_line_number() -> None:
+    """json.loads would raise RecursionError (not ValueError) on it; the line is refused like any bad JSON."""
+    deep = json.dumps(chat_line("deep")).replace('"Say hi."', _nested(5000))
+    result = _validate(jsonl([chat_line("ok"), deep, chat_line("ok-2")]), chunk=4096)
+    assert [(error.line, error.code) for error in result.errors] == [(2, "invalid_json")]
+    assert "more than 64 levels deep" in result.errors[0].message
+
+
+def test_nesting_is_capped_at_64_levels_whatever_the_stack_depth() -> None:
+    """Line (1) > body (2) > messages (3) > message (4) > content: 60 more levels make 64, one more is refused."""
+    at_limit = json.dumps(chat_line("at-limit")).replace('"Say hi."', _nested(60))
+    over = json.dumps(chat_line("over")).replace('"Say hi."', _nested(61))
+    result = _validate(jsonl([at_limit, over]))
+    assert [(error.line, error.code) for error in result.errors] == [(2, "invalid_json")]
+    brackets_in_strings = chat_line("strings", "[" * 500 + "{" * 500)
+    assert _validate(jsonl([brackets_in_strings])).ok
