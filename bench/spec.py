@@ -13,15 +13,16 @@ Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
 
 Batch-1 runs force speculation on (``speculative_mode="on"``), so they measure the method itself; the mixed
 run measures the policy. Each batch-one measurement runs in its own process (warmed up on one short request),
-systems alternating, ``--repeats`` times. The mixed job's two engines stay resident, each in its own process,
-warmed up by one whole pass; their ``--mixed-repeats`` measured passes alternate in ABBA order (auto, off,
-off, auto, ...), since auto and off differ there by less than the machine drifts within minutes. Medians are
+systems alternating, ``--repeats`` times. The mixed job's engines stay resident, each in its own process,
+warmed up by one whole pass; ``--mixed-processes`` fresh pairs of them each run ``--mixed-repeats`` measured
+passes in ABBA order (auto, off, off, auto, ...), since auto and off differ there by less than the machine
+drifts within minutes, and one process's memory layout can speed or slow all its passes. Medians are
 reported, the mixed passes listed beside them (``mixed_*_rounds_tok_per_s``, ``mixed_pair_ratios``: auto over
 off, pass by pass) with the median step counts. Greedy outputs of each run are compared with the plain run's
 (``*_lines_differing``: lines whose ids differ at all, which the near-tie rule allows rarely).
 
 Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1]
-       [--mixed-repeats N] [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
+       [--mixed-repeats N] [--mixed-processes 2] [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
 Prints one JSON object per run, then a last line with all the keys together.
 """
 
@@ -153,22 +154,25 @@ class ResidentChild:
         self.stderr.close()
 
 
-def run_mixed_paired(workload_path: Path, repeats: int, threads: int) -> dict[str, list[dict]]:
-    """The mixed job under ``auto`` and ``off``, each engine resident in its own process (warmed up by one
-    whole pass), ``repeats`` measured passes each in ABBA order (auto, off, off, auto, ...): both
-    systems meet the machine's drift alike, and neither pays a process's first-pass costs."""
-    children = {name: ResidentChild(workload_path, name, threads) for name in ("auto", "off")}
+def run_mixed_paired(workload_path: Path, repeats: int, processes: int, threads: int) -> dict[str, list[dict]]:
+    """The mixed job under ``auto`` and ``off``: ``processes`` times, a fresh pair of resident engines, each
+    in its own process (warmed up by one whole pass), runs ``repeats`` measured passes each in ABBA order
+    (auto, off, off, auto, ...). Alternating passes lets both systems meet the machine's drift alike;
+    fresh pairs spread what one process's memory layout does to all its passes; neither system pays a
+    process's first-pass costs."""
     results: dict[str, list[dict]] = {"auto": [], "off": []}
-    try:
-        for repeat in range(repeats):
-            for name in ("auto", "off") if repeat % 2 == 0 else ("off", "auto"):
-                result = children[name].run()
-                results[name].append(result)
-                shown = {k: v for k, v in result.items() if k != "output_token_ids"}
-                print(json.dumps({"workload": "mixed", "config": name, **shown}), flush=True)
-    finally:
-        for child in children.values():
-            child.close()
+    for pair in range(processes):
+        children = {name: ResidentChild(workload_path, name, threads) for name in ("auto", "off")}
+        try:
+            for repeat in range(repeats):
+                for name in ("auto", "off") if (pair + repeat) % 2 == 0 else ("off", "auto"):
+                    result = children[name].run()
+                    results[name].append(result)
+                    shown = {k: v for k, v in result.items() if k != "output_token_ids"}
+                    print(json.dumps({"workload": "mixed", "config": name, "pair": pair, **shown}), flush=True)
+        finally:
+            for child in children.values():
+                child.close()
     return results
 
 
@@ -217,6 +221,12 @@ def main() -> None:
     parser.add_argument(
         "--mixed-repeats", type=int, default=None, help="alternating runs of the mixed job (default: --repeats)"
     )
+    parser.add_argument(
+        "--mixed-processes",
+        type=int,
+        default=2,
+        help="fresh process pairs for the mixed job, each runs --mixed-repeats",
+    )
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     args = parser.parse_args()
     if args.child:
@@ -253,7 +263,9 @@ def main() -> None:
             print(json.dumps({"workload": workload_name, "config": config_name, **shown}), flush=True)
     if not args.skip_mixed:
         runs += [("mixed", "off"), ("mixed", "auto")]
-        for config_name, passes in run_mixed_paired(paths["mixed"], mixed_repeats, args.threads).items():
+        for config_name, passes in run_mixed_paired(
+            paths["mixed"], mixed_repeats, args.mixed_processes, args.threads
+        ).items():
             results[("mixed", config_name)] = passes
 
     def median(run: tuple[str, str], key: str = "tok_per_s") -> float | None:
@@ -266,6 +278,7 @@ def main() -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "mixed_repeats": mixed_repeats,
+        "mixed_processes": args.mixed_processes,
         "b1_plain_tok_per_s": median(("b1", "plain")),
         "b1_ngram_tok_per_s": median(("b1", "ngram")),
         "b1_draft_tok_per_s": median(("b1", "draft")),
