@@ -215,17 +215,23 @@ def test_cancel_failed_batch_conflicts_and_unknown_batch_is_404(client: Any) -> 
     }
 
 
+def _batch_left_validating(client: Any, service_settings: Settings) -> str:
+    """A two-line batch created 5 s ago and never validated, as an API process that stopped would leave it."""
+    from jobs.repository import create_batch
+
+    file_id = _upload(client, [chat_line("a"), chat_line("b")])
+    with session_scope(service_settings.database_url) as session:
+        return create_batch(session, input_file_id=file_id, endpoint=CHAT, now=int(time.time()) - 5).id
+
+
 def test_batches_left_validating_by_an_earlier_process_are_resumed_at_start_up(
     client: Any, service_settings: Settings
 ) -> None:
     """The API stopped between creating a batch and validating it: the next start-up validates and starts it."""
     from jobs.intake import resume_validating_batches
-    from jobs.repository import create_batch
     from tests.helpers.service import api_client
 
-    file_id = _upload(client, [chat_line("a"), chat_line("b")])
-    with session_scope(service_settings.database_url) as session:
-        batch_id = create_batch(session, input_file_id=file_id, endpoint=CHAT, now=int(time.time()) - 5).id
+    batch_id = _batch_left_validating(client, service_settings)
     assert resume_validating_batches(settings=service_settings, started_at=0) == []  # created after that start
 
     with api_client(service_settings) as restarted:
@@ -268,11 +274,9 @@ def test_a_batch_cancelled_while_its_validation_was_lost_ends_cancelled_at_start
 ) -> None:
     """The API stopped while validating a batch that was then cancelled: the next start-up finishes it."""
     from jobs.intake import resume_validating_batches
-    from jobs.repository import cancel_batch, create_batch
+    from jobs.repository import cancel_batch
 
-    file_id = _upload(client, [chat_line("a"), chat_line("b")])
-    with session_scope(service_settings.database_url) as session:
-        batch_id = create_batch(session, input_file_id=file_id, endpoint=CHAT, now=int(time.time()) - 5).id
+    batch_id = _batch_left_validating(client, service_settings)
     with session_scope(service_settings.database_url) as session:
         assert cancel_batch(session, batch_id=batch_id).status == "cancelling"
 
