@@ -309,6 +309,10 @@ def _serve(args: argparse.Namespace) -> int:
 class _Child:
     """One child process of ``serve``, started at once: its command, its process, its recent exits.
 
+    Each child leads a process group of its own, so that what it started itself (beat's embedded
+    scheduler process) is stopped with it: signalled by `_stop_children`, killed by `reap_group` when
+    the child died without stopping it.
+
     A restartable child (the worker, beat) that exits while ``serve`` is not stopping is started again
     after a back-off (:data:`_RESTART_BACKOFF_S`, doubled for each earlier exit within
     :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``.
@@ -321,12 +325,16 @@ class _Child:
         self.restarts = 0
         self.restart_at: float | None = None
         self._exits: list[float] = []
-        self.process = subprocess.Popen(self.command)
+        self.process = subprocess.Popen(self.command, process_group=0)
 
     def restart(self) -> None:
         """Start the child's process again."""
-        self.process = subprocess.Popen(self.command)
+        self.process = subprocess.Popen(self.command, process_group=0)
         self.restart_at = None
+
+    def reap_group(self) -> None:
+        """SIGKILL what is left of the exited child's process group (a killed beat leaves its scheduler)."""
+        _signal_group(self.process, signal.SIGKILL)
 
     def record_exit(self, now: float) -> int:
         """Note an unexpected exit at ``now``; return how many happened within the restart window."""
@@ -353,6 +361,7 @@ def _supervise(children: list[_Child], stopping: Callable[[], bool], api_address
             if returncode is None:
                 continue
             if child.restart_at is None:
+                child.reap_group()
                 if not _schedule_restart(child, returncode, now, api_address):
                     return returncode if returncode > 0 else 1
             elif now >= child.restart_at:
@@ -418,17 +427,30 @@ def _api_exit_hint(host: str, port: int) -> str:
 
 
 def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every child still running (warm shutdown), then SIGKILL whatever outlives the grace period."""
+    """SIGTERM every child still running (warm shutdown), then SIGKILL whatever outlives the grace period;
+    a child that leads its own process group is signalled with its group, and what of the group outlives
+    it is killed."""
     for child in children:
         if child.poll() is None:
-            child.terminate()
+            _signal_group(child, signal.SIGTERM)
     deadline = time.monotonic() + _SHUTDOWN_GRACE_S
     for child in children:
         try:
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.kill()
+            _signal_group(child, signal.SIGKILL)
             child.wait()
+        _signal_group(child, signal.SIGKILL)
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Send ``sig`` to ``process``'s process group when it leads one (``process_group=0``), else to it
+    alone while it has not been reaped; nothing when neither exists any more."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        if process.returncode is None:
+            process.send_signal(sig)
 
 
 def _submit(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect
@@ -264,6 +265,60 @@ def test_serve_restarts_a_killed_worker_and_keeps_the_api(quick_restarts, capsys
     assert capsys.readouterr().err == (
         "batchinfer: worker exited with status -9 (killed by SIGKILL); restarting it in 0.05 s (restart 1)\n"
     )
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _with_grandchild() -> list[str]:
+    """A child that starts a process of its own, as beat starts its scheduler."""
+    return _python(
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
+
+
+def test_serve_kills_what_a_dead_child_started_and_what_a_stopped_child_leaves(quick_restarts, capsys):
+    beat = cli._Child("beat", _with_grandchild(), restartable=True)
+    grandchild = _find_grandchild(beat.process.pid)
+    beat.process.kill()
+    beat.process.wait()
+    assert _pid_alive(grandchild)  # orphaned, it would go on (beat's scheduler sends work) ...
+    beat.reap_group()  # ... until serve kills what is left of the dead child's group
+    deadline = time.monotonic() + 5
+    while _pid_alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(grandchild)
+
+    worker = cli._Child("worker", _with_grandchild(), restartable=True)
+    grandchild = _find_grandchild(worker.process.pid)
+    cli._stop_children([worker.process])
+    deadline = time.monotonic() + 5
+    while _pid_alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(grandchild)
+
+
+def _find_grandchild(pid: int) -> int:
+    """The first running process in process group ``pid`` other than ``pid`` itself."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != pid:
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == pid and fields[0] not in ("Z", "X"):
+                    return int(entry.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no process in group {pid}")
 
 
 def test_serve_gives_up_on_a_worker_that_exits_at_every_start(quick_restarts, capsys):
