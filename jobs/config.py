@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     # Where file bytes live (jobs/storage.py): "local" = files_dir on this host; "database" = shared by every host.
     file_storage: Literal["local", "database"] = "local"
     api_host: str = "127.0.0.1"
-    api_port: int = 8000
+    api_port: int = Field(default=8000, ge=1, le=65535)
     # A worker's Prometheus /metrics (docs/architecture.md, "Observability"); None serves none.
     worker_metrics_port: int | None = None
     worker_metrics_host: str = "0.0.0.0"

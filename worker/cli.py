@@ -45,7 +45,17 @@ LIST_PAGE_MAX = 100  # the most GET /v1/batches returns per page (docs/api.md)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``batchinfer`` console script; returns the exit status."""
+    """Entry point of the ``batchinfer`` console script; returns the exit status (2 when a
+    ``BATCHINFER_*`` setting is invalid, with one line per problem naming it)."""
+    from pydantic import ValidationError
+
+    try:
+        get_settings()
+    except ValidationError as exc:
+        for error in exc.errors():
+            name = "BATCHINFER_" + "_".join(str(part) for part in error["loc"]).upper()
+            print(f"batchinfer: {name}: {error['msg']} (got {error.get('input')!r})", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     return args.handler(args) or 0
 
@@ -128,7 +138,7 @@ def _add_base_url_arg(parser: argparse.ArgumentParser, host: str, port: int) -> 
 
 def _add_bind_args(parser: argparse.ArgumentParser, host: str, port: int) -> None:
     parser.add_argument("--host", default=host)
-    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--port", type=_port, default=port)
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
@@ -585,6 +595,13 @@ def _json_or_exit(response: httpx.Response) -> dict[str, Any]:
         raise SystemExit(f"batchinfer: HTTP {response.status_code}: {response.text}")
     body: dict[str, Any] = response.json()
     return body
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

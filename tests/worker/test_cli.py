@@ -47,6 +47,26 @@ def test_every_command_parses(argv):
     assert callable(args.handler)
 
 
+@pytest.mark.parametrize("value", ["abc", "99999"])
+def test_an_invalid_setting_is_one_line_naming_it(monkeypatch, capsys, value):
+    monkeypatch.setenv("BATCHINFER_API_PORT", value)
+    get_settings.cache_clear()
+    try:
+        assert cli.main(["ls"]) == 2
+    finally:
+        monkeypatch.delenv("BATCHINFER_API_PORT")
+        get_settings.cache_clear()
+    err = capsys.readouterr().err
+    assert err.startswith("batchinfer: BATCHINFER_API_PORT: ") and f"(got '{value}')" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_a_port_out_of_range_is_refused_at_parsing(capsys):
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--port", "99999"])
+    assert "a TCP port is 1..65535, got 99999" in capsys.readouterr().err
+
+
 def test_submit_rejects_an_unknown_endpoint(capsys):
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["submit", "f.jsonl", "--endpoint", "/v1/embeddings"])
