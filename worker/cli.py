@@ -597,15 +597,22 @@ def _json_or_exit(response: httpx.Response) -> dict[str, Any]:
     return body
 
 
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
 def _port(text: str) -> int:
-    value = int(text)
+    value = _whole_number(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {value}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value

@@ -184,6 +184,9 @@ def test_ls_pages_past_the_api_limit(live_api, tmp_path, capsys, monkeypatch):
     assert out.count("batch_") == 3
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["ls", "--limit", "0"])
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["ls", "--limit", "abc"])
+    assert "argument --limit: must be a whole number, got 'abc'" in capsys.readouterr().err
 
 
 def test_stop_children_terminates_then_kills(monkeypatch):
