@@ -120,6 +120,12 @@ def spawn(workload_path: Path, config_name: str, threads: int) -> dict:
     return json.loads(lines[-1])
 
 
+def print_run(workload_name: str, config_name: str, result: dict, **extra) -> None:
+    """One JSON line for a measured run (without its output ids)."""
+    shown = {k: v for k, v in result.items() if k != "output_token_ids"}
+    print(json.dumps({"workload": workload_name, "config": config_name, **extra, **shown}), flush=True)
+
+
 class ResidentChild:
     """A ``--serve`` child process holding one warmed-up engine (see :func:`serve`)."""
 
@@ -168,8 +174,7 @@ def run_mixed_paired(workload_path: Path, repeats: int, processes: int, threads:
                 for name in ("auto", "off") if (pair + repeat) % 2 == 0 else ("off", "auto"):
                     result = children[name].run()
                     results[name].append(result)
-                    shown = {k: v for k, v in result.items() if k != "output_token_ids"}
-                    print(json.dumps({"workload": "mixed", "config": name, "pair": pair, **shown}), flush=True)
+                    print_run("mixed", name, result, pair=pair)
         finally:
             for child in children.values():
                 child.close()
@@ -259,8 +264,7 @@ def main() -> None:
         for workload_name, config_name in runs:
             result = spawn(paths[workload_name], config_name, args.threads)
             results[(workload_name, config_name)].append(result)
-            shown = {k: v for k, v in result.items() if k != "output_token_ids"}
-            print(json.dumps({"workload": workload_name, "config": config_name, **shown}), flush=True)
+            print_run(workload_name, config_name, result)
     if not args.skip_mixed:
         runs += [("mixed", "off"), ("mixed", "auto")]
         for config_name, passes in run_mixed_paired(

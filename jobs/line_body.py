@@ -19,6 +19,7 @@ from jobs.schemas import BODY_SCHEMAS, LineBody
 
 # The body sits one level below its line, which `jobs.validation` holds to MAX_JSON_DEPTH levels.
 _MAX_BODY_DEPTH = MAX_JSON_DEPTH - 1
+_TOO_DEEP = f"the body nests arrays and objects more than {_MAX_BODY_DEPTH} levels deep"
 
 
 def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
@@ -32,13 +33,12 @@ def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
     schema = BODY_SCHEMAS.get(endpoint)
     if schema is None:
         raise InvalidRequest(f"unsupported endpoint {endpoint!r}; use one of {sorted(BODY_SCHEMAS)}", param="url")
-    too_deep_message = f"the body nests arrays and objects more than {_MAX_BODY_DEPTH} levels deep"
     if too_deep(body, max_depth=_MAX_BODY_DEPTH):
-        raise InvalidRequest(too_deep_message)
+        raise InvalidRequest(_TOO_DEEP)
     try:
         return schema.model_validate(body)
     except RecursionError:
-        raise InvalidRequest(too_deep_message) from None
+        raise InvalidRequest(_TOO_DEEP) from None
     except ValidationError as exc:
         problems = [(_param(error), _describe(error, endpoint)) for error in exc.errors()]
         message = "; ".join(dict.fromkeys(f"{param}: {text}" if param else text for param, text in problems))

@@ -43,6 +43,7 @@ from jobs.nesting import MAX_JSON_DEPTH, too_deep
 from jobs.schemas import MAX_CUSTOM_ID_CHARS, BatchLine, LineError
 
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
+_TOO_DEEP = f"the line nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
@@ -200,15 +201,14 @@ def _validate_line(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _LineProblem("invalid_encoding", f"the line is not valid UTF-8 (byte {exc.start})") from None
-    too_deep_message = f"the line nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
     try:
         line = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
-        raise _LineProblem("invalid_json", too_deep_message) from None
+        raise _LineProblem("invalid_json", _TOO_DEEP) from None
     except ValueError as exc:
         raise _LineProblem("invalid_json", f"the line is not valid JSON: {exc}") from None
     if too_deep(line, text=text):
-        raise _LineProblem("invalid_json", too_deep_message)
+        raise _LineProblem("invalid_json", _TOO_DEEP)
     if not isinstance(line, dict):
         raise _LineProblem("invalid_json", f"the line must be a JSON object, got {_json_type(line)}")
 

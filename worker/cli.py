@@ -24,6 +24,7 @@ nothing of ``api`` and starts fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -335,10 +336,10 @@ class _Child:
         self.restarts = 0
         self.restart_at: float | None = None
         self._exits: list[float] = []
-        self.process = subprocess.Popen(self.command, process_group=0)
+        self.restart()
 
     def restart(self) -> None:
-        """Start the child's process again."""
+        """Start the child's process (again), leading a process group of its own."""
         self.process = subprocess.Popen(self.command, process_group=0)
         self.restart_at = None
 
@@ -445,12 +446,10 @@ def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
             _signal_group(child, signal.SIGTERM)
     deadline = time.monotonic() + _SHUTDOWN_GRACE_S
     for child in children:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(child, signal.SIGKILL)
-            child.wait()
         _signal_group(child, signal.SIGKILL)
+        child.wait()
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
