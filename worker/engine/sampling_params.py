@@ -8,6 +8,36 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's generated text (vLLM's `StructuredOutputsParams`): exactly one field set.
+
+    ``json``: a JSON Schema (as a dict or its JSON text) the output must validate against; ``regex``: a
+    pattern the whole output must match; ``choice``: the output is exactly one of these strings;
+    ``grammar``: an EBNF/GBNF grammar (root rule ``root``) the output must derive; ``json_object``: any
+    JSON object. Built by the request mapping from OpenAI's ``response_format`` / ``text.format`` and
+    vLLM's ``structured_outputs`` body field (docs/api.md, "Structured outputs").
+
+    Raises:
+        ValueError: when not exactly one constraint is set, or ``choice`` is empty.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"exactly one structured output constraint must be set, got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must hold at least one string")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to decode one request.
@@ -52,6 +82,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
