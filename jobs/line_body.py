@@ -46,11 +46,16 @@ def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
 
 
 def _param(error: ErrorDetails) -> str | None:
-    """OpenAI's ``param`` for an error location: ``messages[0].content``, ``logit_bias.42``."""
+    """OpenAI's ``param`` for an error location: ``messages[0].content``, ``logit_bias.42``; a model-level
+    check names its field in ``ctx["param"]``, below the model's own location
+    (``response_format.json_schema``)."""
     path = ""
     for part in error["loc"]:
         path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path.lstrip(".") or error.get("ctx", {}).get("param")
+    field = error.get("ctx", {}).get("param")
+    if field is not None:
+        path += f".{field}"
+    return path.lstrip(".") or None
 
 
 def _describe(error: ErrorDetails, endpoint: str) -> str:
