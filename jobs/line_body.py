@@ -15,7 +15,7 @@ from pydantic_core import ErrorDetails
 
 from jobs.errors import InvalidRequest
 from jobs.nesting import MAX_JSON_DEPTH, too_deep
-from jobs.schemas import BODY_SCHEMAS, LineBody
+from jobs.schemas import BODY_SCHEMAS, RESPONSES, RESPONSES_NOT_SERVED, LineBody
 
 # The body sits one level below its line, which `jobs.validation` holds to MAX_JSON_DEPTH levels.
 _MAX_BODY_DEPTH = MAX_JSON_DEPTH - 1
@@ -60,6 +60,8 @@ def _param(error: ErrorDetails) -> str | None:
 
 def _describe(error: ErrorDetails, endpoint: str) -> str:
     if error["type"] == "extra_forbidden":
+        if endpoint == RESPONSES and error["loc"] and error["loc"][0] in RESPONSES_NOT_SERVED:
+            return f"unknown field (not served on {endpoint}: it answers text with text, without tools or state)"
         return f"unknown field (not a parameter of {endpoint})"
     if error["type"] == "missing":
         return "is required"

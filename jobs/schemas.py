@@ -554,6 +554,31 @@ class ResponsesBody(BaseModel):
         }
 
 
+# OpenAI's Responses API fields this service does not serve (tools, state kept between responses,
+# reasoning...): refused like any unknown field, with words that say why (`jobs.line_body`).
+RESPONSES_NOT_SERVED = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_tool_calls",
+        "reasoning",
+        "include",
+        "previous_response_id",
+        "conversation",
+        "background",
+        "prompt",
+        "truncation",
+        "top_logprobs",
+        "service_tier",
+        "stream_options",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "context_management",
+    }
+)
+
 LineBody = ChatCompletionBody | CompletionBody | ResponsesBody
 BODY_SCHEMAS: dict[str, type[LineBody]] = {
     CHAT_COMPLETIONS: ChatCompletionBody,

@@ -169,7 +169,7 @@ BAD_INPUTS = [
     (RESPONSES, {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
     (RESPONSES, {"metadata": {"k": 1}}, "metadata.k", "valid string"),
     (RESPONSES, {"store": "no"}, "store", "valid boolean"),
-    (RESPONSES, {"tools": [{"type": "web_search"}]}, "tools", "unknown field"),
+    (RESPONSES, {"tools": [{"type": "web_search"}]}, "tools", "unknown field (not served on /v1/responses"),
     (RESPONSES, {"reasoning": {"effort": "low"}}, "reasoning", "unknown field"),
     (RESPONSES, {"previous_response_id": "resp_1"}, "previous_response_id", "unknown field"),
     (RESPONSES, {"background": True}, "background", "unknown field"),
