@@ -1,7 +1,8 @@
 """Pydantic models: input lines and their bodies, and the file and batch objects the API returns.
 
 Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
-vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``). They are strict: numbers must
+vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``), and the text subset of
+``/v1/responses``; structured output fields are parsed by `jobs.structured_outputs`. They are strict: numbers must
 be JSON numbers (an integer field rejects ``1.5`` and ``true``), and an unknown field is rejected
 with its name, so a typo never silently falls back to a default. They are the one place a body rule
 lives: the worker parses each stored line with them (`jobs.line_body.parse_body`) and builds the
