@@ -60,6 +60,9 @@ class Constraint:
 def checked_schema(value: Any) -> dict[str, Any]:
     """``value`` if it is a JSON Schema object valid against its metaschema (JSON text is parsed first).
 
+    The metaschema is the draft ``$schema`` names, else 2020-12; formats are not checked (a ``pattern``
+    is left to the grammar engine's regex dialect).
+
     Raises:
         ValueError: not an object (or JSON text of one), or not valid JSON Schema; the message says where.
     """
@@ -71,7 +74,9 @@ def checked_schema(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("must be a JSON Schema object (or its JSON text)")
     try:
-        validators.validator_for(value).check_schema(value)
+        # NOTE: no format checks: they would compile each `pattern` with Python's `re`, whose dialect is
+        # not the grammar engine's (which judges patterns when the line joins it).
+        validators.validator_for(value).check_schema(value, format_checker=None)
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         raise ValueError(f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None

@@ -245,6 +245,17 @@ def test_the_constraint_each_body_asks_for(
     assert "structured_outputs" not in parsed.sampling_kwargs()
 
 
+def test_a_pattern_is_left_to_the_grammar_engine() -> None:
+    """A ``pattern`` Python's ``re`` cannot compile (``\\p{L}``) passes the body parse: the grammar engine's
+    regex dialect judges it when the line joins the engine; a pattern that is not a string still fails."""
+    schema = {"type": "object", "properties": {"word": {"type": "string", "pattern": r"^\p{L}+$"}}}
+    parsed = parse_body(COMPLETIONS, _body(COMPLETIONS, structured_outputs={"json": schema}))
+    assert parsed.constraint == Constraint({"json": schema}, "structured_outputs.json")
+    with pytest.raises(InvalidRequest) as info:
+        parse_body(COMPLETIONS, _body(COMPLETIONS, structured_outputs={"json": {"type": "string", "pattern": 3}}))
+    assert info.value.param == "structured_outputs.json" and "(at pattern)" in info.value.message
+
+
 def _object(**properties: Any) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
