@@ -15,7 +15,7 @@ from pydantic_core import ErrorDetails
 
 from jobs.errors import InvalidRequest
 from jobs.nesting import MAX_JSON_DEPTH, too_deep
-from jobs.schemas import BODY_SCHEMAS, LineBody
+from jobs.schemas import BODY_SCHEMAS, RESPONSES, RESPONSES_NOT_SERVED, LineBody
 
 # The body sits one level below its line, which `jobs.validation` holds to MAX_JSON_DEPTH levels.
 _MAX_BODY_DEPTH = MAX_JSON_DEPTH - 1
@@ -46,15 +46,22 @@ def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
 
 
 def _param(error: ErrorDetails) -> str | None:
-    """OpenAI's ``param`` for an error location: ``messages[0].content``, ``logit_bias.42``."""
+    """OpenAI's ``param`` for an error location: ``messages[0].content``, ``logit_bias.42``; a model-level
+    check names its field in ``ctx["param"]``, below the model's own location
+    (``response_format.json_schema``)."""
     path = ""
     for part in error["loc"]:
         path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path.lstrip(".") or error.get("ctx", {}).get("param")
+    field = error.get("ctx", {}).get("param")
+    if field is not None:
+        path += f".{field}"
+    return path.lstrip(".") or None
 
 
 def _describe(error: ErrorDetails, endpoint: str) -> str:
     if error["type"] == "extra_forbidden":
+        if endpoint == RESPONSES and error["loc"] and error["loc"][0] in RESPONSES_NOT_SERVED:
+            return f"unknown field (not served on {endpoint}: it answers text with text, without tools or state)"
         return f"unknown field (not a parameter of {endpoint})"
     if error["type"] == "missing":
         return "is required"

@@ -1,7 +1,8 @@
 """Pydantic models: input lines and their bodies, and the file and batch objects the API returns.
 
 Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
-vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``). They are strict: numbers must
+vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``), and the text subset of
+``/v1/responses``; structured output fields are parsed by `jobs.structured_outputs`. They are strict: numbers must
 be JSON numbers (an integer field rejects ``1.5`` and ``true``), and an unknown field is rejected
 with its name, so a typo never silently falls back to a default. They are the one place a body rule
 lives: the worker parses each stored line with them (`jobs.line_body.parse_body`) and builds the
@@ -27,12 +28,21 @@ from pydantic_core import PydanticCustomError
 
 from jobs.models import Batch, File
 from jobs.status import BatchStatus
+from jobs.structured_outputs import (
+    GUIDED_FIELDS,
+    Constraint,
+    ResponseFormat,
+    StructuredOutputs,
+    TextFormat,
+    guided_constraint,
+)
 
 MAX_N = 128  # samples per line, OpenAI's cap
 
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+RESPONSES = "/v1/responses"
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES)
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_LOGPROBS = 20
@@ -103,6 +113,12 @@ def _one_message(message: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
+def _refuse_streaming(stream: bool | None) -> bool | None:
+    if stream:
+        raise ValueError("streaming is not supported in a batch; remove it or set it to false")
+    return stream
+
+
 class BatchLine(BaseModel):
     """One input line: ``{"custom_id", "method": "POST", "url", "body"}``."""
 
@@ -110,7 +126,7 @@ class BatchLine(BaseModel):
 
     custom_id: Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     body: dict[str, Any]
 
 
@@ -147,13 +163,50 @@ class _SamplingBody(BaseModel):
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for the structured_outputs fields (jobs.structured_outputs.GUIDED_FIELDS)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator(*GUIDED_FIELDS)
+    @classmethod
+    def _guided_field(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            assert info.field_name is not None
+            guided_constraint(info.field_name, value)
+        return value
+
+    def constraints(self) -> list[Constraint]:
+        """Every structured output constraint the body gives (more than one is refused at parse)."""
+        found = [] if self.structured_outputs is None else [self.structured_outputs.constraint("structured_outputs")]
+        found += [
+            guided_constraint(name, getattr(self, name)) for name in GUIDED_FIELDS if getattr(self, name) is not None
+        ]
+        return found
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The line's structured output constraint (`jobs.structured_outputs.Constraint`), or None."""
+        found = self.constraints()
+        return found[0] if found else None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _SamplingBody:
+        found = self.constraints()
+        if len(found) > 1:
+            raise PydanticCustomError(
+                "constraint_conflict",
+                "cannot be combined with {first}: a line takes one structured output constraint",
+                {"param": found[1].param.split(".")[0], "first": found[0].param.split(".")[0]},
+            )
+        return self
 
     @field_validator("stream")
     @classmethod
     def _no_streaming(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("streaming is not supported in a batch; remove it or set it to false")
-        return value
+        return _refuse_streaming(value)
 
     @field_validator("stop")
     @classmethod
@@ -287,6 +340,12 @@ class ChatCompletionBody(_SamplingBody):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+
+    def constraints(self) -> list[Constraint]:
+        """``response_format`` (unless ``text``), then `_SamplingBody.constraints`."""
+        own = None if self.response_format is None else self.response_format.constraint("response_format")
+        return ([] if own is None else [own]) + super().constraints()
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -363,10 +422,169 @@ class CompletionBody(_SamplingBody):
         return kwargs
 
 
-LineBody = ChatCompletionBody | CompletionBody
+class ResponsesContentPart(BaseModel):
+    """A text part of a Responses input message: ``input_text``, or ``output_text`` (an earlier answer's
+    part, as this service writes it: ``annotations`` is taken and left out of the prompt)."""
+
+    model_config = _STRICT
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+
+
+class ResponsesMessage(BaseModel):
+    """One item of a Responses ``input`` list: a message (``type`` "message" or absent) whose content is
+    a string or a list of text parts. An output message fed back as history may keep its ``id`` and
+    ``status``. Other item types (function calls, reasoning, item references) are not taken."""
+
+    model_config = _STRICT
+
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[
+        str | list[ResponsesContentPart],
+        _one_message(
+            'must be a string or a list of text parts ({"type": "input_text" or "output_text", "text": "..."}); '
+            "images, files and audio are not served"
+        ),
+    ]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponsesTextConfig(BaseModel):
+    """The Responses API's ``text`` field: only ``format`` is taken."""
+
+    model_config = _STRICT
+
+    format: TextFormat | None = None
+
+
+class ResponsesBody(BaseModel):
+    """A ``/v1/responses`` body, the text subset of OpenAI's Responses API (docs/api.md, "Responses lines").
+
+    ``input`` (a non-empty string, or a non-empty list of messages) follows ``instructions`` (a system
+    message) in the chat template. ``seed`` is ours (OpenAI's Responses API has none), with the meaning it
+    has on the other endpoints. ``store`` is taken and ignored: responses are not kept to be fetched
+    again; the batch's output file holds them. Every other field (tools, reasoning, previous_response_id,
+    background, include, ...) is an unknown field, a 400 naming it.
+    """
+
+    model_config = _STRICT
+
+    model: str
+    input: list[ResponsesMessage]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    text: ResponsesTextConfig | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]] | None = None
+    store: bool | None = None
+    user: str | None = None
+    stream: bool | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_streaming(cls, value: bool | None) -> bool | None:
+        return _refuse_streaming(value)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_as_messages(cls, value: Any) -> Any:
+        """A string is one user message; the messages' own checks then name ``input[i].field``."""
+        if isinstance(value, str) and value:
+            return [{"role": "user", "content": value}]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty string or a non-empty list of messages")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            if len(value) > MAX_METADATA_PAIRS:
+                raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs are allowed, got {len(value)}")
+            for key in value:
+                if len(key) > MAX_METADATA_KEY_CHARS:
+                    raise ValueError(f"keys are at most {MAX_METADATA_KEY_CHARS} characters, got {key[:80]!r}")
+        return value
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """``text.format``'s constraint (`jobs.structured_outputs.Constraint`), or None."""
+        if self.text is None or self.text.format is None:
+            return None
+        return self.text.format.constraint("text.format")
+
+    def conversation(self) -> list[dict[str, str]]:
+        """``instructions`` and ``input`` as ``[{"role", "content"}]`` for the tokenizer's chat template."""
+        instructions = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        return instructions + [{"role": message.role, "content": message.text} for message in self.input]
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's ``SamplingParams``: one sample, ``max_output_tokens`` as
+        ``max_tokens`` (None = up to the context limit), and the sampling fields set."""
+        kwargs = self.model_dump(include={"temperature", "top_p", "seed"}, exclude_none=True)
+        return {"n": 1, "max_tokens": self.max_output_tokens, **kwargs}
+
+    def echoed_fields(self) -> dict[str, Any]:
+        """The request fields a Responses object repeats, with OpenAI's defaults for those not given."""
+        text_format = self.text.format if self.text is not None and self.text.format is not None else None
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {},
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "text": {
+                "format": {"type": "text"}
+                if text_format is None
+                else text_format.model_dump(by_alias=True, exclude_none=True)
+            },
+            "user": self.user,
+        }
+
+
+# OpenAI's Responses API fields this service does not serve (tools, state kept between responses,
+# reasoning...): refused like any unknown field, with words that say why (`jobs.line_body`).
+RESPONSES_NOT_SERVED = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_tool_calls",
+        "reasoning",
+        "include",
+        "previous_response_id",
+        "conversation",
+        "background",
+        "prompt",
+        "truncation",
+        "top_logprobs",
+        "service_tier",
+        "stream_options",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "context_management",
+    }
+)
+
+LineBody = ChatCompletionBody | CompletionBody | ResponsesBody
 BODY_SCHEMAS: dict[str, type[LineBody]] = {
     CHAT_COMPLETIONS: ChatCompletionBody,
     COMPLETIONS: CompletionBody,
+    RESPONSES: ResponsesBody,
 }
 
 

@@ -4,8 +4,9 @@ The API plans the shards at validation, without a tokenizer (the API process loa
 sizes are estimates:
 
 - a line's tokens = its prompt text's characters / 4 (a common rule of thumb for English text under
-  BPE vocabularies) + its completion budget (``max_completion_tokens`` / ``max_tokens``, else 16 on
-  ``/v1/completions`` as OpenAI, else 256 on chat) times the number of samples (``best_of`` or ``n``);
+  BPE vocabularies) + its completion budget (``max_completion_tokens`` / ``max_tokens`` /
+  ``max_output_tokens``, else 16 on ``/v1/completions`` as OpenAI, else 256 on chat and Responses
+  lines) times the number of samples (``best_of`` or ``n``);
 - lines are ordered by their prompt text (its first ``SORT_KEY_CHARS`` characters), so lines that share a
   prefix are adjacent (a sorted order
   puts every set of strings with a common prefix in one run, as the worker's own token-id order does,
@@ -58,9 +59,16 @@ class PlannedShard:
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
-    """The text a line's prompt starts with: chat messages as ``role: content`` lines, or the
-    completion prompt (token ids as JSON). Used to order lines and to estimate their size."""
+    """The text a line's prompt starts with: chat messages as ``role: content`` lines (a Responses
+    line's ``instructions`` and ``input`` likewise), or the completion prompt (token ids as JSON). Used
+    to order lines and to estimate their size."""
     messages = body.get("messages")
+    if "input" in body:
+        given = body["input"]
+        instructions = body.get("instructions")
+        messages = ([{"role": "system", "content": instructions}] if isinstance(instructions, str) else []) + (
+            [{"role": "user", "content": given}] if isinstance(given, str) else given if isinstance(given, list) else []
+        )
     if isinstance(messages, list):
         parts = []
         for message in messages:
@@ -76,9 +84,9 @@ def prompt_text(body: Mapping[str, Any]) -> str:
 
 def estimate_tokens(body: Mapping[str, Any]) -> int:
     """A line's estimated tokens: prompt characters / 4 (at least 1) + completion budget x samples."""
-    budget = body.get("max_completion_tokens") or body.get("max_tokens")
+    budget = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     if not isinstance(budget, int) or budget <= 0:
-        budget = CHAT_COMPLETION_BUDGET if "messages" in body else COMPLETIONS_DEFAULT_MAX_TOKENS
+        budget = CHAT_COMPLETION_BUDGET if "messages" in body or "input" in body else COMPLETIONS_DEFAULT_MAX_TOKENS
     samples = body.get("best_of") or body.get("n") or 1
     if not isinstance(samples, int) or samples <= 0:
         samples = 1

@@ -2,8 +2,9 @@
 
 The body is parsed by its endpoint's schema (`jobs.line_body.parse_body`), which holds every body
 rule (limits, defaults, cross-field checks) and gives the `SamplingParams` keyword arguments (vLLM's
-``to_sampling_params``). This module adds only what needs the model: the chat template and the
-tokenizer.
+``to_sampling_params``) and the structured output constraint as plain data
+(`jobs.structured_outputs.Constraint`), made a `StructuredOutputsParams` here. This module adds only
+what needs the model: the chat template (chat and Responses lines) and the tokenizer.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jobs.line_body import parse_body
-from jobs.schemas import ChatCompletionBody
+from jobs.schemas import ChatCompletionBody, ResponsesBody
 from worker.engine import SamplingParams
+from worker.engine.sampling_params import StructuredOutputsParams
 
 
 class Tokenizer(Protocol):
@@ -32,6 +34,9 @@ class MappedRequest:
     ``prompt`` is the text the model sees (for chat, the rendered chat template; for a completions
     prompt given as token ids, their decoding is left to the response builder, so it is None).
     ``prompt_token_ids`` is what the engine is fed, so ``usage.prompt_tokens == len(prompt_token_ids)``.
+    ``structured_outputs_param`` names the body field ``params.structured_outputs`` came from (the
+    ``param`` of the line's 400 when the engine cannot compile it). ``response_fields`` are the request
+    fields a Responses object repeats (`jobs.schemas.ResponsesBody.echoed_fields`), None on other endpoints.
     """
 
     endpoint: str
@@ -39,13 +44,15 @@ class MappedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     echo: bool = False
+    structured_outputs_param: str | None = None
+    response_fields: dict[str, Any] | None = None
 
 
 def map_request(endpoint: str, body: Mapping[str, Any], tokenizer: Tokenizer) -> MappedRequest:
     """Map a line body to prompt token ids and sampling parameters.
 
     Args:
-        endpoint: ``"/v1/completions"`` or ``"/v1/chat/completions"``.
+        endpoint: ``"/v1/completions"``, ``"/v1/chat/completions"`` or ``"/v1/responses"``.
         body: the line's ``body`` object (already JSON-decoded).
         tokenizer: the served model's tokenizer (chat template included).
 
@@ -53,11 +60,20 @@ def map_request(endpoint: str, body: Mapping[str, Any], tokenizer: Tokenizer) ->
         jobs.errors.InvalidRequest: the endpoint rejects the body; ``param`` names the field.
     """
     parsed = parse_body(endpoint, body)
-    params = SamplingParams(**parsed.sampling_kwargs())
-    if isinstance(parsed, ChatCompletionBody):
+    constraint = parsed.constraint
+    params = SamplingParams(
+        **parsed.sampling_kwargs(),
+        structured_outputs=None if constraint is None else StructuredOutputsParams(**constraint.kwargs),
+    )
+    param = None if constraint is None else constraint.param
+    if isinstance(parsed, ChatCompletionBody | ResponsesBody):
         text = tokenizer.apply_chat_template(parsed.conversation(), add_generation_prompt=True, tokenize=False)
         # NOTE: the template already holds the special tokens; encoding must not add a second BOS.
-        return MappedRequest(endpoint, text, tokenizer.encode(text, add_special_tokens=False), params)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        fields = parsed.echoed_fields() if isinstance(parsed, ResponsesBody) else None
+        return MappedRequest(endpoint, text, token_ids, params, structured_outputs_param=param, response_fields=fields)
+    echo = bool(parsed.echo)
     if isinstance(parsed.prompt, str):
-        return MappedRequest(endpoint, parsed.prompt, tokenizer.encode(parsed.prompt), params, echo=bool(parsed.echo))
-    return MappedRequest(endpoint, None, list(parsed.prompt), params, echo=bool(parsed.echo))
+        token_ids = tokenizer.encode(parsed.prompt)
+        return MappedRequest(endpoint, parsed.prompt, token_ids, params, echo, structured_outputs_param=param)
+    return MappedRequest(endpoint, None, list(parsed.prompt), params, echo, structured_outputs_param=param)

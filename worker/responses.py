@@ -1,4 +1,4 @@
-"""Build OpenAI response bodies from engine outputs: `text_completion`, `chat.completion`, errors.
+"""Build OpenAI response bodies from engine outputs: `text_completion`, `chat.completion`, `response`, errors.
 
 Shapes follow OpenAI's API reference; where it is silent, vLLM's OpenAI server
 (`serving_completion.py`, `serving_chat.py`):
@@ -12,6 +12,13 @@ Shapes follow OpenAI's API reference; where it is silent, vLLM's OpenAI server
 - ``usage``: ``{prompt_tokens, completion_tokens (all choices), total_tokens,
   prompt_tokens_details: {cached_tokens}}``.
 - ``-inf`` logprobs (a token masked out) are written as -9999.0, vLLM's clamp: JSON has no infinity.
+- Responses API (``/v1/responses``): a ``response`` object as the ``openai`` SDK's
+  ``openai.types.responses.Response`` parses it: one ``message`` output item with one ``output_text``
+  part; ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens" when the answer
+  was cut by the token limit; ``usage {input_tokens, input_tokens_details {cached_tokens,
+  cache_write_tokens: 0}, output_tokens, output_tokens_details {reasoning_tokens: 0}, total_tokens}``;
+  the request's fields repeated (`jobs.schemas.ResponsesBody.echoed_fields`). ``output_text`` is the
+  SDK's property over ``output``, not a field of the object.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from jobs.schemas import CHAT_COMPLETIONS
+from jobs.schemas import CHAT_COMPLETIONS, RESPONSES
 from worker.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from worker.request_mapping import MappedRequest
 from worker.token_bytes import TokenBytes, TokenStore
@@ -60,6 +67,8 @@ def build_body(
     created = int(time.time()) if created is None else created
     if mapped.endpoint == CHAT_COMPLETIONS:
         return chat_completion_body(output, mapped, model=model, tokenizer=tokenizer, created=created)
+    if mapped.endpoint == RESPONSES:
+        return response_object(output, mapped, model=model, created=created)
     return completion_body(output, mapped, model=model, tokenizer=tokenizer, created=created)
 
 
@@ -124,6 +133,50 @@ def chat_completion_body(
         "choices": choices,
         "usage": usage(output),
         "system_fingerprint": None,
+    }
+
+
+def response_object(output: RequestOutput, mapped: MappedRequest, *, model: str, created: int) -> dict[str, Any]:
+    """A Responses API ``response`` object (one answer: Responses lines take no ``n``)."""
+    (completion,) = output.outputs
+    truncated = completion.finish_reason == "length"
+    status = "incomplete" if truncated else "completed"
+    counts = usage(output)
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "created_at": created,
+        "completed_at": None if truncated else int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+        "model": model,
+        "output": [
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": status,
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": completion.text, "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "previous_response_id": None,
+        "reasoning": None,
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": counts["prompt_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": counts["prompt_tokens_details"]["cached_tokens"],
+                "cache_write_tokens": 0,
+            },
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counts["total_tokens"],
+        },
+        **(mapped.response_fields or {}),
     }
 
 

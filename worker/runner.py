@@ -6,7 +6,8 @@ Flow (plain functions; the Celery task in `worker.tasks` only calls `run_next_sh
    lines already recorded are not run again). A `worker.leases.LeaseKeeper` renews the lease.
 2. Parse each line body with its endpoint's schema and map it to prompt token ids + `SamplingParams`
    (`worker.request_mapping`). A line the endpoint rejects (a bad field, a token id outside the
-   vocabulary, a prompt longer than the context) gets a 400 ``response`` with an OpenAI error body
+   vocabulary, a prompt longer than the context, a structured output constraint the grammar engine
+   cannot compile: ``param`` names the body field it came from) gets a 400 ``response`` with an OpenAI error body
    and counts as failed; its neighbours run.
 3. Order the lines by prompt token ids, so lines sharing a prefix are admitted together and hit the
    prefix cache (docs/engine.md, "Prefix caching"), and add them ALL to the engine; then step until
@@ -49,7 +50,7 @@ from jobs.config import get_settings
 from jobs.db import session_scope
 from jobs.errors import InvalidRequest, error_envelope
 from jobs.queue import enqueue_shards
-from jobs.schemas import CHAT_COMPLETIONS
+from jobs.schemas import CHAT_COMPLETIONS, RESPONSES
 from jobs.status import BatchStatus
 from jobs.storage import storage_from_settings
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
@@ -59,7 +60,7 @@ from worker.engine.stats import EngineStats
 from worker.leases import LeaseKeeper, this_worker_id
 from worker.prefix_grouping import order_by_shared_prefix
 from worker.request_mapping import MappedRequest, map_request
-from worker.responses import build_body, context_length_message, new_request_id
+from worker.responses import build_body, context_length_message, new_request_id, usage
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,10 @@ def _stream(
                 sink.add(_context_length_result(request_id, line.line_number, endpoint, exc))
                 continue
             except InvalidParameterError as exc:
-                sink.add(_rejected(request_id, line.line_number, str(exc), param=exc.param, code="invalid_value"))
+                param = exc.param
+                if param == "structured_outputs" and request.structured_outputs_param is not None:
+                    param = request.structured_outputs_param  # the body field the constraint came from
+                sink.add(_rejected(request_id, line.line_number, str(exc), param=param, code="invalid_value"))
                 continue
             except ValueError as exc:
                 sink.add(_rejected(request_id, line.line_number, str(exc), param=None))
@@ -465,13 +469,13 @@ def _completed(output: RequestOutput, request: MappedRequest, *, model_name: str
     except Exception as exc:
         logger.exception("could not build the response body of %s", output.request_id)
         return _server_error(output.request_id, f"could not build the response body: {exc}")
-    usage = body["usage"]
+    counts = usage(output)
     return LineResult(
         request_id=output.request_id,
         response={"status_code": 200, "request_id": new_request_id(), "body": body},
-        prompt_tokens=usage["prompt_tokens"],
-        completion_tokens=usage["completion_tokens"],
-        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens=counts["prompt_tokens"],
+        completion_tokens=counts["completion_tokens"],
+        cached_tokens=counts["prompt_tokens_details"]["cached_tokens"],
     )
 
 
@@ -490,7 +494,7 @@ def _context_length_result(request_id: str, line_number: int, endpoint: str, exc
         request_id,
         line_number,
         context_length_message(exc.num_prompt_tokens, exc.max_model_len),
-        param="messages" if endpoint == CHAT_COMPLETIONS else "prompt",
+        param={CHAT_COMPLETIONS: "messages", RESPONSES: "input"}.get(endpoint, "prompt"),
         code="context_length_exceeded",
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 from jobs.config import BUILTIN_MODEL, Settings
 from jobs.db import session_scope
 from jobs.queue import RUN_SHARD
+from jobs.schemas import RESPONSES
 from jobs.shards import claim_next_shard
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, completion_line, jsonl, queued_tasks
 
@@ -124,6 +125,19 @@ def test_completions_batch_and_deleted_input_file(client: Any) -> None:
     assert client.delete(f"/v1/files/{doomed}").status_code == 200
     response = _create(client, doomed)
     assert response.status_code == 400 and response.json()["error"]["param"] == "input_file_id"
+
+
+def test_a_responses_batch_is_validated_like_the_others(client: Any) -> None:
+    """``/v1/responses`` is a third endpoint (OpenAI's Batch API takes it): its lines pass the same
+    structure checks, and a line of another endpoint in its file fails the batch naming that line."""
+    line = {"custom_id": "r1", "method": "POST", "url": RESPONSES, "body": {"model": BUILTIN_MODEL, "input": "Hi"}}
+    created = _create(client, _upload(client, [line]), RESPONSES).json()
+    batch = client.get(f"/v1/batches/{created['id']}").json()
+    assert (batch["endpoint"], batch["status"]) == (RESPONSES, "in_progress")
+    mixed = client.get(
+        f"/v1/batches/{_create(client, _upload(client, [line, chat_line('c')]), RESPONSES).json()['id']}"
+    )
+    assert [(e["line"], e["code"]) for e in mixed.json()["errors"]["data"]] == [(2, "invalid_url")]
 
 
 def test_create_rejects_bad_parameters_with_openai_errors(client: Any) -> None:

@@ -158,3 +158,56 @@ def test_humaneval_job_through_the_openai_sdk(service, served_tokenizer):
     assert batch.usage.input_tokens == total_prompt_tokens
     assert batch.usage.output_tokens == total_completion_tokens
     assert batch.usage.total_tokens == total_prompt_tokens + total_completion_tokens
+
+
+def test_a_responses_batch_read_back_with_the_sdks_types(service, served_tokenizer):
+    """``/v1/responses`` lines through the real worker: each output body is a Responses API object the
+    SDK's ``Response`` type parses, its ``output_text`` the answer; a field not served fails its line alone."""
+    from openai.types.responses import Response
+
+    client, logs = service
+
+    def line(custom_id: str, **body) -> dict:
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": BUILTIN_MODEL, **body},
+        }
+
+    lines = [
+        line("plain", input="What is the capital of France?", max_output_tokens=24, temperature=0),
+        line(
+            "messages",
+            instructions="You are a helpful assistant.",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
+            max_output_tokens=24,
+            temperature=0,
+            metadata={"row": "2"},
+        ),
+        line("cut", input="Write a long story about a dragon.", max_output_tokens=4, temperature=0),
+        line("tools", input="What is the weather?", tools=[{"type": "web_search"}]),
+    ]
+
+    batch = _run(client, logs, lines, "/v1/responses", timeout_s=300)
+
+    assert batch.status == "completed" and batch.endpoint == "/v1/responses"
+    output, errors = _read(client, batch.output_file_id), _read(client, batch.error_file_id)
+    assert set(output) == {"plain", "messages", "cut"} and set(errors) == {"tools"}
+    error = errors["tools"]["response"]["body"]["error"]
+    assert (error["param"], error["code"]) == ("tools", "invalid_value") and error["message"].startswith("line 4: ")
+    responses = {custom_id: Response.model_validate(e["response"]["body"]) for custom_id, e in output.items()}
+    for response in responses.values():
+        assert response.id.startswith("resp_") and response.object == "response" and response.model == BUILTIN_MODEL
+        assert response.usage is not None and response.output[0].type == "message"
+        assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert "Paris" in responses["plain"].output_text and responses["plain"].status == "completed"
+    assert "Paris" in responses["messages"].output_text and responses["messages"].metadata == {"row": "2"}
+    chat_prompt = served_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )["input_ids"]
+    assert responses["plain"].usage is not None and responses["plain"].usage.input_tokens == len(chat_prompt)
+    cut = responses["cut"]
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage is not None and cut.usage.output_tokens == 4

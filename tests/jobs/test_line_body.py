@@ -9,7 +9,7 @@ import pytest
 
 from jobs.errors import InvalidRequest
 from jobs.line_body import parse_body
-from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -20,6 +20,10 @@ def _chat(**fields: Any) -> dict[str, Any]:
 
 def _completion(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Once upon a time", **fields}
+
+
+def _response(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": "Say hi.", **fields}
 
 
 def _rejection(endpoint: str, body: dict[str, Any]) -> InvalidRequest:
@@ -281,7 +285,6 @@ def test_null_or_missing_content_and_a_misplaced_refusal_are_400s(
 @pytest.mark.parametrize(
     ("endpoint", "field", "value"),
     [
-        (CHAT_COMPLETIONS, "response_format", {"type": "text"}),
         (CHAT_COMPLETIONS, "store", False),
         (CHAT_COMPLETIONS, "stream_options", None),
         (CHAT_COMPLETIONS, "metadata", {}),
@@ -301,11 +304,30 @@ def test_null_or_missing_content_and_a_misplaced_refusal_are_400s(
         (CHAT_COMPLETIONS, "safety_identifier", "s"),
         (COMPLETIONS, "suffix", "x"),
         (COMPLETIONS, "stream_options", None),
+        (COMPLETIONS, "response_format", {"type": "json_object"}),
+        (RESPONSES, "tools", []),
+        (RESPONSES, "tool_choice", "none"),
+        (RESPONSES, "parallel_tool_calls", False),
+        (RESPONSES, "max_tool_calls", 1),
+        (RESPONSES, "reasoning", {"effort": "low"}),
+        (RESPONSES, "include", []),
+        (RESPONSES, "previous_response_id", "resp_1"),
+        (RESPONSES, "conversation", "conv_1"),
+        (RESPONSES, "background", False),
+        (RESPONSES, "prompt", {"id": "pmpt_1"}),
+        (RESPONSES, "truncation", "disabled"),
+        (RESPONSES, "top_logprobs", 2),
+        (RESPONSES, "service_tier", "auto"),
+        (RESPONSES, "stream_options", None),
+        (RESPONSES, "prompt_cache_key", "k"),
+        (RESPONSES, "safety_identifier", "s"),
+        (RESPONSES, "max_tokens", 5),
+        (RESPONSES, "n", 2),
     ],
 )
 def test_openai_fields_docs_list_as_refused_are_refused_by_name(endpoint: str, field: str, value: Any) -> None:
     """docs/api.md, "Deviations from OpenAI": each of these is a per-line 400 naming the field."""
-    body = _chat() if endpoint == CHAT_COMPLETIONS else _completion()
+    body = {CHAT_COMPLETIONS: _chat, COMPLETIONS: _completion, RESPONSES: _response}[endpoint]()
     error = _rejection(endpoint, {**body, field: value})
     assert error.param == field
     assert "unknown field" in error.message

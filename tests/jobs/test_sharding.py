@@ -32,6 +32,15 @@ def test_estimates_prompt_characters_and_completion_budget():
     )
 
 
+def test_a_responses_line_is_estimated_like_a_chat_line():
+    body = {"instructions": "S", "input": "U" * 8}
+    assert prompt_text(body) == "system: S\nuser: UUUUUUUU"
+    assert estimate_tokens(body) == len("system: S\nuser: UUUUUUUU") // 4 + 256
+    assert estimate_tokens({**body, "max_output_tokens": 5}) == len("system: S\nuser: UUUUUUUU") // 4 + 5
+    messages = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    assert prompt_text({"input": messages}).startswith("user: [")
+
+
 def test_every_line_in_exactly_one_shard_near_the_target():
     lines = [_line(n, f"prompt number {n:04d}", max_tokens=20) for n in range(1, 101)]  # 5 + 20 tokens each
     by_number = {line.line_number: line for line in lines}

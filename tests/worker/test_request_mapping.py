@@ -4,8 +4,9 @@ from hypothesis import strategies as st
 
 from jobs.errors import InvalidRequest
 from jobs.line_body import parse_body
-from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, ChatCompletionBody, CompletionBody
 from worker.engine import SamplingParams
+from worker.engine.sampling_params import StructuredOutputsParams
 from worker.request_mapping import map_request
 
 
@@ -217,3 +218,101 @@ def test_the_api_and_the_worker_decide_alike_on_any_body(served_tokenizer, case)
     mapped = map_request(endpoint, body, served_tokenizer)
     assert mapped.params == SamplingParams(**parsed.sampling_kwargs())
     assert mapped.prompt_token_ids
+
+
+_SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"type": "string", "enum": ["spam", "ham"]}},
+    "required": ["label"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "expected", "param"),
+    [
+        (
+            CHAT_COMPLETIONS,
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "l", "schema": _SCHEMA}}},
+            StructuredOutputsParams(json=_SCHEMA),
+            "response_format.json_schema.schema",
+        ),
+        (
+            CHAT_COMPLETIONS,
+            {"response_format": {"type": "json_object"}},
+            StructuredOutputsParams(json_object=True),
+            "response_format",
+        ),
+        (CHAT_COMPLETIONS, {"response_format": {"type": "text"}}, None, None),
+        (
+            COMPLETIONS,
+            {"structured_outputs": {"choice": ["spam", "ham"]}},
+            StructuredOutputsParams(choice=("spam", "ham")),
+            "structured_outputs.choice",
+        ),
+        (
+            COMPLETIONS,
+            {"structured_outputs": {"regex": "[0-9]{4}"}},
+            StructuredOutputsParams(regex="[0-9]{4}"),
+            "structured_outputs.regex",
+        ),
+        (
+            CHAT_COMPLETIONS,
+            {"structured_outputs": {"grammar": 'root ::= "a"+'}},
+            StructuredOutputsParams(grammar='root ::= "a"+'),
+            "structured_outputs.grammar",
+        ),
+        (
+            COMPLETIONS,
+            {"structured_outputs": {"json_object": True}},
+            StructuredOutputsParams(json_object=True),
+            "structured_outputs.json_object",
+        ),
+        (COMPLETIONS, {"guided_json": _SCHEMA}, StructuredOutputsParams(json=_SCHEMA), "guided_json"),
+        (
+            RESPONSES,
+            {"text": {"format": {"type": "json_schema", "name": "l", "schema": _SCHEMA, "strict": True}}},
+            StructuredOutputsParams(json=_SCHEMA),
+            "text.format.schema",
+        ),
+        (
+            RESPONSES,
+            {"text": {"format": {"type": "json_object"}}},
+            StructuredOutputsParams(json_object=True),
+            "text.format",
+        ),
+    ],
+)
+def test_structured_outputs_reach_the_sampling_params_with_the_field_they_came_from(
+    served_tokenizer, endpoint, fields, expected, param
+):
+    prompt = {CHAT_COMPLETIONS: {"messages": [{"role": "user", "content": "Spam?"}]}, COMPLETIONS: {"prompt": "Spam?"}}
+    body = {"model": "m", **prompt.get(endpoint, {"input": "Spam?"}), "temperature": 0, **fields}
+    mapped = map_request(endpoint, body, served_tokenizer)
+    assert mapped.params.structured_outputs == expected
+    assert mapped.structured_outputs_param == param
+    assert mapped.params.temperature == 0.0
+
+
+def test_a_responses_line_is_rendered_with_the_chat_template(served_tokenizer):
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Capital of France?"}]}],
+        "max_output_tokens": 12,
+        "seed": 5,
+    }
+    mapped = map_request(RESPONSES, body, served_tokenizer)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    expected = served_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert mapped.prompt == expected
+    assert mapped.prompt_token_ids == served_tokenizer.encode(expected, add_special_tokens=False)
+    assert (mapped.params.max_tokens, mapped.params.seed, mapped.params.n) == (12, 5, 1)
+    assert mapped.response_fields is not None and mapped.response_fields["instructions"] == "Be brief."
+    plain = map_request(RESPONSES, {"model": "m", "input": "Capital of France?"}, served_tokenizer)
+    chat = map_request(
+        CHAT_COMPLETIONS,
+        {"model": "m", "messages": [{"role": "user", "content": "Capital of France?"}]},
+        served_tokenizer,
+    )
+    assert plain.prompt_token_ids == chat.prompt_token_ids and plain.params.max_tokens is None

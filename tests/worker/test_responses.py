@@ -3,7 +3,7 @@ import math
 
 from jobs.config import BUILTIN_MODEL
 from jobs.errors import error_envelope
-from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES
 from worker.engine.output.detokenizer import decode_token
 from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from worker.request_mapping import map_request
@@ -210,3 +210,74 @@ def test_chat_logprob_bytes_join_into_the_text_across_split_characters(served_to
     assert b"".join(bytes(entry["bytes"]) for entry in content).decode("utf-8") == text
     for entry in content:
         assert [top["bytes"] for top in entry["top_logprobs"]] == [entry["bytes"]]
+
+
+def _response_body(served_tokenizer, body, text, finish_reason, *, cached=0):
+    mapped = map_request(RESPONSES, {"model": "m", "input": "Label: great film!", **body}, served_tokenizer)
+    text_ids = served_tokenizer.encode(text)
+    out = _output(
+        served_tokenizer,
+        mapped.prompt_token_ids,
+        [CompletionOutput(index=0, text=text, token_ids=text_ids, finish_reason=finish_reason)],
+        cached=cached,
+    )
+    return mapped, text_ids, build_body(out, mapped, model=BUILTIN_MODEL, tokenizer=served_tokenizer, created=123)
+
+
+def test_a_responses_line_is_answered_with_a_response_object_the_sdk_parses(served_tokenizer):
+    from openai.types.responses import Response
+
+    schema = {
+        "type": "object",
+        "properties": {"label": {"type": "string"}},
+        "required": ["label"],
+        "additionalProperties": False,
+    }
+    fields = {
+        "instructions": "Answer in JSON.",
+        "max_output_tokens": 32,
+        "temperature": 0.2,
+        "metadata": {"row": "7"},
+        "text": {"format": {"type": "json_schema", "name": "label", "schema": schema, "strict": True}},
+        "user": "u1",
+    }
+    mapped, text_ids, body = _response_body(served_tokenizer, fields, '{"label": "positive"}', "stop", cached=3)
+
+    assert json.loads(json.dumps(body)) == body  # plain JSON
+    assert "output_text" not in body  # the SDK's property, not a field
+    response = Response.model_validate(body)
+    assert response.id.startswith("resp_") and response.object == "response" and response.created_at == 123
+    assert (response.status, response.incomplete_details, response.error) == ("completed", None, None)
+    assert response.output_text == '{"label": "positive"}'
+    (message,) = response.output
+    assert message.type == "message" and message.id.startswith("msg_")
+    assert (message.role, message.status) == ("assistant", "completed")
+    (part,) = message.content
+    assert (part.type, part.text, part.annotations) == ("output_text", '{"label": "positive"}', [])
+    assert response.usage is not None
+    assert response.usage.input_tokens == len(mapped.prompt_token_ids)
+    assert response.usage.output_tokens == len(text_ids)
+    assert response.usage.total_tokens == len(mapped.prompt_token_ids) + len(text_ids)
+    assert response.usage.input_tokens_details.cached_tokens == 3
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
+    assert (response.instructions, response.max_output_tokens, response.temperature, response.top_p) == (
+        "Answer in JSON.",
+        32,
+        0.2,
+        1.0,
+    )
+    assert response.metadata == {"row": "7"} and response.user == "u1"
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema" and response.text.format.schema_ == schema
+    assert (response.tools, response.parallel_tool_calls) == ([], True)
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(served_tokenizer):
+    from openai.types.responses import Response
+
+    _, _, body = _response_body(served_tokenizer, {"max_output_tokens": 3}, "The film", "length")
+    response = Response.model_validate(body)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].status == "incomplete" and response.output_text == "The film"
+    assert response.text is not None and response.text.format is not None and response.text.format.type == "text"
