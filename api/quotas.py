@@ -45,6 +45,7 @@ def enqueued_tokens(session: Session, *, owner: str | None) -> int:
     )
     validating_bytes = session.scalar(
         select(func.coalesce(func.sum(File.num_bytes), 0))
+        .select_from(Batch)
         .join(File, File.id == Batch.input_file_id)
         .where(owned, Batch.status == BatchStatus.VALIDATING.value)
     )
