@@ -90,10 +90,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (files, batches, jobs, schedules, workers, models):
         app.include_router(module.router, dependencies=[Depends(check_request_rate)])
     app.include_router(health.router)
-    install_metrics(app, settings.database_url)
     install_ui(app, dependencies=[Depends(check_request_rate)])
     slots = admission_slots()
     app.add_middleware(Admission, slots=slots)
-    # NOTE: added last, so outermost: a body is received (or refused) before its request takes an admission slot.
+    # NOTE: a middleware added later runs outside the earlier ones: a body is received (or refused) before
+    # its request takes an admission slot, and the request counter of the metrics sees those refusals too.
     app.add_middleware(RequestBodies, settings=settings, admission_slots=slots)
+    install_metrics(app, settings.database_url)
     return app

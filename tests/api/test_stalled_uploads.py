@@ -249,3 +249,6 @@ def test_concurrent_uploads_are_capped_per_key_and_in_all_with_a_429_and_retry_a
         while (response := post(client, alice)).status_code == 429 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert response.status_code == 200, response.text
+        refusals = 'batchinfer_http_requests_total{method="POST",route="unmatched",status_code="429"}'
+        counted = [line for line in client.get("/metrics").text.splitlines() if line.startswith(refusals)]
+        assert counted and float(counted[0].split()[-1]) >= 2  # refused before routing: no route template
