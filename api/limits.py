@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from dataclasses import dataclass
 from typing import IO
 
 import anyio
@@ -115,14 +116,12 @@ class _Spool:
             self._file.close()
 
 
-class _BodyTimeout(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """An answer instead of the app's; ``drain``: the client may still be sending the body."""
 
-
-class _BodyTooLarge(Exception):
-    pass
+    response: JSONResponse
+    drain: bool
 
 
 class _ClientGone(Exception):
@@ -223,16 +222,14 @@ class RequestBodies:
             return
         try:
             spool = await self._receive_body(receive)
-        except _BodyTimeout as exc:
-            await _refuse(error_response(408, exc.message, code="request_timeout"), receive, send, drain=False)
-            return
-        except _BodyTooLarge:
-            await _refuse(self._too_large(), receive, send, drain=True)
-            return
         except _ClientGone:
             return
         finally:
+            # NOTE: given back before any refusal's drain: a refused sender holds no upload slot.
             self.uploads.release(key)
+        if isinstance(spool, _Refusal):
+            await _refuse(spool.response, receive, send, drain=spool.drain)
+            return
         try:
             await self.app(scope, _Replay(spool, receive), send)
         finally:
@@ -249,12 +246,11 @@ class RequestBodies:
         async with self.admission_slots:
             return await anyio.to_thread.run_sync(lookup)
 
-    async def _receive_body(self, receive: Receive) -> _Spool:
-        """The whole body, spooled.
+    async def _receive_body(self, receive: Receive) -> _Spool | _Refusal:
+        """The whole body, spooled; or the 408 of a body that stalled for ``upload_read_timeout_s`` or
+        took over ``upload_timeout_s``, or the 413 of a (chunked) body over the size limit.
 
         Raises:
-            _BodyTimeout: no bytes for ``upload_read_timeout_s``, or the body took over ``upload_timeout_s``.
-            _BodyTooLarge: over ``max_file_bytes + FORM_SLACK_BYTES`` (a chunked body).
             _ClientGone: the client disconnected.
         """
         read_timeout_s, total_timeout_s = self.settings.upload_read_timeout_s, self.settings.upload_timeout_s
@@ -268,12 +264,15 @@ class RequestBodies:
                 with anyio.move_on_after(wait_s) as waited:
                     message = await receive()
                 if waited.cancelled_caught:
-                    raise _BodyTimeout(self._timeout_message(whole=wait_s < read_timeout_s))
+                    spool.close()
+                    message_408 = self._timeout_message(whole=wait_s < read_timeout_s)
+                    return _Refusal(error_response(408, message_408, code="request_timeout"), drain=False)
                 if message["type"] == "http.disconnect":
                     raise _ClientGone
                 await spool.write(message.get("body", b""))
                 if spool.num_bytes > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    spool.close()
+                    return _Refusal(self._too_large(), drain=True)
                 if not message.get("more_body", False):
                     await spool.finish()
                     return spool
