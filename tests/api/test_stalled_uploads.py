@@ -194,14 +194,14 @@ def test_a_body_trickling_past_the_upload_timeout_is_a_408(service_settings: Set
         status, _headers, body = _read_response(sock, 5)
     assert (status, body["error"]["code"]) == (408, "request_timeout"), body
     assert "BATCHINFER_UPLOAD_TIMEOUT_S" in body["error"]["message"]
-    assert 1.2 < answered_s < 5
+    assert 1.2 < answered_s < 8
 
 
 def test_a_declared_content_length_over_the_limit_is_a_413_before_any_body_byte(service_settings: Settings) -> None:
     settings = service_settings.model_copy(update={"max_file_bytes": 1000})
     with serve_http(settings) as base_url, socket.create_connection(("127.0.0.1", _port(base_url))) as sock:
         sock.sendall(_upload_head(None, content_length=10_000_000))
-        status, headers, body = _read_response(sock, 2)
+        status, headers, body = _read_response(sock, 5)
         assert status == 413 and headers["connection"] == "close"
         assert body["error"]["code"] == "file_too_large" and "limit of 1000 bytes" in body["error"]["message"]
         assert _closed_within(sock, 5), "the refused connection stayed open"
@@ -214,7 +214,7 @@ def test_without_a_live_key_an_upload_is_a_401_before_any_body_byte(
         for secret in (None, "bi-not-a-key"):
             with socket.create_connection(("127.0.0.1", _port(base_url))) as sock:
                 sock.sendall(_upload_head(secret, content_length=5000))
-                status, headers, body = _read_response(sock, 2)
+                status, headers, body = _read_response(sock, 5)
                 assert (status, body["error"]["code"]) == (401, "invalid_api_key"), body
                 assert headers["www-authenticate"] == "Bearer" and headers["connection"] == "close"
 
