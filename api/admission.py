@@ -9,7 +9,8 @@ pollers). Admitting fewer requests than the pool has connections (`jobs.db.MAX_C
 room for background validation) makes that cycle impossible; waiting requests hold neither a thread
 nor a connection. A request leaves the count when its response starts: by then its session has
 committed (``SessionDep`` commits before the response), and a streamed body reads storage in short
-sessions of its own.
+sessions of its own. A request body is received before the request is admitted (`api.limits`), so a
+slow upload holds no slot.
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ MAX_REQUESTS_IN_APP = MAX_CONNECTIONS - 4
 """Requests admitted at once: the pool's connections less 4 for background validation and start-up work."""
 
 
-class Admission:
-    """ASGI middleware admitting at most ``limit`` HTTP requests until their response starts."""
+def admission_slots() -> asyncio.Semaphore:
+    """The slots `Admission` hands out: `MAX_REQUESTS_IN_APP` of them."""
+    return asyncio.Semaphore(MAX_REQUESTS_IN_APP)
 
-    def __init__(self, app: ASGIApp, *, limit: int = MAX_REQUESTS_IN_APP) -> None:
+
+class Admission:
+    """ASGI middleware admitting an HTTP request once it holds one of ``slots``, until its response starts."""
+
+    def __init__(self, app: ASGIApp, *, slots: asyncio.Semaphore) -> None:
         self.app = app
-        self.slots = asyncio.Semaphore(limit)
+        self.slots = slots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -13,6 +13,7 @@ import binascii
 from typing import Annotated
 
 from fastapi import Depends, Request
+from sqlalchemy.orm import Session
 
 from api.deps import SessionDep
 from jobs.api_keys import find_key, keys_required
@@ -27,9 +28,8 @@ class Unauthorized(Exception):
         self.browser = browser
 
 
-def _presented_secret(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
+def _presented_secret(authorization: str) -> str | None:
+    scheme, _, value = authorization.partition(" ")
     if scheme.lower() == "bearer":
         return value.strip() or None
     if scheme.lower() == "basic":
@@ -41,14 +41,15 @@ def _presented_secret(request: Request) -> str | None:
     return None
 
 
-def get_owner(request: Request, session: SessionDep) -> str | None:
-    """The id of the request's API key, or None while the deployment has no key.
+def owner_of(session: Session, *, authorization: str, browser: bool) -> str | None:
+    """The id of the API key in an ``Authorization`` header value, or None while the deployment has no key.
+
+    ``browser``: the request is for a ``/ui`` page (its 401 asks for HTTP Basic credentials).
 
     Raises:
-        Unauthorized: the deployment has keys and the request carries none, or a wrong or revoked one.
+        Unauthorized: the deployment has keys and the header carries none, or a wrong or revoked one.
     """
-    secret = _presented_secret(request)
-    browser = request.url.path.startswith("/ui")
+    secret = _presented_secret(authorization)
     if secret is not None:
         key = find_key(session, secret=secret)
         if key is not None:
@@ -63,6 +64,22 @@ def get_owner(request: Request, session: SessionDep) -> str | None:
             browser=browser,
         )
     return None
+
+
+def is_browser_path(path: str) -> bool:
+    """Whether ``path`` is a ``/ui`` page, whose 401 asks a browser for credentials."""
+    return path == "/ui" or path.startswith("/ui/")
+
+
+def get_owner(request: Request, session: SessionDep) -> str | None:
+    """`owner_of` the request's ``Authorization`` header.
+
+    Raises:
+        Unauthorized: the deployment has keys and the request carries none, or a wrong or revoked one.
+    """
+    return owner_of(
+        session, authorization=request.headers.get("authorization", ""), browser=is_browser_path(request.url.path)
+    )
 
 
 OwnerDep = Annotated[str | None, Depends(get_owner)]

@@ -8,7 +8,9 @@
 | a method the route does not take | 405 | invalid_request_error / ``method_not_allowed`` |
 | `jobs.status.IllegalTransition` (e.g. cancel a completed batch) | 409 | invalid_request_error / ``invalid_status`` |
 | `jobs.errors.Conflict` (e.g. delete a file a schedule uses) | 409 | invalid_request_error / the error's code |
+| a request body not received in time (`api.limits.RequestBodies`) | 408 | invalid_request_error / ``request_timeout`` |
 | `UploadTooLarge`, a request body over the size limit | 413 | invalid_request_error / ``file_too_large`` or ``too_many_lines`` |
+| `api.rate_limits.RateLimited` (``Retry-After``) | 429 | ``requests`` / ``rate_limit_exceeded``; ``tokens`` / ``token_limit_exceeded`` |
 | SQLAlchemy's ``OperationalError`` or ``InterfaceError`` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
 | anything else | 500 | server_error |
 """
@@ -25,6 +27,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import Unauthorized
+from api.rate_limits import RateLimited
 from jobs.errors import Conflict, InvalidRequest, NotFound, error_envelope
 from jobs.paging import UnknownCursor
 from jobs.status import IllegalTransition
@@ -98,12 +101,29 @@ def _request_validation(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(400, message, param=param, code="invalid_value")
 
 
-def _unauthorized(_request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, Unauthorized)
+def unauthorized_response(exc: Unauthorized) -> JSONResponse:
+    """The 401 ``invalid_api_key`` of ``exc``, with the ``WWW-Authenticate`` challenge."""
     response = error_response(401, exc.message, code="invalid_api_key")
     # NOTE: a browser on /ui prompts for credentials on this header; the key goes in the password field.
     response.headers["WWW-Authenticate"] = 'Basic realm="batchinfer"' if exc.browser else "Bearer"
     return response
+
+
+def rate_limited_response(exc: RateLimited) -> JSONResponse:
+    """The 429 of ``exc``, with ``Retry-After`` (whole seconds)."""
+    response = error_response(429, exc.message, code=exc.code, error_type=exc.error_type)
+    response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
+
+
+def _unauthorized(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Unauthorized)
+    return unauthorized_response(exc)
+
+
+def _rate_limited(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RateLimited)
+    return rate_limited_response(exc)
 
 
 def _upload_too_large(_request: Request, exc: Exception) -> JSONResponse:
@@ -112,6 +132,11 @@ def _upload_too_large(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    return database_unavailable_response(exc)
+
+
+def database_unavailable_response(exc: Exception) -> JSONResponse:
+    """The 503 ``database_unavailable`` of a SQLAlchemy ``OperationalError`` / ``InterfaceError``, naming the reason."""
     logger.warning("the database is unreachable: %s", exc)
     reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
     return error_response(
@@ -122,12 +147,8 @@ def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def _http_exception(request: Request, exc: Exception) -> JSONResponse:
+def _http_exception(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    if exc.status_code == 413:
-        # NOTE: api.limits.BodySizeLimit refused a chunked body as it went over the limit.
-        message = too_large_message(request.app.state.settings.max_file_bytes)
-        return error_response(413, message, param="file", code="file_too_large")
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(exc.status_code, str(exc.detail), code=code)
 
@@ -143,6 +164,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(NotFound, _not_found)
     app.add_exception_handler(Unauthorized, _unauthorized)
     app.add_exception_handler(UploadTooLarge, _upload_too_large)
+    app.add_exception_handler(RateLimited, _rate_limited)
     app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(InterfaceError, _database_unavailable)
     app.add_exception_handler(IllegalTransition, _illegal_transition)

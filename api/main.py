@@ -5,8 +5,9 @@ Serve with ``uvicorn --factory api.main:create_app`` (or ``batchinfer serve``, w
 migrations first). The app never imports torch or worker code: it validates and enqueues; workers run.
 
 Every ``/v1`` route and ``/ui`` page needs an API key once the deployment has one (`api.auth`);
-``/health``, ``/metrics`` and the static files stay open. Request bodies over the upload limit are
-refused with a 413 before they are read (docs/api.md, "Limits").
+``/health``, ``/metrics`` and the static files stay open. A request body is received before the
+request enters the app, within size, time and concurrency limits; keys are also held to a request
+rate and an enqueued-token limit (docs/api.md, "Limits").
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from api.admission import Admission
-from api.auth import get_owner
+from api.admission import Admission, admission_slots
 from api.errors import install_error_handlers
-from api.limits import BodySizeLimit
+from api.limits import RequestBodies
+from api.rate_limits import RequestRate, check_request_rate
 from api.routes import batches, files, health, jobs, models, schedules, workers
 from api.routes.metrics import install_metrics
 from api.routes.ui import install_ui
@@ -84,13 +85,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=_lifespan,
     )
     app.state.settings = settings
+    app.state.request_rate = RequestRate(settings.max_requests_per_minute)
     install_error_handlers(app)
     for module in (files, batches, jobs, schedules, workers, models):
-        app.include_router(module.router, dependencies=[Depends(get_owner)])
+        app.include_router(module.router, dependencies=[Depends(check_request_rate)])
     app.include_router(health.router)
+    install_ui(app, dependencies=[Depends(check_request_rate)])
+    slots = admission_slots()
+    app.add_middleware(Admission, slots=slots)
+    # NOTE: a middleware added later runs outside the earlier ones: a body is received (or refused) before
+    # its request takes an admission slot, and the request counter of the metrics sees those refusals too.
+    app.add_middleware(RequestBodies, settings=settings, admission_slots=slots)
     install_metrics(app, settings.database_url)
-    install_ui(app, dependencies=[Depends(get_owner)])
-    app.add_middleware(Admission)
-    # NOTE: added last, so outermost: an oversized body is refused before it takes an admission slot.
-    app.add_middleware(BodySizeLimit, max_file_bytes=settings.max_file_bytes)
     return app

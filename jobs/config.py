@@ -52,6 +52,18 @@ class Settings(BaseSettings):
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
     max_file_bytes: int = 200_000_000
+    # Request limits (docs/api.md, "Limits"). Counted in each API process. A request body is received
+    # before the request takes a database connection: each wait for its next bytes may last
+    # upload_read_timeout_s and the whole body upload_timeout_s (0: no bound), else a 408. Bodies being
+    # received at once: max_concurrent_uploads in all, max_concurrent_uploads_per_key per API key
+    # (0: no cap), else a 429. Per key: max_requests_per_minute (0: none) and max_enqueued_tokens, the
+    # estimated tokens of its unfinished batches (jobs/sharding.py's estimate; 0: none), else a 429.
+    upload_read_timeout_s: float = Field(default=30.0, gt=0)
+    upload_timeout_s: float = Field(default=1800.0, ge=0)
+    max_concurrent_uploads: int = Field(default=32, ge=0)
+    max_concurrent_uploads_per_key: int = Field(default=8, ge=0)
+    max_requests_per_minute: int = Field(default=0, ge=0)
+    max_enqueued_tokens: int = Field(default=0, ge=0)
     # Where file bytes live (jobs/storage.py): "local" = files_dir on this host; "database" = shared by every host.
     file_storage: Literal["local", "database"] = "local"
     api_host: str = "127.0.0.1"
@@ -88,7 +100,20 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"lease_renew_s ({self.lease_renew_s}) must be shorter than lease_expiry_s ({self.lease_expiry_s})"
             )
+        self._check_request_limits()
         return self
+
+    def _check_request_limits(self) -> None:
+        if 0 < self.upload_timeout_s < self.upload_read_timeout_s:
+            raise ValueError(
+                f"upload_timeout_s ({self.upload_timeout_s}) must be at least upload_read_timeout_s "
+                f"({self.upload_read_timeout_s}), or 0 for no bound"
+            )
+        if 0 < self.max_concurrent_uploads < self.max_concurrent_uploads_per_key:
+            raise ValueError(
+                f"max_concurrent_uploads_per_key ({self.max_concurrent_uploads_per_key}) must not exceed "
+                f"max_concurrent_uploads ({self.max_concurrent_uploads})"
+            )
 
     @property
     def completion_window_s(self) -> int:

@@ -16,9 +16,10 @@ from pydantic import BaseModel, ConfigDict
 
 from api.auth import OwnerDep
 from api.deps import SessionDep, SettingsDep
+from api.quotas import check_enqueued_tokens
 from jobs.config import Settings
 from jobs.intake import validate_and_start
-from jobs.repository import cancel_batch, create_batch, get_batch, list_batches
+from jobs.repository import cancel_batch, create_batch, get_batch, get_batch_input_file, list_batches
 from jobs.schemas import COMPLETION_WINDOW, BatchObject, ListPage
 from jobs.storage import storage_from_settings
 
@@ -54,6 +55,16 @@ def create(
     owner: OwnerDep,
     background_tasks: BackgroundTasks,
 ) -> BatchObject:
+    """Create a ``validating`` batch of an uploaded file; over the key's enqueued-token limit it is a 429
+    ``token_limit_exceeded`` (`api.quotas`)."""
+    if settings.max_enqueued_tokens:
+        input_file = get_batch_input_file(session, file_id=request.input_file_id, owner=owner)
+        check_enqueued_tokens(
+            session,
+            owner=owner,
+            input_file_bytes=input_file.num_bytes,
+            max_enqueued_tokens=settings.max_enqueued_tokens,
+        )
     batch = create_batch(
         session,
         input_file_id=request.input_file_id,

@@ -2,7 +2,8 @@
 
 Multipart fields: ``file`` (the JSONL), ``endpoint``, optional ``metadata`` (a JSON object of
 strings, as a string) and ``completion_window`` (default "24h"). Returns the batch object, status
-``validating``; validation then runs exactly as after ``POST /v1/batches``.
+``validating``; validation then runs exactly as after ``POST /v1/batches``. Over the key's
+enqueued-token limit (`api.quotas`) nothing is stored.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, BackgroundTasks, Form, UploadFile
 
 from api.auth import OwnerDep
 from api.deps import SessionDep, SettingsDep
+from api.quotas import check_enqueued_tokens
 from api.routes.batches import validate_in_background
 from api.routes.files import store_upload
 from jobs.errors import InvalidRequest
@@ -50,6 +52,9 @@ def create_job(
 ) -> BatchObject:
     parsed_metadata = _parse_metadata(metadata)
     check_batch_params(endpoint=endpoint, completion_window=completion_window, metadata=parsed_metadata)
+    check_enqueued_tokens(
+        session, owner=owner, input_file_bytes=file.size or 0, max_enqueued_tokens=settings.max_enqueued_tokens
+    )
     stored = store_upload(session, settings, file, owner)
     batch = create_batch(
         session,
