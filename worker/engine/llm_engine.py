@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from worker.engine.config import EngineConfig
 from worker.engine.core.beam_search import BeamSearchState, Candidate
 from worker.engine.core.kv_cache_manager import KVCacheManager
-from worker.engine.core.request import Request, Sequence, SequenceStatus
+from worker.engine.core.request import Request, Sequence, SequenceStatus, can_resume
 from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError, ResumeError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
@@ -36,19 +36,6 @@ from worker.engine.spec_decode.speculator import Speculator, build_speculator
 from worker.engine.stats import EngineStats
 
 _MAX_IDS_SHOWN = 8  # token ids quoted in an error message
-
-
-def can_resume(params: SamplingParams) -> bool:
-    """Whether a request with ``params`` can resume from its generated token ids alone (docs/engine.md,
-    "Resuming a request"): one sequence (greedy, or ``n == best_of == 1``), no beam search, no logprobs
-    (a checkpoint keeps no logprobs), no structured outputs (nor any grammar state)."""
-    return (
-        params.num_branches == 1
-        and not params.use_beam_search
-        and params.logprobs is None
-        and params.prompt_logprobs is None
-        and params.structured_outputs is None
-    )
 
 
 class LLMEngine:
@@ -130,7 +117,7 @@ class LLMEngine:
             InvalidParameterError: a token id outside the vocabulary (the prompt's, or in any field
                 `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves, or
                 beam search whose beams cannot fit the KV cache side by side.
-            ResumeError: ``resumed_token_ids`` given for parameters that cannot resume (:func:`can_resume`),
+            ResumeError: ``resumed_token_ids`` given for parameters that cannot resume (`core.request.can_resume`),
                 holding an id outside the vocabulary, or already finishing the request.
             ValueError: a duplicate ``request_id`` or an empty prompt.
         """
@@ -227,7 +214,7 @@ class LLMEngine:
 
     def progress(self) -> dict[str, RequestProgress]:
         """Each unfinished request's progress by request id: the tokens sampled so far and, when it can
-        resume (:func:`can_resume`), its output token ids (resumed ones included), to checkpoint."""
+        resume (`core.request.can_resume`), its output token ids (resumed ones included), to checkpoint."""
         return {
             request_id: RequestProgress(
                 num_generated_tokens=sum(len(seq.output_token_ids) for seq in request.seqs),

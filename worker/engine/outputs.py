@@ -62,7 +62,7 @@ class RequestProgress:
 
     ``num_generated_tokens`` counts the tokens sampled so far over all its sequences (resumed ones
     included); ``resumable_token_ids`` is its one sequence's output so far, from which it can resume
-    (``add_request(..., resumed_token_ids=...)``), or None when it cannot (`can_resume`).
+    (``add_request(..., resumed_token_ids=...)``), or None when it cannot (`core.request.can_resume`).
     """
 
     num_generated_tokens: int
