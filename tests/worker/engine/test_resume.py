@@ -9,8 +9,8 @@ import random
 import pytest
 
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.core.request import can_resume
 from worker.engine.errors import ResumeError
-from worker.engine.llm_engine import can_resume
 
 
 @pytest.fixture(scope="module")
