@@ -73,22 +73,44 @@ CASES = {
 }
 
 
+# Where the request resumes: the engine it ran in (its blocks may still be cached), a fresh engine (another
+# worker), one whose token budget chunks the recompute.
+TARGETS = {"same engine": None, "fresh engine": {}, "chunked recompute": {"max_num_batched_tokens": 8}}
+SPECULATING = {"speculative_mode": "on", "speculative_method": "ngram", "num_speculative_tokens": 3}
+
+
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("where", ["same engine", "fresh engine"])
+@pytest.mark.parametrize("where", TARGETS)
 def test_a_resumed_request_ends_as_the_uninterrupted_run(model_dir, engine, prompts, case, where):
     params = CASES[case]
+    overrides = TARGETS[where]
     for index, prompt in enumerate(prompts):
         (reference,) = engine.generate([prompt], params)
         token_ids = interrupt(engine, f"{case}-{index}-cut", prompt, params, at=17)
         assert token_ids == reference.outputs[0].token_ids[: len(token_ids)]
 
-        target = engine if where == "same engine" else make_engine(model_dir)
+        target = engine if overrides is None else make_engine(model_dir, **overrides)
         target.add_request(f"{case}-{index}", prompt, params, resumed_token_ids=token_ids)
         resumed = finish(target, f"{case}-{index}")
 
         assert summary(resumed) == summary(reference), f"prompt {index}"
         assert resumed.num_cached_tokens <= len(prompt)
         target.kv_cache_manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", [case for case, params in CASES.items() if params.is_greedy])
+def test_a_greedy_request_resumes_exactly_in_a_speculating_engine(model_dir, prompts, case):
+    """Drafts verified by argmax keep greedy output as it was, wherever the drafts of the resumed run start.
+    (Forced speculation of a seeded line is not exact across a resume: its rejection-sampling draws depend on
+    where each draft begins; ``auto`` never speculates seeded lines.)"""
+    engine = make_engine(model_dir, **SPECULATING)
+    params = CASES[case]
+    for index, prompt in enumerate(prompts):
+        (reference,) = engine.generate([prompt], params)
+        token_ids = interrupt(engine, f"cut-{index}", prompt, params, at=17)
+        engine.add_request(f"resumed-{index}", prompt, params, resumed_token_ids=token_ids)
+        assert summary(finish(engine, f"resumed-{index}")) == summary(reference), f"prompt {index}"
+    assert engine.make_stats().num_draft_tokens > 0
 
 
 def test_max_tokens_counts_the_resumed_tokens(engine, prompts):
