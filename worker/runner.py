@@ -468,6 +468,7 @@ def _resume(
     except ResumeError as exc:
         logger.warning("line %d: not resumed from its checkpoint (%s); starting it again", line.line_number, exc)
         return False
+    logger.info("line %d: resuming from its checkpoint of %d generated tokens", line.line_number, len(token_ids))
     checkpointer.resumed(line.request_id, len(token_ids))
     observer.tokens_resumed(len(token_ids))
     return True
@@ -492,6 +493,9 @@ def _interrupt(
     except Exception:
         logger.exception("could not checkpoint the lines in flight")
         return
+    logger.info(
+        "%d lines in flight %s; %d generated tokens not checkpointed", len(in_flight), stop.value, num_recomputed
+    )
     if num_recomputed:
         observer.tokens_recomputed(num_recomputed)
 
