@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     lease_expiry_s: float = Field(default=60.0, gt=0)
     reaper_interval_s: float = Field(default=10.0, gt=0)
     shard_max_attempts: int = Field(default=3, gt=0)
+    # Line checkpoints (docs/operations.md, "Checkpoints"): every checkpoint_interval_s a worker saves the
+    # token ids its running lines generated so far (and always when it hands a shard back), so a line
+    # interrupted mid-way resumes from them; 0 saves only at a hand-back.
+    checkpoint_interval_s: float = Field(default=5.0, ge=0)
     # The window every batch of this deployment gets ("<n>s", "<n>m" or "<n>h"); clients still send "24h".
     completion_window: str = "24h"
 

@@ -154,7 +154,10 @@ class BatchRequest(Base):
 
     ``response`` is ``{status_code, request_id, body}`` (OpenAI's output-line ``response``) or None;
     ``error`` is ``{code, message}`` or None. ``state`` is `RequestState`. ``shard_id`` is the
-    `BatchShard` the line was put in at validation.
+    `BatchShard` the line was put in at validation. While the line runs, ``checkpoint_token_ids`` holds the
+    output token ids a worker generated so far (`jobs.checkpoints`; None once the result is recorded), and
+    ``recomputed_tokens`` counts generated tokens that interrupted runs threw away after their last
+    checkpoint (they were generated again).
     """
 
     __tablename__ = "batch_requests"
@@ -172,6 +175,8 @@ class BatchRequest(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
     shard_id: Mapped[str | None] = mapped_column(String(64))
+    checkpoint_token_ids: Mapped[list[int] | None] = mapped_column(JSON)
+    recomputed_tokens: Mapped[int] = mapped_column(Integer, default=0)
 
     __table_args__ = (
         UniqueConstraint("batch_id", "line_number", name="uq_batch_requests_batch_id_line_number"),

@@ -380,6 +380,7 @@ def record_result(
                 completion_tokens=completion_tokens,
                 cached_tokens=cached_tokens,
                 finished_at=now_s() if now is None else now,
+                checkpoint_token_ids=None,
             )
             .execution_options(synchronize_session="fetch")
         )
@@ -522,7 +523,12 @@ def finalize_batch(
         session.execute(
             update(BatchRequest)
             .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING.value)
-            .values(state=RequestState.FAILED.value, error={"code": code, "message": message}, finished_at=now)
+            .values(
+                state=RequestState.FAILED.value,
+                error={"code": code, "message": message},
+                finished_at=now,
+                checkpoint_token_ids=None,
+            )
             .execution_options(synchronize_session=False)
         )
         batch.failed_requests += num_pending

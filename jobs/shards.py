@@ -236,6 +236,7 @@ def reclaim_lapsed_shard(
                     state=RequestState.FAILED.value,
                     error={"code": SHARD_FAILED, "message": message},
                     finished_at=int(now),
+                    checkpoint_token_ids=None,
                 )
                 .execution_options(synchronize_session=False)
             )

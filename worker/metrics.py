@@ -20,6 +20,8 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:request_decode_time_seconds`` | histogram | first to last token |
 | ``batchinfer:request_prompt_tokens`` / ``request_generation_tokens`` | histogram | per finished request |
 | ``batchinfer:request_success_total`` | counter | finished requests by ``finished_reason`` |
+| ``batchinfer:resumed_tokens_total`` | counter | (ours) generated tokens restored from line checkpoints |
+| ``batchinfer:recomputed_tokens_total`` | counter | (ours) generated tokens an interrupted line threw away |
 | ``batchinfer:spec_decode_num_drafts_total`` | counter | sequence-steps that verified draft tokens |
 | ``batchinfer:spec_decode_num_draft_tokens_total`` | counter | draft tokens verified |
 | ``batchinfer:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
@@ -107,6 +109,12 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.resumed_tokens = counter(
+            "resumed_tokens", "Generated tokens restored from line checkpoints (prefilled, not generated again)."
+        )
+        self.recomputed_tokens = counter(
+            "recomputed_tokens", "Generated tokens thrown away by interrupted lines after their last checkpoint."
+        )
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS
         )

@@ -11,16 +11,19 @@ Flow (plain functions; the Celery task in `worker.tasks` only calls `run_next_sh
    and counts as failed; its neighbours run.
 3. Order the lines by prompt token ids, so lines sharing a prefix are admitted together and hit the
    prefix cache (docs/engine.md, "Prefix caching"), and add them ALL to the engine; then step until
-   done. Continuous batching keeps the running batch full; no line waits for another to finish.
+   done. Continuous batching keeps the running batch full; no line waits for another to finish. A line
+   an interrupted run checkpointed resumes from its generated tokens (`worker.checkpointer`).
 4. Record each finished line in the database as it finishes, committing in small groups so
    ``request_counts`` move while the shard runs; first result wins.
 5. After every step, stop when a stop signal came (`worker.shutdown`) or the lease was lost; every
    few steps, look at the batch row and the lease: ``cancelling`` or ``expires_at`` passed aborts what
-   is still running. Finished lines are kept in every case.
+   is still running. Finished lines are kept in every case. Every ``Settings.checkpoint_interval_s``
+   the lines in flight are checkpointed (their generated token ids, docs/operations.md, "Checkpoints").
 6. End the shard: finished (every line recorded), handed back (a stop signal, or the batch stopped;
    the lines not run go back to the queue, never to the error file), or left alone (lease lost: the
-   shard already belongs to someone else). Then settle the batch (`jobs.shards.settle_batch`): the
-   worker ending its last shard writes the output and error files.
+   shard already belongs to someone else); a shard handed back checkpoints its lines in flight first.
+   Then settle the batch (`jobs.shards.settle_batch`): the worker ending its last shard writes the
+   output and error files.
 
 After every engine step the runner hands the engine's statistics (`LLMEngine.make_stats`, take and
 reset) and the requests that finished to a `StepObserver`: by default this process's
@@ -38,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -53,8 +56,9 @@ from jobs.queue import enqueue_shards
 from jobs.schemas import CHAT_COMPLETIONS, RESPONSES
 from jobs.status import BatchStatus
 from jobs.storage import storage_from_settings
-from worker.engine.errors import InvalidParameterError, PromptTooLongError
-from worker.engine.outputs import RequestOutput
+from worker.checkpointer import Checkpointer
+from worker.engine.errors import InvalidParameterError, PromptTooLongError, ResumeError
+from worker.engine.outputs import RequestOutput, RequestProgress
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import EngineStats
 from worker.leases import LeaseKeeper, this_worker_id
@@ -75,7 +79,16 @@ class Engine(Protocol):
 
     tokenizer: Any
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        resumed_token_ids: Sequence[int] = (),
+    ) -> None: ...
+
+    def progress(self) -> dict[str, RequestProgress]: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -95,6 +108,12 @@ class StepObserver(Protocol):
         """After each step: the engine's statistics since the last step and the requests it finished."""
 
     def batch_ended(self) -> None: ...
+
+    def tokens_resumed(self, num_tokens: int) -> None:
+        """Lines joined the engine resuming from checkpoints holding ``num_tokens`` generated tokens in all."""
+
+    def tokens_recomputed(self, num_tokens: int) -> None:
+        """An interrupted run threw away ``num_tokens`` generated tokens no checkpoint holds (`worker.checkpointer`)."""
 
 
 class ShardEnd(StrEnum):
@@ -125,11 +144,13 @@ class ShardRun:
 
 @dataclass(frozen=True, slots=True)
 class PendingLine:
-    """A stored line still to run: its request row's id, its 1-based line number in the input file, its body."""
+    """A stored line still to run: its request row's id, its 1-based line number in the input file, its body,
+    and the output token ids an interrupted run checkpointed (None: it starts from zero)."""
 
     request_id: str
     line_number: int
     body: dict[str, Any]
+    checkpoint_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -224,7 +245,7 @@ def run_next_shard(
             []
             if lease is None
             else [
-                PendingLine(r.id, r.line_number, r.body)
+                PendingLine(r.id, r.line_number, r.body, r.checkpoint_token_ids)
                 for r in repository.pending_requests(session, batch_id=lease.batch_id, shard_id=lease.shard_id)
             ]
         )
@@ -247,6 +268,7 @@ def run_next_shard(
             check_every_steps=check_every_steps,
             clock=clock,
             observer=observer,
+            checkpoint_interval_s=settings.checkpoint_interval_s,
             should_stop=lambda: (
                 ShardEnd.HANDED_BACK if stop.is_set() else (ShardEnd.LEASE_LOST if keeper.lost.is_set() else None)
             ),
@@ -281,6 +303,7 @@ def _run_lines(
     check_every_steps: int,
     clock: Callable[[], float],
     observer: StepObserver | None,
+    checkpoint_interval_s: float,
     should_stop: Callable[[], ShardEnd | None],
 ) -> ShardEnd:
     if not pending:
@@ -305,6 +328,7 @@ def _run_lines(
             check_every_steps=check_every_steps,
             clock=clock,
             observer=observer,
+            checkpointer=Checkpointer(lease, database_url, checkpoint_interval_s),
             should_stop=should_stop,
         )
     finally:
@@ -355,9 +379,11 @@ def _stream(
     check_every_steps: int,
     clock: Callable[[], float],
     observer: StepObserver,
+    checkpointer: Checkpointer,
     should_stop: Callable[[], ShardEnd | None],
 ) -> ShardEnd:
-    """Feed all lines, step until done (`ShardEnd.FINISHED`) or until told to stop (how, returned)."""
+    """Feed all lines (a checkpointed one resumes from its tokens), step until done (`ShardEnd.FINISHED`) or
+    until told to stop (how, returned); lines in flight are checkpointed as they run and when handed back."""
     endpoint, batch_id = lease.endpoint, lease.batch_id
     mapped = _map_lines(engine, endpoint, pending, sink)
     in_flight: dict[str, MappedRequest] = {}
@@ -366,7 +392,8 @@ def _stream(
         for line, request in (mapped[index] for index in admission_order):
             request_id = line.request_id
             try:
-                engine.add_request(request_id, request.prompt_token_ids, request.params)
+                if not _resume(engine, line, request, checkpointer, observer):
+                    engine.add_request(request_id, request.prompt_token_ids, request.params)
             except PromptTooLongError as exc:
                 sink.add(_context_length_result(request_id, line.line_number, endpoint, exc))
                 continue
@@ -390,6 +417,7 @@ def _stream(
                 if stop is not None:
                     # NOTE: an error while the process is being stopped is the stop's doing, not the lines'.
                     logger.warning("batch %s: engine step interrupted (%s) while stopping: %s", batch_id, exc, stop)
+                    _interrupt(engine, in_flight, stop, checkpointer, observer)
                     return stop
                 logger.exception("batch %s: engine step failed; failing %d lines in flight", batch_id, len(in_flight))
                 for request_id in list(in_flight):
@@ -417,12 +445,63 @@ def _stream(
                 stop = _batch_stopped(lease, database_url, clock)
             if stop is not None and in_flight:
                 logger.info("batch %s: %s with %d lines in flight", batch_id, stop.value, len(in_flight))
+                _interrupt(engine, in_flight, stop, checkpointer, observer)
                 _abort(engine, in_flight)
                 return stop
+            checkpointer.maybe_save(engine, in_flight)
         return ShardEnd.FINISHED
     finally:
         # NOTE: the engine outlives this batch; nothing of ours may linger in it after an error.
         _abort(engine, in_flight)
+
+
+def _resume(
+    engine: Engine, line: PendingLine, request: MappedRequest, checkpointer: Checkpointer, observer: StepObserver
+) -> bool:
+    """Add a checkpointed line resuming from its tokens; False (nothing added) when it has no checkpoint or
+    cannot resume from it (`LLMEngine.add_request` raised `ResumeError`): it then starts from zero.
+
+    Raises:
+        PromptTooLongError, InvalidParameterError, ValueError: as `LLMEngine.add_request`, for the line's body.
+    """
+    token_ids = line.checkpoint_token_ids
+    if not token_ids:
+        return False
+    try:
+        engine.add_request(line.request_id, request.prompt_token_ids, request.params, resumed_token_ids=token_ids)
+    except ResumeError as exc:
+        logger.warning("line %d: not resumed from its checkpoint (%s); starting it again", line.line_number, exc)
+        return False
+    logger.info("line %d: resuming from its checkpoint of %d generated tokens", line.line_number, len(token_ids))
+    checkpointer.resumed(line.request_id, len(token_ids))
+    observer.tokens_resumed(len(token_ids))
+    return True
+
+
+def _interrupt(
+    engine: Engine,
+    in_flight: dict[str, MappedRequest],
+    stop: ShardEnd,
+    checkpointer: Checkpointer,
+    observer: StepObserver,
+) -> None:
+    """Before the lines in flight are aborted: checkpoint them when the shard is handed back; count the
+    generated tokens thrown away (handed back or lease lost; a stopped batch never runs them again)."""
+    try:
+        if stop == ShardEnd.HANDED_BACK:
+            num_recomputed = checkpointer.save_final(engine, in_flight)
+        elif stop == ShardEnd.LEASE_LOST:
+            num_recomputed = checkpointer.discard(engine, in_flight)
+        else:
+            return
+    except Exception:
+        logger.exception("could not checkpoint the lines in flight")
+        return
+    logger.info(
+        "%d lines in flight %s; %d generated tokens not checkpointed", len(in_flight), stop.value, num_recomputed
+    )
+    if num_recomputed:
+        observer.tokens_recomputed(num_recomputed)
 
 
 def _map_lines(

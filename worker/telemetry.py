@@ -81,6 +81,12 @@ class WorkerTelemetry:
         self.activity.num_running_requests = 0
         self.metrics.set_idle()
 
+    def tokens_resumed(self, num_tokens: int) -> None:
+        self.metrics.resumed_tokens.inc(num_tokens)
+
+    def tokens_recomputed(self, num_tokens: int) -> None:
+        self.metrics.recomputed_tokens.inc(num_tokens)
+
 
 _telemetry: WorkerTelemetry | None = None
 _lock = threading.Lock()

@@ -1,9 +1,10 @@
 """A small stand-in for `LLMEngine`, and a loop that runs every queued shard through it.
 
 The stand-in honours `LLMEngine`'s contract (add_request / step / abort_request, PromptTooLongError,
-one token per running sequence per step, at most ``max_num_seqs`` running), so tests pin the runner's
-own behaviour. It is also what tests/e2e/stand_in_worker.py puts in a worker process when a test
-needs engine steps of a known length.
+one token per running sequence per step, at most ``max_num_seqs`` running; progress and resuming from
+``resumed_token_ids`` as `worker.engine.core.request.can_resume` allows), so tests pin the runner's own
+behaviour. It is also what tests/e2e/stand_in_worker.py puts in a worker process when a test needs engine
+steps of a known length.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from jobs.db import session_scope
 from jobs.repository import batch_status
 from jobs.status import BatchStatus
 from worker import runner
-from worker.engine.errors import PromptTooLongError
-from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from worker.engine.core.request import can_resume
+from worker.engine.errors import PromptTooLongError, ResumeError
+from worker.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestProgress
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import EngineStats
 
@@ -47,6 +49,7 @@ class StandInEngine:
         self.num_added = 0
         self.num_added_at_first_step: int | None = None
         self.aborted: list[str] = []
+        self.resumed: dict[str, int] = {}
         self.stats = EngineStats()
 
     def make_stats(self):
@@ -54,12 +57,25 @@ class StandInEngine:
         stats.num_running_reqs, stats.num_waiting_reqs = len(self.running), len(self.waiting)
         return stats
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, *, resumed_token_ids=()):
         assert isinstance(prompt, list), "the runner feeds token ids"
         if len(prompt) >= self.max_model_len:
             raise PromptTooLongError(len(prompt), self.max_model_len)
-        self.waiting.append(_Request(request_id, prompt, params, [[] for _ in range(params.n)]))
+        if resumed_token_ids and (params.n > 1 or not can_resume(params)):
+            raise ResumeError("cannot resume")
+        samples = [list(resumed_token_ids)] + [[] for _ in range(params.n - 1)]
+        self.waiting.append(_Request(request_id, prompt, params, samples))
         self.num_added += 1
+        self.resumed[request_id] = len(resumed_token_ids)
+
+    def progress(self):
+        requests = [*self.waiting, *self.running.values()]
+        return {
+            r.request_id: RequestProgress(
+                sum(map(len, r.samples)), list(r.samples[0]) if can_resume(r.params) and r.params.n == 1 else None
+            )
+            for r in requests
+        }
 
     def abort_request(self, request_id):
         self.running.pop(request_id, None)

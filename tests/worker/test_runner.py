@@ -390,3 +390,107 @@ def test_a_lost_lease_stops_the_run_and_leaves_the_shard_to_its_new_holder(servi
         shard = session.get(BatchShard, run.shard_id)
         assert (shard.state, shard.lease_token) == ("running", "someone-else")
         assert repository.get_batch(session, batch_id=batch_id).failed_requests == 0
+
+
+def _rows(batch_id: str) -> dict[str, tuple[list[int] | None, int]]:
+    """custom_id -> (checkpoint_token_ids, recomputed_tokens) of every line."""
+    from sqlalchemy import select
+
+    from jobs.models import BatchRequest
+
+    with session_scope() as session:
+        query = select(BatchRequest.custom_id, BatchRequest.checkpoint_token_ids, BatchRequest.recomputed_tokens)
+        return {
+            custom_id: (ids, n) for custom_id, ids, n in session.execute(query.where(BatchRequest.batch_id == batch_id))
+        }
+
+
+def _counter(telemetry, name: str) -> float:
+    return telemetry.metrics.registry.get_sample_value(f"batchinfer:{name}_total", {"model_name": "m"}) or 0.0
+
+
+def test_a_handed_back_shard_checkpoints_its_lines_in_flight_and_the_next_run_resumes_them(service, served_tokenizer):
+    """docs/operations.md, "Checkpoints": the generated token ids of lines in flight are saved at the hand-back;
+    the next run adds them resuming from those (the stand-in goes on from them), a line asking for logprobs
+    cannot resume: its tokens are counted as recomputed. Checkpoints are cleared once results are recorded."""
+    import threading
+
+    from worker.metrics import EngineMetrics
+    from worker.telemetry import WorkerTelemetry
+
+    bodies = [completion(f"p{i}", max_tokens=6) for i in range(3)] + [completion("lp", max_tokens=6, logprobs=1)]
+    batch_id = make_batch(bodies)
+    stop = threading.Event()
+    engine = StandInEngine(served_tokenizer, on_step=lambda step: stop.set() if step == 3 else None)
+    first = WorkerTelemetry(EngineMetrics("m"))
+
+    run = runner.run_next_shard(engine=engine, stop=stop, observer=first)
+
+    assert run.end == runner.ShardEnd.HANDED_BACK
+    ok = engine.token_id
+    rows = _rows(batch_id)  # 4 tokens each: the stop came during the 4th step
+    assert rows == {"line-1": ([ok] * 4, 0), "line-2": ([ok] * 4, 0), "line-3": ([ok] * 4, 0), "line-4": (None, 4)}
+    assert _counter(first, "recomputed_tokens") == 4
+
+    again = StandInEngine(served_tokenizer)
+    second = WorkerTelemetry(EngineMetrics("m"))
+    assert run_batch(batch_id, engine=again, observer=second) == BatchStatus.COMPLETED
+
+    ids = {custom_id: request_id for request_id, custom_id in _request_ids(batch_id).items()}
+    assert again.resumed == {ids["line-1"]: 4, ids["line-2"]: 4, ids["line-3"]: 4, ids["line-4"]: 0}
+    assert _counter(second, "resumed_tokens") == 12 and _counter(second, "generation_tokens") == 3 * 2 + 6
+    _, output, errors = read_results(batch_id)
+    assert errors == {} and len(output) == 4
+    for entry in output.values():
+        body = entry["response"]["body"]
+        assert body["choices"][0]["text"] == " ok" * 6 and body["usage"]["completion_tokens"] == 6
+    assert _rows(batch_id) == {"line-1": (None, 0), "line-2": (None, 0), "line-3": (None, 0), "line-4": (None, 4)}
+
+
+def _request_ids(batch_id: str) -> dict[str, str]:
+    from sqlalchemy import select
+
+    from jobs.models import BatchRequest
+
+    with session_scope() as session:
+        query = select(BatchRequest.id, BatchRequest.custom_id).where(BatchRequest.batch_id == batch_id)
+        return dict(session.execute(query).all())
+
+
+def test_lines_are_checkpointed_as_they_run(service, served_tokenizer, monkeypatch):
+    monkeypatch.setenv("BATCHINFER_CHECKPOINT_INTERVAL_S", "0.000001")
+    get_settings.cache_clear()
+    batch_id = make_batch([completion(f"p{i}", max_tokens=8) for i in range(2)])
+    seen: list[int] = []
+
+    def look(_step: int) -> None:
+        seen.append(len(_rows(batch_id)["line-1"][0] or []))
+
+    assert run_batch(batch_id, engine=StandInEngine(served_tokenizer, on_step=look)) == BatchStatus.COMPLETED
+
+    assert seen == list(range(8)), seen  # before step k, the k tokens of the steps before are saved
+    assert _rows(batch_id) == {"line-1": (None, 0), "line-2": (None, 0)}
+
+
+def test_a_lost_lease_writes_no_checkpoint_and_counts_what_it_throws_away(service, served_tokenizer):
+    from sqlalchemy import update
+
+    from jobs.models import BatchShard
+    from worker.metrics import EngineMetrics
+    from worker.telemetry import WorkerTelemetry
+
+    batch_id = make_batch([completion(f"p{i}", max_tokens=8) for i in range(2)])
+
+    def taken_over(step: int) -> None:
+        if step == 3:
+            with session_scope() as session:
+                session.execute(update(BatchShard).values(lease_token="someone-else"))
+
+    telemetry = WorkerTelemetry(EngineMetrics("m"))
+    run = runner.run_next_shard(
+        engine=StandInEngine(served_tokenizer, on_step=taken_over), check_every_steps=1, observer=telemetry
+    )
+
+    assert run.end == runner.ShardEnd.LEASE_LOST
+    assert _rows(batch_id) == {"line-1": (None, 0), "line-2": (None, 0)}
+    assert _counter(telemetry, "recomputed_tokens") == 2 * 4

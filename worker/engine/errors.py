@@ -28,3 +28,12 @@ class InvalidParameterError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ResumeError(ValueError):
+    """A request cannot resume from the generated tokens it was given (`LLMEngine.add_request`'s
+    ``resumed_token_ids``): its parameters do not allow it (logprobs, several sampled branches, beam
+    search, structured outputs), an id is outside the vocabulary, or the tokens already finish it.
+
+    The caller starts the request afresh instead; nothing of the request is in the engine.
+    """

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence as TokenIds
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from worker.engine.config import EngineConfig
 from worker.engine.core.beam_search import BeamSearchState, Candidate
 from worker.engine.core.kv_cache_manager import KVCacheManager
-from worker.engine.core.request import Request, Sequence, SequenceStatus
+from worker.engine.core.request import Request, Sequence, SequenceStatus, can_resume
 from worker.engine.core.scheduler import Scheduler, SchedulerOutput
-from worker.engine.errors import InvalidParameterError, PromptTooLongError
+from worker.engine.errors import InvalidParameterError, PromptTooLongError, ResumeError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
 from worker.engine.output.stop_checker import check_finish
-from worker.engine.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from worker.engine.outputs import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+    RequestProgress,
+)
 from worker.engine.sample.rejection_sampler import VerifiedTokens
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode.speculator import Speculator, build_speculator
@@ -84,17 +92,33 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        resumed_token_ids: TokenIds[int] = (),
+    ) -> None:
         """Queue a request (tokenizing a text prompt); it joins the batch at a coming step.
 
         ``params.max_tokens=None``, or more than the room left, means: stop at ``max_model_len`` tokens
         with finish_reason "length".
+
+        ``resumed_token_ids``: tokens an earlier, interrupted run of this same request generated (a
+        checkpoint, :meth:`progress`). The request goes on from them as a preempted sequence does: prompt
+        plus these tokens are computed in one prefill, and its output holds them followed by the new
+        ones. They count as output everywhere (``max_tokens``/``min_tokens``, penalties, the seeded draw's
+        position, the detokenizer and stop strings, which replay them), so a greedy or seeded request
+        ends as its uninterrupted run would have (docs/engine.md, "Resuming a request").
 
         Raises:
             PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
             InvalidParameterError: a token id outside the vocabulary (the prompt's, or in any field
                 `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves, or
                 beam search whose beams cannot fit the KV cache side by side.
+            ResumeError: ``resumed_token_ids`` given for parameters that cannot resume (`core.request.can_resume`),
+                holding an id outside the vocabulary, or already finishing the request.
             ValueError: a duplicate ``request_id`` or an empty prompt.
         """
         if request_id in self.requests:
@@ -137,6 +161,12 @@ class LLMEngine:
                     f"holds {self.model_runner.num_blocks}: lower n or max_tokens",
                     "n",
                 )
+        if resumed_token_ids and not can_resume(params):
+            raise ResumeError(
+                "only a request with one sequence, no logprobs, no beam search and no structured outputs can resume"
+            )
+        if any(not 0 <= token_id < vocab_size for token_id in resumed_token_ids):
+            raise ResumeError(f"resumed_token_ids holds token ids outside the vocabulary [0, {vocab_size})")
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -148,6 +178,8 @@ class LLMEngine:
             )
             for index in range(params.num_branches)
         ]
+        if resumed_token_ids:
+            self._replay_output(seqs[0], resumed_token_ids)
         request = Request(request_id, text, prompt_token_ids, params, seqs)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -179,6 +211,46 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def progress(self) -> dict[str, RequestProgress]:
+        """Each unfinished request's progress by request id: the tokens sampled so far and, when it can
+        resume (`core.request.can_resume`), its output token ids (resumed ones included), to checkpoint."""
+        return {
+            request_id: RequestProgress(
+                num_generated_tokens=sum(len(seq.output_token_ids) for seq in request.seqs),
+                resumable_token_ids=list(request.seqs[0].output_token_ids) if can_resume(request.params) else None,
+            )
+            for request_id, request in self.requests.items()
+        }
+
+    def _replay_output(self, seq: Sequence, token_ids: TokenIds[int]) -> None:
+        """Give a fresh ``seq`` the output ``token_ids`` as if it had sampled them (output ids and incremental
+        text, so stop strings see the text across the resume point); it then waits like a preempted sequence,
+        to compute prompt + output in one prefill.
+
+        Raises:
+            ResumeError: one of the tokens finishes the sequence (EOS, a stop id or string, a length limit).
+        """
+        detokenizer = seq.detokenizer
+        assert detokenizer is not None
+        for token_id in token_ids:
+            seq.append_token(token_id)
+            new_text = detokenizer.append(token_id)
+            finish = check_finish(
+                params=seq.params,
+                last_token_id=token_id,
+                num_output_tokens=len(seq.output_token_ids),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                max_model_len=self.max_model_len,
+                eos_token_id=self.eos_token_id,
+                output_text=detokenizer.output_text,
+                new_char_count=len(new_text),
+            )
+            if finish is not None:
+                raise ResumeError(
+                    f"resumed_token_ids finish the request at token {len(seq.output_token_ids)} of "
+                    f"{len(token_ids)} ({finish.finish_reason}); nothing is left to resume"
+                )
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, process samples; returns the requests that finished this step."""
@@ -498,7 +570,8 @@ class LLMEngine:
             outputs=outputs,
             finished=True,
             prompt_logprobs=request.prompt_logprobs,
-            num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
+            # NOTE: a resumed request's first lookup also covered its resumed output; usage counts prompt hits only.
+            num_cached_tokens=min(request.seqs[0].num_cached_tokens or 0, len(request.prompt_token_ids)),
             metrics=request.metrics,
         )
 

@@ -56,6 +56,19 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """How far an unfinished request got (`LLMEngine.progress`): what a checkpoint stores.
+
+    ``num_generated_tokens`` counts the tokens sampled so far over all its sequences (resumed ones
+    included); ``resumable_token_ids`` is its one sequence's output so far, from which it can resume
+    (``add_request(..., resumed_token_ids=...)``), or None when it cannot (`core.request.can_resume`).
+    """
+
+    num_generated_tokens: int
+    resumable_token_ids: list[int] | None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """State of one request after an engine step; ``finished`` once every sequence is done."""

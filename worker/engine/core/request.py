@@ -123,3 +123,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+def can_resume(params: SamplingParams) -> bool:
+    """Whether a request with ``params`` can resume from its generated token ids alone (docs/engine.md,
+    "Resuming a request"): one sequence (greedy, or ``n == best_of == 1``), no beam search, no logprobs
+    (a checkpoint keeps no logprobs), no structured outputs (nor any grammar state)."""
+    return (
+        params.num_branches == 1
+        and not params.use_beam_search
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.structured_outputs is None
+    )
