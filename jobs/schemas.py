@@ -103,17 +103,6 @@ def _one_message(message: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
-class BatchLine(BaseModel):
-    """One input line: ``{"custom_id", "method": "POST", "url", "body"}``."""
-
-    model_config = _STRICT
-
-    custom_id: Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
-    method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
-    body: dict[str, Any]
-
-
 class _SamplingBody(BaseModel):
     """Fields both endpoints share: OpenAI sampling fields, then vLLM's extensions.
 
@@ -416,8 +405,12 @@ class FileDeleted(BaseModel):
 
 
 class BatchErrors(BaseModel):
+    """OpenAI's ``errors`` list; ``data`` holds the first `jobs.validation.MAX_ERRORS`, ``total`` counts
+    every error found (batchinfer's addition)."""
+
     object: Literal["list"] = "list"
     data: list[LineError]
+    total: int
 
 
 class RequestCounts(BaseModel):
@@ -472,7 +465,12 @@ class BatchObject(ListedObject):
         return cls(
             id=batch.id,
             endpoint=batch.endpoint,
-            errors=None if batch.errors is None else BatchErrors(data=[LineError(**e) for e in batch.errors]),
+            errors=None
+            if batch.errors is None
+            else BatchErrors(
+                data=[LineError(**e) for e in batch.errors],
+                total=len(batch.errors) if batch.num_errors is None else batch.num_errors,
+            ),
             input_file_id=batch.input_file_id,
             completion_window=batch.completion_window,
             status=BatchStatus(batch.status),
