@@ -30,21 +30,21 @@ def parse_body(endpoint: str, body: Mapping[str, Any]) -> LineBody:
     """The body parsed by ``endpoint``'s schema.
 
     Raises:
-        InvalidRequest: the endpoint is not served (``param`` "url"); the body nests arrays and
-            objects too deeply (no ``param``); a string or a key in it holds a NUL character or a lone
-            surrogate (``param`` names it); or the body breaks a rule of its schema: ``param`` is the
+        InvalidRequest: the endpoint is not served (``param`` "url"); a string or a key in the body
+            holds a NUL character or a lone surrogate (``param`` names it); the body nests arrays and
+            objects too deeply (no ``param``); or the body breaks a rule of its schema: ``param`` is the
             first field at fault (``messages[0].content`` style), ``message`` names every problem in
             plain words.
     """
     schema = BODY_SCHEMAS.get(endpoint)
     if schema is None:
         raise InvalidRequest(f"unsupported endpoint {endpoint!r}; use one of {sorted(BODY_SCHEMAS)}", param="url")
-    if too_deep(body, max_depth=_MAX_BODY_DEPTH):
-        raise InvalidRequest(_TOO_DEEP)
     unstorable = first_unstorable(body)
     if unstorable is not None:
         param, reason = unstorable
         raise InvalidRequest(f"{param}: {reason}, which a request cannot hold", param=param)
+    if too_deep(body, max_depth=_MAX_BODY_DEPTH):
+        raise InvalidRequest(_TOO_DEEP)
     try:
         return schema.model_validate(body)
     except RecursionError:

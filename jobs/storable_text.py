@@ -66,24 +66,24 @@ def first_unstorable(value: Any) -> tuple[str | None, str] | None:
         the path to that key, escaped; None for ``value`` itself) and `unstorable_reason`'s words;
         or None when every string is storable.
     """
-    stack: list[tuple[Any, str]] = [(value, "")]
+    stack: list[tuple[Any, str | None]] = [(value, None)]
     while stack:
         item, path = stack.pop()
         if isinstance(item, str):
             reason = unstorable_reason(item)
             if reason is not None:
-                return path or None, reason
+                return path, reason
         elif isinstance(item, dict):
-            children: list[tuple[Any, str]] = []
+            children: list[tuple[Any, str | None]] = []
             for key, child in item.items():
-                child_path = f"{path}.{escaped(key)}" if path else escaped(key)
+                child_path = escaped(key) if path is None else f"{path}.{escaped(key)}"
                 reason = unstorable_reason(key)
                 if reason is not None:
                     return child_path, f"the key {reason}"
                 children.append((child, child_path))
             stack.extend(reversed(children))
         elif isinstance(item, list):
-            stack.extend(reversed([(child, f"{path}[{index}]") for index, child in enumerate(item)]))
+            stack.extend(reversed([(child, f"{path or ''}[{index}]") for index, child in enumerate(item)]))
     return None
 
 

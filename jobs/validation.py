@@ -254,7 +254,9 @@ def _validate_line(
     unknown = sorted(set(line) - _LINE_KEYS)
     if unknown:
         raise _LineProblem(
-            "invalid_line", f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)", unknown[0]
+            "invalid_line",
+            f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)",
+            escaped(unknown[0]),
         )
     if "method" not in line:
         raise _LineProblem("invalid_method", "method is missing; it must be 'POST'", "method")
