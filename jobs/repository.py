@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Result, func, insert, select, update
+from sqlalchemy import CursorResult, Result, func, insert, null, select, update
 from sqlalchemy.orm import Session
 
 from jobs.config import get_settings
@@ -326,10 +326,10 @@ def _request_row(batch_id: str, shard_of: dict[int, str], line: ValidatedLine, n
         "shard_id": shard_of[line.line_number],
         "line_number": line.line_number,
         "custom_id": line.custom_id,
-        "custom_id_sent": None,
+        "custom_id_sent": null(),  # SQL NULL: a JSON column would store None as JSON 'null'
         "body": line.body,
         "state": RequestState.PENDING.value,
-        "response": None,
+        "response": null(),
         "finished_at": None,
         "prompt_tokens": 0,
         "completion_tokens": 0,

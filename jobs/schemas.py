@@ -1,4 +1,4 @@
-"""Pydantic models: input lines and their bodies, and the file and batch objects the API returns.
+"""Pydantic models: input line bodies, and the file and batch objects the API returns.
 
 Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
 vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``). They are strict: numbers must

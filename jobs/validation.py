@@ -24,13 +24,12 @@ Whole-file problems have ``line = None``: ``file_too_large`` (over ``max_file_by
 ``empty_file`` (no non-blank line), ``too_many_lines`` (over ``max_file_lines`` non-blank lines).
 A file that is not UTF-8 text is one ``invalid_encoding`` error naming the line of its first bad byte
 (a binary file would otherwise give an error per line). At most `MAX_ERRORS` errors are kept, the
-first ones; `ValidationResult.num_errors` counts them all.
+first ones; `ValidationResult.num_errors` counts them all. Line numbers are 1-based physical lines;
+blank lines are skipped but counted; a UTF-8 BOM and CRLF line ends are accepted.
 
 A ``custom_id`` that PostgreSQL cannot hold (a NUL character, a lone surrogate; `jobs.storable_text`)
 does not fail the file: the line is kept with a `ValidatedLine.rejection` and answered with its own
 400 naming ``custom_id``, while the other lines run (`jobs.repository.apply_validation`).
-Line numbers are 1-based physical lines; blank lines are skipped but counted; a UTF-8 BOM and
-CRLF line ends are accepted.
 
 The file arrives as chunks and is read once per pass, line by line, so memory holds one line, the
 ``custom_id`` set and the errors, never the file: `validate_batch_file` checks it, then
