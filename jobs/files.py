@@ -19,7 +19,7 @@ from jobs.errors import InvalidRequest
 from jobs.models import FILE_ID_PREFIX, File, new_id
 from jobs.paging import keyset_page
 from jobs.status import now_s
-from jobs.storable_text import is_possible_id, unstorable_reason
+from jobs.storable_text import is_possible_id, is_storable, unstorable_reason
 from jobs.storage import CHUNK_BYTES, FileStorage, storage_from_settings
 
 MAX_FILENAME_CHARS = 255
@@ -109,8 +109,11 @@ def list_files(
     """A page of files by creation time (``order`` "desc" = newest first), optionally of one purpose
     and one ``owner``.
 
-    Returns ``(files, has_more)``. Raises `UnknownCursor` when ``after`` names no file (of ``owner``).
+    Returns ``(files, has_more)``; none for a ``purpose`` no file can have (`jobs.storable_text`).
+    Raises `UnknownCursor` when ``after`` names no file (of ``owner``).
     """
+    if purpose is not None and not is_storable(purpose):
+        return [], False
     query = select(File)
     if purpose is not None:
         query = query.where(File.purpose == purpose)
