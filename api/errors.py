@@ -31,6 +31,7 @@ from api.rate_limits import RateLimited
 from jobs.errors import Conflict, InvalidRequest, NotFound, error_envelope
 from jobs.paging import UnknownCursor
 from jobs.status import IllegalTransition
+from jobs.storable_text import escaped
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,12 @@ def error_response(
     code: str | None = None,
     error_type: str = "invalid_request_error",
 ) -> JSONResponse:
-    """A JSON response with OpenAI's error envelope."""
-    return JSONResponse(
-        status_code=status_code, content=error_envelope(message, type=error_type, param=param, code=code)
+    """A JSON response with OpenAI's error envelope; a NUL or lone surrogate from the request (a field
+    name in ``param``) is written as its JSON escape (`jobs.storable_text.escaped`)."""
+    content = error_envelope(
+        escaped(message), type=error_type, param=None if param is None else escaped(param), code=code
     )
+    return JSONResponse(status_code=status_code, content=content)
 
 
 class UploadTooLarge(Exception):

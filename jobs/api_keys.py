@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from jobs.errors import NotFound
 from jobs.models import API_KEY_ID_PREFIX, ApiKey, new_id
 from jobs.status import now_s
+from jobs.storable_text import unstorable_reason
 
 KEY_PREFIX = "bi-"
 _SHOWN_CHARS = 10
@@ -43,7 +44,14 @@ def hash_secret(secret: str) -> str:
 
 
 def create_key(session: Session, *, name: str = "", now: int | None = None) -> CreatedKey:
-    """Insert a new key named ``name`` (flushed, not committed); the secret is returned, only its hash kept."""
+    """Insert a new key named ``name`` (flushed, not committed); the secret is returned, only its hash kept.
+
+    Raises:
+        ValueError: ``name`` holds a NUL character or a lone surrogate (`jobs.storable_text`).
+    """
+    reason = unstorable_reason(name)
+    if reason is not None:
+        raise ValueError(f"the key name {reason}, which the service cannot store")
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
     key = ApiKey(
         id=new_id(API_KEY_ID_PREFIX),

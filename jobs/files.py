@@ -15,9 +15,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs.config import get_settings
+from jobs.errors import InvalidRequest
 from jobs.models import FILE_ID_PREFIX, File, new_id
 from jobs.paging import keyset_page
 from jobs.status import now_s
+from jobs.storable_text import is_possible_id, is_storable, unstorable_reason
 from jobs.storage import CHUNK_BYTES, FileStorage, storage_from_settings
 
 MAX_FILENAME_CHARS = 255
@@ -47,7 +49,12 @@ def write_file(
 
     Raises:
         jobs.storage.FileTooLarge: more than ``max_bytes`` bytes arrived (nothing is kept).
+        jobs.errors.InvalidRequest: ``filename`` holds a NUL character or a lone surrogate
+            (``param="file"``; nothing is kept).
     """
+    reason = unstorable_reason(filename)
+    if reason is not None:
+        raise InvalidRequest(f"the file name {reason}, which the service cannot store", param="file")
     storage = storage or default_storage()
     file_id = new_id(FILE_ID_PREFIX)
     num_bytes = storage.write(session, file_id, chunks, max_bytes=max_bytes)
@@ -82,6 +89,8 @@ def file_chunks(file: File, *, storage: FileStorage | None = None, session: Sess
 
 def get_file(session: Session, *, file_id: str, owner: str | None = None) -> File | None:
     """The file ``file_id`` (None when there is none, or when ``owner`` is given and it owns it not)."""
+    if not is_possible_id(file_id):
+        return None
     file = session.get(File, file_id)
     if file is None or (owner is not None and file.owner_key_id != owner):
         return None
@@ -100,8 +109,11 @@ def list_files(
     """A page of files by creation time (``order`` "desc" = newest first), optionally of one purpose
     and one ``owner``.
 
-    Returns ``(files, has_more)``. Raises `UnknownCursor` when ``after`` names no file (of ``owner``).
+    Returns ``(files, has_more)``; none for a ``purpose`` no file can have (`jobs.storable_text`).
+    Raises `UnknownCursor` when ``after`` names no file (of ``owner``).
     """
+    if purpose is not None and not is_storable(purpose):
+        return [], False
     query = select(File)
     if purpose is not None:
         query = query.where(File.purpose == purpose)

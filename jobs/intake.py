@@ -110,12 +110,13 @@ def _validate(batch_id: str, settings: Settings) -> tuple[BatchStatus, int, int,
             batch_id=batch_id,
             lines=lines,
             errors=result.errors,
+            num_errors=result.num_errors,
             model=settings.served_model_name,
             storage=storage,
         )
         status = BatchStatus(batch.status)
         num_shards = session.scalar(select(func.count()).where(BatchShard.batch_id == batch_id)) or 0
-    return status, result.num_lines, num_shards, len(result.errors)
+    return status, result.num_lines, num_shards, result.num_errors
 
 
 def validate_input_file(

@@ -108,7 +108,8 @@ class Batch(Base):
     """One batch job; field names follow the OpenAI batch object.
 
     ``started_at`` is internal: set when a worker claims the batch's first shard
-    (`jobs.shards.claim_next_shard`).
+    (`jobs.shards.claim_next_shard`). ``errors`` holds the first `jobs.validation.MAX_ERRORS` input-file
+    errors, ``num_errors`` counts them all (None on rows older than that count: ``len(errors)``).
     """
 
     __tablename__ = "batches"
@@ -121,6 +122,7 @@ class Batch(Base):
     model: Mapped[str | None] = mapped_column(String(256))
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    num_errors: Mapped[int | None] = mapped_column(Integer)
     output_file_id: Mapped[str | None] = mapped_column(String(64))
     error_file_id: Mapped[str | None] = mapped_column(String(64))
 
@@ -157,7 +159,9 @@ class BatchRequest(Base):
     `BatchShard` the line was put in at validation. While the line runs, ``checkpoint_token_ids`` holds the
     output token ids a worker generated so far (`jobs.checkpoints`; None once the result is recorded), and
     ``recomputed_tokens`` counts generated tokens that interrupted runs threw away after their last
-    checkpoint (they were generated again).
+    checkpoint (they were generated again). ``custom_id`` is None when PostgreSQL text cannot
+    hold it (`jobs.storable_text`): ``custom_id_sent`` (JSON, which escapes it) has it then, and the
+    line was answered with a 400 at validation.
     """
 
     __tablename__ = "batch_requests"
@@ -165,7 +169,8 @@ class BatchRequest(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     line_number: Mapped[int] = mapped_column(Integer)
-    custom_id: Mapped[str] = mapped_column(String(512))
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+    custom_id_sent: Mapped[str | None] = mapped_column(JSON)
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16), default=RequestState.PENDING.value)
     response: Mapped[dict[str, Any] | None] = mapped_column(JSON)

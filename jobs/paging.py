@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import Session
 
+from jobs.storable_text import is_possible_id
+
 Row = TypeVar("Row")
 
 
@@ -40,7 +42,7 @@ def keyset_page(
     """
     created_at, row_id = model.created_at, model.id
     if after is not None:
-        cursor = session.get(model, after)
+        cursor = session.get(model, after) if is_possible_id(after) else None
         if cursor is None or (owner is not None and cursor.owner_key_id != owner):
             raise UnknownCursor(f"no object with id {after!r} to page after")
         if descending:

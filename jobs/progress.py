@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from jobs.models import Batch, BatchRequest, RequestState
 from jobs.status import BatchStatus
+from jobs.storable_text import escaped
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,12 @@ def first_failed_lines(session: Session, *, batch_id: str, limit: int = 10) -> l
         .limit(limit)
     )
     return [
-        FailedLine(row.line_number, row.custom_id, (row.response or {}).get("status_code"), _error_message(row))
+        FailedLine(
+            row.line_number,
+            row.custom_id if row.custom_id is not None else escaped(row.custom_id_sent or ""),
+            (row.response or {}).get("status_code"),
+            _error_message(row),
+        )
         for row in rows
     ]
 

@@ -34,12 +34,13 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Result, func, insert, select, update
+from sqlalchemy import CursorResult, Result, func, insert, null, select, update
 from sqlalchemy.orm import Session
 
 from jobs.config import get_settings
 from jobs.errors import InvalidRequest, NotFound
 from jobs.files import get_file, write_file
+from jobs.line_body import rejected_response
 from jobs.models import (
     BATCH_ID_PREFIX,
     REQUEST_ID_PREFIX,
@@ -63,6 +64,7 @@ from jobs.schemas import (
 )
 from jobs.sharding import batch_priority, plan_shards, sketch_line
 from jobs.status import BatchStatus, IllegalTransition, now_s, transition
+from jobs.storable_text import is_possible_id, unstorable_reason
 from jobs.storage import FileStorage
 from jobs.validation import ValidatedLine
 
@@ -157,7 +159,8 @@ def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[
     Raises:
         InvalidRequest: unsupported endpoint, completion_window other than "24h" (or the deployment's
             own window), metadata over 16 pairs, a key over 64 or a value over 512 characters, a
-            non-string key/value, or a ``priority`` that is not a whole number.
+            non-string key/value, a key or value holding a NUL character or a lone surrogate
+            (`jobs.storable_text`), or a ``priority`` that is not a whole number.
     """
     if endpoint not in SUPPORTED_ENDPOINTS:
         raise InvalidRequest(
@@ -174,6 +177,9 @@ def check_batch_params(*, endpoint: str, completion_window: str, metadata: dict[
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise InvalidRequest("metadata keys and values must be strings", param="metadata")
+        reason = unstorable_reason(key) or unstorable_reason(value)
+        if reason is not None:
+            raise InvalidRequest(f"a metadata key or value {reason}, which the service cannot store", param="metadata")
         if len(key) > MAX_METADATA_KEY_CHARS:
             raise InvalidRequest(
                 f"metadata key {key[:16]!r}... is over {MAX_METADATA_KEY_CHARS} characters", param="metadata"
@@ -197,6 +203,8 @@ def get_batch(session: Session, *, batch_id: str, for_update: bool = False, owne
     Raises:
         NotFound: no batch has this id (owned by API key ``owner``, when given).
     """
+    if not is_possible_id(batch_id):
+        raise NotFound("batch", batch_id)
     query = select(Batch).where(Batch.id == batch_id).execution_options(populate_existing=True)
     if owner is not None:
         query = query.where(Batch.owner_key_id == owner)
@@ -241,13 +249,17 @@ def apply_validation(
     model: str,
     now: int | None = None,
     storage: FileStorage | None = None,
+    num_errors: int | None = None,
 ) -> Batch:
     """Store the outcome of validating a batch's input file.
 
     ``lines`` is iterated twice (a list, or a re-iterable that streams the file again each time).
     No ``errors``: the lines cut into shards (`jobs.sharding.plan_shards`, ``Settings.shard_target_tokens``),
     one ``queued`` `BatchShard` per shard and one ``pending`` row per line, ``request_counts.total``,
-    ``model``, and ``validating -> in_progress``. Errors: ``validating -> failed`` with ``errors``, no rows.
+    ``model``, and ``validating -> in_progress``. A line with a ``rejection`` (its ``custom_id`` cannot
+    be stored) gets its row already ``failed`` with that 400 response, ``custom_id`` null and
+    ``custom_id_sent`` as sent, and counts as failed. Errors: ``validating -> failed`` with ``errors``
+    (``num_errors``, default ``len(errors)``, counts those not kept too), no rows.
     A batch cancelled while it was validating goes to ``cancelled`` instead (its lines, if valid,
     all reported as ``batch_cancelled``).
 
@@ -261,6 +273,7 @@ def apply_validation(
         raise IllegalTransition(status, BatchStatus.IN_PROGRESS)
     if errors:
         batch.errors = [error.model_dump() for error in errors]
+        batch.num_errors = len(errors) if num_errors is None else num_errors
         if status == BatchStatus.VALIDATING:
             transition(batch, BatchStatus.FAILED, now)
             return batch
@@ -288,29 +301,14 @@ def apply_validation(
         ]
         if shard_rows:
             session.execute(insert(BatchShard), shard_rows)
-        num_lines = 0
+        num_lines = num_rejected = 0
         line_iter = iter(lines)
         while group := list(islice(line_iter, INSERT_ROWS)):
-            session.execute(
-                insert(BatchRequest),
-                [
-                    {
-                        "id": new_id(REQUEST_ID_PREFIX),
-                        "batch_id": batch_id,
-                        "shard_id": shard_of[line.line_number],
-                        "line_number": line.line_number,
-                        "custom_id": line.custom_id,
-                        "body": line.body,
-                        "state": RequestState.PENDING.value,
-                        "prompt_tokens": 0,
-                        "completion_tokens": 0,
-                        "cached_tokens": 0,
-                    }
-                    for line in group
-                ],
-            )
+            session.execute(insert(BatchRequest), [_request_row(batch_id, shard_of, line, now) for line in group])
             num_lines += len(group)
+            num_rejected += sum(line.rejection is not None for line in group)
         batch.total_requests = num_lines
+        batch.failed_requests = num_rejected
         batch.model = model
     if status == BatchStatus.CANCELLING:
         session.flush()
@@ -318,6 +316,33 @@ def apply_validation(
     transition(batch, BatchStatus.IN_PROGRESS, now)
     session.flush()
     return batch
+
+
+def _request_row(batch_id: str, shard_of: dict[int, str], line: ValidatedLine, now: int) -> dict[str, Any]:
+    """The ``batch_requests`` row of a validated line: pending, or failed with its 400 when rejected."""
+    row: dict[str, Any] = {
+        "id": new_id(REQUEST_ID_PREFIX),
+        "batch_id": batch_id,
+        "shard_id": shard_of[line.line_number],
+        "line_number": line.line_number,
+        "custom_id": line.custom_id,
+        "custom_id_sent": null(),  # SQL NULL: a JSON column would store None as JSON 'null'
+        "body": line.body,
+        "state": RequestState.PENDING.value,
+        "response": null(),
+        "finished_at": None,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+    }
+    rejection = line.rejection
+    if rejection is not None:
+        row["custom_id"], row["custom_id_sent"] = None, line.custom_id
+        row["state"], row["finished_at"] = RequestState.FAILED.value, now
+        row["response"] = rejected_response(
+            line.line_number, rejection.message, param=rejection.param, code=rejection.code
+        )
+    return row
 
 
 def pending_requests(session: Session, *, batch_id: str, shard_id: str | None = None) -> list[BatchRequest]:
@@ -443,7 +468,7 @@ def cancel_batch(
         IllegalTransition: the batch is failed, completed, expired or finalizing.
     """
     now = now_s() if now is None else now
-    if owner is not None:
+    if owner is not None or not is_possible_id(batch_id):
         get_batch(session, batch_id=batch_id, owner=owner)
     # NOTE: the conditional UPDATE comes first so that it, not a read, takes the row lock; a worker's
     # claim (which locks the batch row too) either committed before or finds the batch cancelling.
@@ -487,7 +512,8 @@ def finalize_batch(
     ``expires_at`` with pending lines ``-> expired``; ``cancelling -> cancelled``. Lines never run
     get ``error = {code: "batch_cancelled" | "batch_expired", message}`` and count as failed.
     Every line lands in exactly one file: status-200 responses in the output file, the rest in the
-    error file (envelope ``{id, custom_id, response, error}``, line order). A file with no line is
+    error file (envelope ``{id, custom_id, response, error}``, line order; ``custom_id`` as sent, even
+    one the database could not hold, JSON-escaped). A file with no line is
     not created (its id stays null). Shards not finished are closed (``finished``, lease dropped), so
     a worker still on one loses its lease. Already terminal: returned unchanged (idempotent).
 
@@ -577,14 +603,27 @@ def _count_in_state(session: Session, batch_id: str, state: RequestState) -> int
 
 def _envelope_lines(session: Session, batch_id: str, state: RequestState) -> Iterator[bytes]:
     query = (
-        select(BatchRequest.id, BatchRequest.custom_id, BatchRequest.response, BatchRequest.error)
+        select(
+            BatchRequest.id,
+            BatchRequest.custom_id,
+            BatchRequest.custom_id_sent,
+            BatchRequest.response,
+            BatchRequest.error,
+        )
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state == state.value)
         .order_by(BatchRequest.line_number)
         .execution_options(yield_per=1000)
     )
-    for request_id, custom_id, response, error in session.execute(query):
-        envelope = {"id": request_id, "custom_id": custom_id, "response": response, "error": error}
-        yield (json.dumps(envelope, ensure_ascii=False) + "\n").encode("utf-8")
+    for request_id, custom_id, custom_id_sent, response, error in session.execute(query):
+        envelope = {
+            "id": request_id,
+            "custom_id": custom_id if custom_id is not None else custom_id_sent,
+            "response": response,
+            "error": error,
+        }
+        # NOTE: a lone surrogate (a custom_id kept as sent) has no UTF-8 form; inside a JSON string its
+        # backslash escape is the JSON escape, so the line still parses back to what was sent.
+        yield (json.dumps(envelope, ensure_ascii=False) + "\n").encode("utf-8", errors="backslashreplace")
 
 
 def num_rows_updated(result: Result[Any]) -> int:

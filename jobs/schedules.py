@@ -39,6 +39,7 @@ from jobs.paging import keyset_page
 from jobs.repository import check_batch_params, create_batch, get_batch_input_file
 from jobs.schemas import COMPLETION_WINDOW, ListedObject
 from jobs.status import now_s
+from jobs.storable_text import is_possible_id
 from jobs.storage import storage_from_settings
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def _check_input_file(session: Session, file: File, endpoint: str, settings: Set
         return
     first = result.errors[0]
     where = "" if first.line is None else f"line {first.line}: "
-    more = f" (and {len(result.errors) - 1} more)" if len(result.errors) > 1 else ""
+    more = f" (and {result.num_errors - 1} more)" if result.num_errors > 1 else ""
     raise InvalidRequest(
         f"every run of file {file.id!r} as {endpoint} would fail: {where}{first.message}{more}",
         param="input_file_id",
@@ -201,6 +202,8 @@ def get_schedule(session: Session, *, schedule_id: str, owner: str | None = None
     Raises:
         NotFound: no schedule has this id (owned by API key ``owner``, when given).
     """
+    if not is_possible_id(schedule_id):
+        raise NotFound("schedule", schedule_id)
     query = select(Schedule).where(Schedule.id == schedule_id).execution_options(populate_existing=True)
     if owner is not None:
         query = query.where(Schedule.owner_key_id == owner)

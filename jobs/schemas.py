@@ -1,4 +1,4 @@
-"""Pydantic models: input lines and their bodies, and the file and batch objects the API returns.
+"""Pydantic models: input line bodies, and the file and batch objects the API returns.
 
 Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
 vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``), and the text subset of
@@ -117,17 +117,6 @@ def _refuse_streaming(stream: bool | None) -> bool | None:
     if stream:
         raise ValueError("streaming is not supported in a batch; remove it or set it to false")
     return stream
-
-
-class BatchLine(BaseModel):
-    """One input line: ``{"custom_id", "method": "POST", "url", "body"}``."""
-
-    model_config = _STRICT
-
-    custom_id: Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)]
-    method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
-    body: dict[str, Any]
 
 
 class _SamplingBody(BaseModel):
@@ -634,8 +623,12 @@ class FileDeleted(BaseModel):
 
 
 class BatchErrors(BaseModel):
+    """OpenAI's ``errors`` list; ``data`` holds the first `jobs.validation.MAX_ERRORS`, ``total`` counts
+    every error found (batchinfer's addition)."""
+
     object: Literal["list"] = "list"
     data: list[LineError]
+    total: int
 
 
 class RequestCounts(BaseModel):
@@ -690,7 +683,12 @@ class BatchObject(ListedObject):
         return cls(
             id=batch.id,
             endpoint=batch.endpoint,
-            errors=None if batch.errors is None else BatchErrors(data=[LineError(**e) for e in batch.errors]),
+            errors=None
+            if batch.errors is None
+            else BatchErrors(
+                data=[LineError(**e) for e in batch.errors],
+                total=len(batch.errors) if batch.num_errors is None else batch.num_errors,
+            ),
             input_file_id=batch.input_file_id,
             completion_window=batch.completion_window,
             status=BatchStatus(batch.status),

@@ -9,7 +9,6 @@ Each bad line yields exactly one `LineError` (the first problem found, checked i
 
 | code | meaning |
 |---|---|
-| ``invalid_encoding`` | the line is not valid UTF-8 |
 | ``invalid_json`` | not a JSON object (``NaN``/``Infinity`` are not JSON), or nested over 64 levels (`jobs.nesting`) |
 | ``missing_custom_id`` | ``custom_id`` absent, not a string, or empty |
 | ``invalid_custom_id`` | ``custom_id`` longer than 512 characters |
@@ -23,8 +22,14 @@ Each bad line yields exactly one `LineError` (the first problem found, checked i
 
 Whole-file problems have ``line = None``: ``file_too_large`` (over ``max_file_bytes``),
 ``empty_file`` (no non-blank line), ``too_many_lines`` (over ``max_file_lines`` non-blank lines).
-Line numbers are 1-based physical lines; blank lines are skipped but counted; a UTF-8 BOM and
-CRLF line ends are accepted.
+A file that is not UTF-8 text is one ``invalid_encoding`` error naming the line of its first bad byte
+(a binary file would otherwise give an error per line). At most `MAX_ERRORS` errors are kept, the
+first ones; `ValidationResult.num_errors` counts them all. Line numbers are 1-based physical lines;
+blank lines are skipped but counted; a UTF-8 BOM and CRLF line ends are accepted.
+
+A ``custom_id`` that PostgreSQL cannot hold (a NUL character, a lone surrogate; `jobs.storable_text`)
+does not fail the file: the line is kept with a `ValidatedLine.rejection` and answered with its own
+400 naming ``custom_id``, while the other lines run (`jobs.repository.apply_validation`).
 
 The file arrives as chunks and is read once per pass, line by line, so memory holds one line, the
 ``custom_id`` set and the errors, never the file: `validate_batch_file` checks it, then
@@ -40,7 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.nesting import MAX_JSON_DEPTH, too_deep
-from jobs.schemas import MAX_CUSTOM_ID_CHARS, BatchLine, LineError
+from jobs.schemas import MAX_CUSTOM_ID_CHARS, LineError
+from jobs.storable_text import escaped, unstorable_reason
+
+MAX_ERRORS = 1000
+"""Most errors a `ValidationResult` keeps (the first ones; `ValidationResult.num_errors` counts all)."""
 
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 _TOO_DEEP = f"the line nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
@@ -49,23 +58,36 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 
 @dataclass(slots=True)
 class ValidatedLine:
-    """A line that passed every check: its 1-based line number, ``custom_id`` and raw ``body``."""
+    """A line whose structure passed every check: its 1-based line number, ``custom_id`` and raw ``body``.
+
+    ``rejection``: why the line is answered with a 400 instead of running (its ``custom_id`` cannot be
+    stored; ``param`` "custom_id"), or None.
+    """
 
     line_number: int
     custom_id: str
     body: dict[str, Any]
+    rejection: LineError | None = None
 
 
 @dataclass(slots=True)
 class ValidationResult:
-    """``errors`` (empty when the file is good) and the number of non-blank lines read."""
+    """``errors``: the first `MAX_ERRORS` errors (empty when the file is good); ``num_errors``: all of
+    them; ``num_lines``: the non-blank lines read."""
 
     errors: list[LineError] = field(default_factory=list)
+    num_errors: int = 0
     num_lines: int = 0
 
     @property
     def ok(self) -> bool:
-        return not self.errors
+        return not self.num_errors
+
+    def add(self, error: LineError) -> None:
+        """Count ``error``; keep it while fewer than `MAX_ERRORS` are kept."""
+        self.num_errors += 1
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(error)
 
 
 class TooManyLines(ValueError):
@@ -84,6 +106,12 @@ class _LineProblem(Exception):
 
 class _FileTooLarge(Exception):
     pass
+
+
+class _NotUtf8(Exception):
+    def __init__(self, byte_index: int) -> None:
+        super().__init__(byte_index)
+        self.byte_index = byte_index
 
 
 def numbered_lines(chunks: Iterable[bytes], *, max_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
@@ -152,7 +180,8 @@ def validate_batch_file(
 
     Returns:
         `ValidationResult`: no error and the line count, or one `LineError` per bad line (file
-        order), or a single whole-file error.
+        order, the first `MAX_ERRORS` kept), or a single whole-file error (``invalid_encoding`` has the
+        line of the first byte that is not UTF-8).
     """
     result = ValidationResult()
     first_line_of: dict[str, int] = {}
@@ -166,8 +195,14 @@ def validate_batch_file(
             try:
                 _validate_line(line_number, raw, endpoint, model_names, first_line_of)
             except _LineProblem as problem:
-                result.errors.append(
-                    LineError(code=problem.code, message=problem.message, param=problem.param, line=line_number)
+                result.add(LineError(code=problem.code, message=problem.message, param=problem.param, line=line_number))
+            except _NotUtf8 as exc:
+                message = (
+                    f"the file is not UTF-8 text: line {line_number} has a byte that is not valid UTF-8 "
+                    f"(byte {exc.byte_index} of the line); a batch input file is UTF-8 JSONL"
+                )
+                return ValidationResult(
+                    errors=[LineError(code="invalid_encoding", message=message, line=line_number)], num_errors=1
                 )
     except _FileTooLarge:
         return _whole_file("file_too_large", f"the file is larger than the limit of {max_bytes} bytes")
@@ -188,10 +223,12 @@ def validated_lines(chunks: Iterable[bytes], *, endpoint: str, model_names: Coll
             yield _validate_line(line_number, raw, endpoint, model_names, first_line_of)
         except _LineProblem as problem:
             raise ValueError(f"line {line_number} no longer validates: {problem.message}") from None
+        except _NotUtf8:
+            raise ValueError(f"line {line_number} no longer validates: it is not UTF-8") from None
 
 
 def _whole_file(code: str, message: str) -> ValidationResult:
-    return ValidationResult(errors=[LineError(code=code, message=message)])
+    return ValidationResult(errors=[LineError(code=code, message=message)], num_errors=1)
 
 
 def _validate_line(
@@ -200,7 +237,7 @@ def _validate_line(
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _LineProblem("invalid_encoding", f"the line is not valid UTF-8 (byte {exc.start})") from None
+        raise _NotUtf8(exc.start) from None
     try:
         line = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
@@ -212,11 +249,13 @@ def _validate_line(
     if not isinstance(line, dict):
         raise _LineProblem("invalid_json", f"the line must be a JSON object, got {_json_type(line)}")
 
-    _check_custom_id(line, line_number, first_line_of)
+    rejection = _check_custom_id(line, line_number, first_line_of)
     unknown = sorted(set(line) - _LINE_KEYS)
     if unknown:
         raise _LineProblem(
-            "invalid_line", f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)", unknown[0]
+            "invalid_line",
+            f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)",
+            escaped(unknown[0]),
         )
     if "method" not in line:
         raise _LineProblem("invalid_method", "method is missing; it must be 'POST'", "method")
@@ -229,15 +268,17 @@ def _validate_line(
     if not isinstance(line.get("body"), dict):
         raise _LineProblem("invalid_body", "body must be a JSON object", "body")
     _check_model(line["body"], model_names)
-    parsed = BatchLine.model_validate(line)
-    return ValidatedLine(line_number=line_number, custom_id=parsed.custom_id, body=parsed.body)
+    # NOTE: no pydantic model here: it refuses a lone surrogate (string_unicode), which must reach the
+    # custom_id rejection above or the body's own 400 (`jobs.line_body.parse_body`) instead.
+    return ValidatedLine(line_number=line_number, custom_id=line["custom_id"], body=line["body"], rejection=rejection)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _check_custom_id(line: dict[str, Any], line_number: int, first_line_of: dict[str, int]) -> None:
+def _check_custom_id(line: dict[str, Any], line_number: int, first_line_of: dict[str, int]) -> LineError | None:
+    """Raise the line's custom_id problem; return the line's rejection when its custom_id cannot be stored."""
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise _LineProblem("missing_custom_id", "custom_id is required and must be a non-empty string", "custom_id")
@@ -250,6 +291,11 @@ def _check_custom_id(line: dict[str, Any], line_number: int, first_line_of: dict
         raise _LineProblem(
             "duplicate_custom_id", f"custom_id {custom_id!r} is already used on line {first}", "custom_id"
         )
+    reason = unstorable_reason(custom_id)
+    if reason is None:
+        return None
+    message = f'custom_id "{escaped(custom_id)}" {reason}, which the service cannot store; this line was not run'
+    return LineError(code="invalid_value", message=message, param="custom_id", line=line_number)
 
 
 def _check_model(body: dict[str, Any], model_names: Collection[str]) -> None:

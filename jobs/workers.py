@@ -2,7 +2,8 @@
 *live* while its heartbeat is younger than ``Settings.worker_live_s`` (docs/architecture.md, "Observability").
 
 Data functions (keyword-only; the caller owns the transaction) and `WorkerObject`, the shape
-``GET /v1/workers`` and the jobs page show.
+``GET /v1/workers`` and the jobs page show (`live_worker_objects`: every key sees every worker, but a
+worker's ``current_batch_id`` only when that key owns the batch).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from jobs.models import Worker
+from jobs.models import Batch, Worker
 
 
 class WorkerObject(BaseModel):
@@ -33,14 +34,15 @@ class WorkerObject(BaseModel):
     last_heartbeat_at: int
 
     @classmethod
-    def from_row(cls, worker: Worker) -> WorkerObject:
+    def from_row(cls, worker: Worker, *, show_batch: bool = True) -> WorkerObject:
+        """The row as returned; ``show_batch=False`` hides ``current_batch_id`` (another key's batch)."""
         return cls(
             id=worker.id,
             host=worker.host,
             pid=worker.pid,
             model=worker.model,
             device=worker.device,
-            current_batch_id=worker.current_batch_id,
+            current_batch_id=worker.current_batch_id if show_batch else None,
             num_running_requests=worker.num_running_requests,
             tokens_per_s=worker.tokens_per_s,
             metrics_port=worker.metrics_port,
@@ -91,3 +93,18 @@ def list_live_workers(session: Session, *, now: int, live_s: float) -> list[Work
     """Workers whose last heartbeat is at most ``live_s`` seconds before ``now``, most recently started first."""
     query = select(Worker).where(Worker.last_heartbeat_at >= now - live_s)
     return list(session.scalars(query.order_by(Worker.started_at.desc(), Worker.id)))
+
+
+def live_worker_objects(session: Session, *, now: int, live_s: float, owner: str | None) -> list[WorkerObject]:
+    """`list_live_workers` as API key ``owner`` may see them: a worker running a batch of another key
+    shows no ``current_batch_id`` (None: the open deployment, which has no keys, sees every batch id)."""
+    rows = list_live_workers(session, now=now, live_s=live_s)
+    if owner is None:
+        return [WorkerObject.from_row(row) for row in rows]
+    batch_ids = {row.current_batch_id for row in rows if row.current_batch_id is not None}
+    owned = (
+        set(session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids), Batch.owner_key_id == owner)))
+        if batch_ids
+        else set()
+    )
+    return [WorkerObject.from_row(row, show_batch=row.current_batch_id in owned) for row in rows]

@@ -191,8 +191,12 @@ def _keys_create(args: argparse.Namespace) -> int:
     from jobs.api_keys import create_key
     from jobs.db import session_scope
 
-    with session_scope() as session:
-        created = create_key(session, name=args.name)
+    try:
+        with session_scope() as session:
+            created = create_key(session, name=args.name)
+    except ValueError as exc:
+        print(f"batchinfer keys create: {exc}", file=sys.stderr)
+        return 2
     print(f"created {created.key.id} {args.name!r}; the key, shown only now:", file=sys.stderr)
     print(created.secret)
     return 0

@@ -148,11 +148,12 @@ class ProgressView:
                 f"{output_tokens(batch) / elapsed:.1f} output tok/s)"
             )
         errors = (batch.get("errors") or {}).get("data") or []
+        num_errors = (batch.get("errors") or {}).get("total") or len(errors)  # data keeps the first 1,000
         for error in errors[:MAX_ERRORS_SHOWN]:  # a batch that failed validation: why, line by line
             where = "" if error.get("line") is None else f"line {error['line']}: "
             text += f"\n  {where}{error.get('code')}: {error.get('message')}"
-        if len(errors) > MAX_ERRORS_SHOWN:
-            text += f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more (the batch's errors)"
+        if num_errors > MAX_ERRORS_SHOWN:
+            text += f"\n  ... and {num_errors - MAX_ERRORS_SHOWN} more (the batch's errors)"
         print(text, file=self.stream, flush=True)
         return text
 

@@ -41,11 +41,6 @@ class Decoder(TokenStore, Protocol):
     def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
 
 
-def new_request_id() -> str:
-    """The id of one HTTP-like request inside a batch (``response.request_id``)."""
-    return f"req_{uuid.uuid4().hex}"
-
-
 def build_body(
     output: RequestOutput,
     mapped: MappedRequest,

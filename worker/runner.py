@@ -52,6 +52,7 @@ from jobs import repository, shards
 from jobs.config import get_settings
 from jobs.db import session_scope
 from jobs.errors import InvalidRequest, error_envelope
+from jobs.line_body import new_request_id, rejected_response
 from jobs.queue import enqueue_shards
 from jobs.schemas import CHAT_COMPLETIONS, RESPONSES
 from jobs.status import BatchStatus
@@ -64,7 +65,7 @@ from worker.engine.stats import EngineStats
 from worker.leases import LeaseKeeper, this_worker_id
 from worker.prefix_grouping import order_by_shared_prefix
 from worker.request_mapping import MappedRequest, map_request
-from worker.responses import build_body, context_length_message, new_request_id, usage
+from worker.responses import build_body, context_length_message, usage
 
 logger = logging.getLogger(__name__)
 
@@ -562,10 +563,7 @@ def _rejected(
     request_id: str, line_number: int, message: str, *, param: str | None, code: str | None = None
 ) -> LineResult:
     """A 400 for one line whose body the endpoint or the engine refuses; the message names the line."""
-    body = error_envelope(f"line {line_number}: {message}", type="invalid_request_error", param=param, code=code)
-    return LineResult(
-        request_id=request_id, response={"status_code": 400, "request_id": new_request_id(), "body": body}
-    )
+    return LineResult(request_id=request_id, response=rejected_response(line_number, message, param=param, code=code))
 
 
 def _context_length_result(request_id: str, line_number: int, endpoint: str, exc: PromptTooLongError) -> LineResult:

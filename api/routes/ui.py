@@ -11,7 +11,7 @@ A page showing a running batch carries ``data-refresh``; ``/ui/static/ui.js`` th
 every few seconds and swaps its ``<main>`` in place. No build step, no client framework.
 
 Each page shows only what the request's API key owns (`api.auth`; a browser sends the key as the
-HTTP Basic password); workers are shown to every key.
+HTTP Basic password); workers are shown to every key, the batch a worker runs only to its owner.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jobs.schedules import list_schedules
 from jobs.status import now_s
 from jobs.storage import storage_from_settings
 from jobs.validation import numbered_lines
-from jobs.workers import list_live_workers
+from jobs.workers import live_worker_objects
 
 HERE = Path(__file__).resolve().parent.parent
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -99,7 +99,7 @@ def index(request: Request, session: SessionDep, settings: SettingsDep, owner: O
     batches, _ = list_batches(session, limit=MAX_BATCHES, owner=owner)
     progress = [batch_progress(batch, now=now) for batch in batches]
     schedules, _ = list_schedules(session, limit=MAX_BATCHES, owner=owner)
-    live = list_live_workers(session, now=now, live_s=settings.worker_live_s)
+    live = live_worker_objects(session, now=now, live_s=settings.worker_live_s, owner=owner)
     return templates.TemplateResponse(
         request,
         "index.html",

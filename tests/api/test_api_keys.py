@@ -165,3 +165,39 @@ def test_a_deployment_without_keys_is_open_and_says_so(service_settings: Setting
                 break
             time.sleep(0.1)
     assert any("API is open" in r.getMessage() for r in caplog.records)
+
+
+def test_workers_show_a_running_batch_id_only_to_its_owner(service_settings: Settings, two_keys: Any) -> None:
+    from jobs.status import now_s
+    from jobs.workers import record_heartbeat
+
+    alice, bob = two_keys
+    with api_client(service_settings) as client:
+        batch_id = _alices_objects(client, alice)["batch_id"]
+        with session_scope() as session:
+            for worker_id, current in (("gpu-a:1", batch_id), ("gpu-b:2", None)):
+                host, pid = worker_id.split(":")
+                record_heartbeat(
+                    session,
+                    worker_id=worker_id,
+                    host=host,
+                    pid=int(pid),
+                    model="m",
+                    device="cpu",
+                    current_batch_id=current,
+                    num_running_requests=3 if current else 0,
+                    tokens_per_s=1.0,
+                    metrics_port=None,
+                    started_at=now_s(),
+                    now=now_s(),
+                )
+        seen = {}
+        for name, key in (("alice", alice), ("bob", bob)):
+            headers = {"Authorization": f"Bearer {key}"}
+            listed = client.get("/v1/workers", headers=headers).json()["data"]
+            seen[name] = {w["id"]: w["current_batch_id"] for w in listed}
+            page = client.get("/ui", headers=headers)
+            assert page.status_code == 200 and (batch_id in page.text) == (name == "alice"), name
+        assert seen["alice"] == {"gpu-a:1": batch_id, "gpu-b:2": None}
+        assert seen["bob"] == {"gpu-a:1": None, "gpu-b:2": None}  # Bob sees the worker, not Alice's batch
+        assert "another key's batch" in client.get("/ui", headers={"Authorization": f"Bearer {bob}"}).text

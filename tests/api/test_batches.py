@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Any
 
@@ -105,7 +106,24 @@ def test_bad_input_file_fails_the_batch_with_line_numbered_errors(client: Any, s
     ]
     assert all(set(e) == {"code", "message", "param", "line"} for e in batch["errors"]["data"])
     assert batch["request_counts"]["total"] == 0
+    assert batch["errors"]["total"] == 4
     assert queued_tasks(service_settings.broker_url) == []
+
+
+def test_errors_list_the_first_thousand_and_count_them_all(client: Any) -> None:
+    batch_id = _create(client, _upload(client, ["not json"] * 1234)).json()["id"]
+    errors = client.get(f"/v1/batches/{batch_id}").json()["errors"]
+    assert (len(errors["data"]), errors["total"]) == (1000, 1234)
+    assert errors["data"][-1]["line"] == 1000
+
+
+def test_a_binary_file_is_one_invalid_encoding_error(client: Any) -> None:
+    noise = random.Random(25).randbytes(1 << 20)
+    file_id = client.post("/v1/files", files={"file": ("noise.bin", noise)}, data={"purpose": "batch"}).json()["id"]
+    batch = client.get(f"/v1/batches/{_create(client, file_id).json()['id']}").json()
+    assert batch["status"] == "failed"
+    assert [e["code"] for e in batch["errors"]["data"]] == ["invalid_encoding"] and batch["errors"]["total"] == 1
+    assert len(json.dumps(batch)) < 5000
 
 
 def test_a_body_the_endpoint_rejects_does_not_fail_the_batch(client: Any) -> None:

@@ -331,3 +331,27 @@ def test_openai_fields_docs_list_as_refused_are_refused_by_name(endpoint: str, f
     error = _rejection(endpoint, {**body, field: value})
     assert error.param == field
     assert "unknown field" in error.message
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        (CHAT_COMPLETIONS, _chat(messages=[{"role": "user", "content": "hi\x00"}]), "messages[0].content"),
+        (
+            CHAT_COMPLETIONS,
+            _chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "\ud800"}]),
+            "messages[1].content",
+        ),
+        (CHAT_COMPLETIONS, _chat(stop=["ok", "\udfff"]), "stop[1]"),
+        (COMPLETIONS, _completion(prompt="x\x00y"), "prompt"),
+        (COMPLETIONS, _completion(logit_bias={"1\x00": 1}), "logit_bias.1\\u0000"),
+        (COMPLETIONS, _completion(**{"\ud83d": 1}), "\\ud83d"),
+    ],
+)
+def test_a_nul_or_lone_surrogate_anywhere_in_a_body_is_a_400_naming_the_field(
+    endpoint: str, body: dict[str, Any], param: str
+) -> None:
+    error = _rejection(endpoint, body)
+    assert error.param == param
+    assert ("NUL character" in error.message) != ("lone surrogate" in error.message)
+    assert "\x00" not in error.message and "\ud800" not in error.message  # written as its JSON escape

@@ -107,11 +107,20 @@ def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k" * 65: "v"}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k": "v" * 513}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"priority": "high"}}, "metadata"),
+            ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k": "v\x00"}}, "metadata"),
+            ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k\ud800": "v"}}, "metadata"),
+            ({"input_file_id": "file-\x00", "endpoint": CHAT}, "input_file_id"),
         ]
         for kwargs, param in cases:
             with pytest.raises(InvalidRequest) as info:
                 create_batch(session, **kwargs)
             assert info.value.param == param
+        with pytest.raises(InvalidRequest) as info:
+            write_file(session, chunks=[b"{}\n"], filename="in\x00.jsonl", purpose="batch")
+        assert info.value.param == "file" and "NUL" in info.value.message
+        for bad_id in ("batch_\x00", "batch_\udc00", "batch_" + "0" * 100):
+            with pytest.raises(NotFound):
+                get_batch(session, batch_id=bad_id)
         batch = create_batch(
             session, input_file_id=file.id, endpoint=CHAT, metadata={str(i): "v" for i in range(16)}, now=T0
         )

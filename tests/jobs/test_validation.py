@@ -7,12 +7,20 @@ see tests/jobs/test_line_body.py.
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
 
 from jobs.config import BUILTIN_MODEL
-from jobs.validation import TooManyLines, ValidatedLine, limit_lines, validate_batch_file, validated_lines
+from jobs.validation import (
+    MAX_ERRORS,
+    TooManyLines,
+    ValidatedLine,
+    limit_lines,
+    validate_batch_file,
+    validated_lines,
+)
 from tests.helpers.service import CHAT, COMPLETIONS, chat_line, jsonl
 
 
@@ -70,9 +78,7 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
         {**chat_line("extra"), "priority": 1},  # 14 invalid_line
         {**chat_line("x"), "custom_id": 7},  # 15 missing_custom_id (not a string)
     ]
-    data = jsonl(lines)
-    bad_utf8 = b'{"custom_id": "\xff\xfe", "method": "POST"}\n'  # 16 invalid_encoding
-    result = _validate(data + bad_utf8 + jsonl([chat_line("ok-3")]))
+    result = _validate(jsonl([*lines, chat_line("ok-3")]))
 
     assert not result.ok
     got = [(error.line, error.code) for error in result.errors]
@@ -87,8 +93,8 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
         (13, "invalid_json"),
         (14, "invalid_line"),
         (15, "missing_custom_id"),
-        (16, "invalid_encoding"),
     ]
+    assert result.num_errors == len(result.errors)
     by_line = {error.line: error for error in result.errors}
     assert "line 1" in by_line[4].message and by_line[4].param == "custom_id"
     assert by_line[6].param == "url" and COMPLETIONS in by_line[6].message
@@ -118,13 +124,46 @@ def test_empty_file_is_one_whole_file_error(data: bytes, code: str) -> None:
     assert "no requests" in result.errors[0].message
 
 
-def test_non_utf8_file_reports_each_bad_line() -> None:
+def test_a_non_utf8_file_is_one_error_naming_the_line_of_its_first_bad_byte() -> None:
     latin1 = (
         json.dumps(chat_line("café"), ensure_ascii=False).encode("utf-8").replace("é".encode(), "é".encode("latin-1"))
     )
-    result = _validate(jsonl([chat_line("a")]) + latin1 + b"\n" + latin1.replace(b"caf", b"tea") + b"\n")
-    assert [(e.code, e.line) for e in result.errors] == [("invalid_encoding", 2), ("invalid_encoding", 3)]
-    assert "UTF-8" in result.errors[0].message
+    data = jsonl([chat_line("a"), "not json"]) + latin1 + b"\n" + latin1.replace(b"caf", b"tea") + b"\n"
+    result = _validate(data)
+    assert [(e.code, e.line) for e in result.errors] == [("invalid_encoding", 3)]
+    assert result.num_errors == 1
+    assert "not UTF-8 text" in result.errors[0].message and "line 3" in result.errors[0].message
+
+
+def test_a_megabyte_of_random_bytes_is_one_invalid_encoding_error() -> None:
+    noise = random.Random(25).randbytes(1 << 20)
+    result = _validate(noise, max_bytes=2 << 20, max_lines=100_000, chunk=1 << 16)
+    assert [e.code for e in result.errors] == ["invalid_encoding"] and result.num_errors == 1
+    assert result.errors[0].line is not None
+
+
+def test_errors_keep_the_first_thousand_and_count_them_all() -> None:
+    data = jsonl(["not json"] * (MAX_ERRORS + 234) + [chat_line("ok")])
+    result = _validate(data, max_lines=10_000, chunk=1 << 16)
+    assert len(result.errors) == MAX_ERRORS and result.num_errors == MAX_ERRORS + 234
+    assert [e.line for e in result.errors] == list(range(1, MAX_ERRORS + 1))
+
+
+@pytest.mark.parametrize("custom_id", ["a\x00b", "\x00", "lone \ud800 surrogate", "\udfff"])
+def test_a_custom_id_the_database_cannot_hold_rejects_that_line_only(custom_id: str) -> None:
+    data = jsonl([chat_line("before"), chat_line(custom_id), chat_line("after")])
+    result = _validate(data)
+    assert result.ok, result.errors
+    before, rejected, after = _lines(data)
+    assert before.rejection is None and after.rejection is None
+    assert rejected.custom_id == custom_id
+    assert rejected.rejection is not None and rejected.rejection.param == "custom_id"
+    assert json.dumps(custom_id)[1:-1] in rejected.rejection.message
+
+
+def test_a_custom_id_with_a_nul_is_still_checked_for_duplicates() -> None:
+    result = _validate(jsonl([chat_line("a\x00"), chat_line("a\x00")]))
+    assert [(e.line, e.code) for e in result.errors] == [(2, "duplicate_custom_id")]
 
 
 def test_bom_crlf_and_non_ascii_are_accepted() -> None:

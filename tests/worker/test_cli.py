@@ -241,6 +241,9 @@ def test_keys_create_ls_revoke(data_dir, capsys):
     with session_scope() as session:
         assert find_key(session, secret=secret) is None
     assert cli.main(["keys", "revoke", "key_nope"]) == 1
+    # A name that is not UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape).
+    assert cli.main(["keys", "create", "--name", "caf\udce9"]) == 2
+    assert "lone surrogate" in capsys.readouterr().err
 
 
 def test_keys_say_where_the_database_is_missing_instead_of_a_traceback(data_dir, capsys):

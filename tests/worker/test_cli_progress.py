@@ -155,6 +155,8 @@ def test_the_summary_of_a_batch_that_failed_validation_lists_its_errors():
     assert lines[0].startswith("batch batch_x: failed")
     assert lines[1:6] == [f"  line {i}: invalid_url: url {i} does not match" for i in range(1, 6)]
     assert lines[6] == "  ... and 3 more (the batch's errors)"
+    capped = {**batch, "errors": {"object": "list", "data": errors, "total": 4134}}  # data: the first 1,000
+    assert ProgressView(io.StringIO()).summary(capped).splitlines()[6] == "  ... and 4129 more (the batch's errors)"
 
 
 def test_rates_start_at_the_first_finished_line_not_while_the_worker_starts():
