@@ -12,11 +12,13 @@ database), with the real model (SmolLM2) and the default lease, heartbeat and re
    (user + system, all threads) a worker used until ready: unlike the wall figures it hardly depends on
    what else the machine runs.
 2. **resume_after_kill_s**: the API, beat (the reaper) and two workers; one batch of ``lines`` short
-   completion lines (one shard). Once the shard has stored some results, the worker holding it is
-   SIGKILLed; the figure is the seconds from the kill to the next result of that shard stored by the
-   other worker (a killed worker's lease is reclaimed when its heartbeat is ``worker_dead_s`` old, the
-   shard's message is sent in the same reaper pass, and the idle worker claims it at once).
-   ``reclaimed_after_kill_s`` is when the shard was seen back in the hands of the other worker.
+   completion lines (one shard), the workers running ``max_num_seqs`` lines at a time (16, the runner's
+   commit group: so the figure measures the takeover, not a first wave of 256 lines through a loaded
+   CPU). Once the shard has stored some results, the worker holding it is SIGKILLed; the figure is the
+   seconds from the kill to the next result of that shard stored by the other worker (a killed
+   worker's lease is reclaimed when its heartbeat is ``worker_dead_s`` old, the shard's message is
+   sent in the same reaper pass, and the idle worker claims it at once). ``reclaimed_after_kill_s`` is
+   when the shard was seen back in the hands of the other worker.
 """
 
 from __future__ import annotations
@@ -145,11 +147,17 @@ def _shard(conn: psycopg.Connection, batch_id: str) -> tuple[str, str | None, in
 
 
 def resume_after_kill(
-    env: dict[str, str], database_dsn: str, logs: Path, base_url: str, num_lines: int = 1500
+    env: dict[str, str],
+    database_dsn: str,
+    logs: Path,
+    base_url: str,
+    num_lines: int = 1500,
+    max_num_seqs: int = 16,
 ) -> dict[str, Any]:
     """Two workers, one shard, the holder SIGKILLed mid-shard; see the module docstring. The API and beat
     must already run (``base_url``)."""
-    workers = [_start_worker(env, logs / f"worker{i}.log") for i in range(2)]
+    worker_env = dict(env, BATCHINFER_MAX_NUM_SEQS=str(max_num_seqs))
+    workers = [_start_worker(worker_env, logs / f"worker{i}.log") for i in range(2)]
     try:
         with psycopg.connect(database_dsn, autocommit=True) as conn:
             for i, worker in enumerate(workers):
@@ -198,6 +206,7 @@ def resume_after_kill(
         "resume_after_kill_s": round(resumed_s, 2),
         "reclaimed_after_kill_s": None if reclaimed_s is None else round(reclaimed_s, 2),
         "takeover_lines": num_lines,
+        "takeover_max_num_seqs": max_num_seqs,
         "takeover_done_at_kill": done_at_kill,
     }
 
