@@ -4,7 +4,7 @@ Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_elementwise.cpp`` (fused
 embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer) and ``cpu_sampling.cpp`` (exponential race),
 next to this file. The first call builds them with :func:`torch.utils.cpp_extension.load`
 (``-O3 -march=native -fno-trapping-math -fopenmp``) into a folder of torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) named after the extension; concurrent
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``: :func:`build_directory`) named after the extension; concurrent
 builders wait on torch's file baton. The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``.
 Because ``-march=native`` ties the binary to the CPU, the extension name carries a digest of the CPU's
 feature flags, of the compiler flags, of the Python and torch versions and of the sources, so a shared
@@ -74,11 +74,11 @@ def load_cpu_kernels() -> bool:
     global _loaded
     if _loaded is None:
         try:
-            from torch.utils.cpp_extension import load
-
             name = f"batchinfer_cpu_{_build_tag()}"
             build_dir = build_directory(name)
             if not _load_built(build_dir / f"{name}.so"):
+                from torch.utils.cpp_extension import load
+
                 build_dir.mkdir(parents=True, exist_ok=True)
                 load(
                     name=name,
@@ -97,11 +97,17 @@ def load_cpu_kernels() -> bool:
 
 
 def build_directory(name: str) -> Path:
-    """Where the extension ``name`` is built: ``$TORCH_EXTENSIONS_DIR/name``, else under torch's default
-    build root (:func:`torch.utils.cpp_extension.get_default_build_root`)."""
-    from torch.utils.cpp_extension import get_default_build_root
+    """Where the extension ``name`` is built: ``$TORCH_EXTENSIONS_DIR/name``, else
+    ``$XDG_CACHE_HOME/torch_extensions/name`` (default ``~/.cache/torch_extensions/name``, torch's own
+    default root on Linux).
 
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    NOTE: computed here rather than by :func:`torch.utils.cpp_extension.get_default_build_root`, whose
+    module imports setuptools (about a second of a worker's start) and is needed only to build.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions")
+    return Path(root) / name
 
 
 def _load_built(library: Path) -> bool:
