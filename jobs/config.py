@@ -71,8 +71,11 @@ class Settings(BaseSettings):
     # A worker's Prometheus /metrics (docs/architecture.md, "Observability"); None serves none.
     worker_metrics_port: int | None = None
     worker_metrics_host: str = "0.0.0.0"
-    worker_heartbeat_s: float = 5.0
+    worker_heartbeat_s: float = Field(default=5.0, gt=0)
     worker_live_s: float = 30.0
+    # A worker whose heartbeat is older than worker_dead_s is dead (killed, out of memory): the reaper takes
+    # its shards back without waiting for their leases to lapse (docs/operations.md, "Leases and the reaper").
+    worker_dead_s: float = Field(default=15.0, gt=0)
     # Shards and leases (docs/operations.md): a batch's lines are cut into shards of about this many
     # tokens (prompt estimate + completion budget); a worker holds a lease on its shard, renewed every
     # lease_renew_s and lapsing lease_expiry_s after the last renewal; beat's reaper runs every
@@ -100,6 +103,11 @@ class Settings(BaseSettings):
             self.broker_url = f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
         self.files_dir = self.files_dir.expanduser().resolve()
         parse_window(self.completion_window)
+        if self.worker_dead_s < 2 * self.worker_heartbeat_s:
+            raise ValueError(
+                f"worker_dead_s ({self.worker_dead_s}) must be at least twice worker_heartbeat_s "
+                f"({self.worker_heartbeat_s}): one late heartbeat must not make a live worker look dead"
+            )
         if self.lease_renew_s >= self.lease_expiry_s:
             raise ValueError(
                 f"lease_renew_s ({self.lease_renew_s}) must be shorter than lease_expiry_s ({self.lease_expiry_s})"

@@ -259,7 +259,9 @@ class Worker(Base):
 
     ``id`` is ``host:pid``; ``current_batch_id`` is the batch it is running (None when idle);
     ``tokens_per_s`` is its generation tokens per second over the last minute; ``metrics_port`` the
-    port of its Prometheus ``/metrics`` (None when not served).
+    port of its Prometheus ``/metrics`` (None when not served); ``ready_s`` the seconds from its
+    process's start until it was ready to take shards (engine loaded and warmed up, consuming
+    messages), None while it is still starting.
     """
 
     __tablename__ = "workers"
@@ -275,5 +277,6 @@ class Worker(Base):
     metrics_port: Mapped[int | None] = mapped_column(Integer)
     started_at: Mapped[int] = mapped_column(BigInteger)
     last_heartbeat_at: Mapped[int] = mapped_column(BigInteger)
+    ready_s: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (Index("ix_workers_last_heartbeat_at", "last_heartbeat_at"),)

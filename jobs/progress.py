@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from jobs.models import Batch, BatchRequest, RequestState
 from jobs.status import BatchStatus
 from jobs.storable_text import escaped
+from jobs.workers import waits_for_workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,11 @@ class BatchProgress:
     @property
     def is_terminal(self) -> bool:
         return self.status.is_terminal
+
+    @property
+    def waits_for_workers(self) -> bool:
+        """Lines still need a worker (`jobs.workers.waits_for_workers`)."""
+        return waits_for_workers(self.status.value, num_done=self.num_done, total=self.total)
 
 
 def batch_progress(batch: Batch, *, now: int) -> BatchProgress:

@@ -4,8 +4,12 @@ One pass (`reap`), each step in its own short transactions, every step safe to r
 from two beat processes at once:
 
 1. **Lapsed leases.** A ``running`` shard whose lease lapsed (its worker was killed, hung, or lost
-   the database) goes back to ``queued``; on its ``shard_max_attempts``-th loss it ``failed`` and its
-   pending lines get ``shard_failed`` errors (`jobs.shards.reclaim_lapsed_shard`).
+   the database), or whose worker's heartbeat is older than ``Settings.worker_dead_s`` (its worker
+   was killed: taken back without waiting for the lease to expire), goes back to ``queued``; on its
+   ``shard_max_attempts``-th loss it ``failed`` and its pending lines get ``shard_failed`` errors
+   (`jobs.shards.reclaim_lapsed_shard`). A killed worker's shard is therefore queued again at most
+   ``worker_dead_s + worker_heartbeat_s + reaper_interval_s`` (+1 s: heartbeats are whole seconds)
+   after the kill: 31 s with the defaults, usually less.
 2. **Settling.** A batch past ``expires_at`` is finalized ``expired`` whether or not a worker ever
    took it (finished lines stay in the output file, the rest go to the error file as
    ``batch_expired``); a ``cancelling`` batch nobody holds a live lease on is finalized
@@ -13,7 +17,10 @@ from two beat processes at once:
    (`jobs.shards.settle_batch`).
 3. **Messages.** The work queue is topped up to one message per claimable shard: shards whose message
    never reached the broker (it was down when the batch was validated), or was lost with a killed
-   worker, reach a worker within one interval of the broker answering.
+   worker, reach a worker within one interval of the broker answering. A shard taken back in step 1
+   gets its message in the same pass, so an idle worker claims it at once; a busy one after its
+   current shard (``worker_prefetch_multiplier = 1`` with late acks: a worker never holds a message
+   it is not running, see `jobs.queue`).
 
 Database or broker trouble in a step is logged and the pass goes on; the next pass retries.
 """
@@ -68,21 +75,29 @@ def reap(*, settings: Settings | None = None, now: float | None = None) -> ReapR
 
 
 def _reclaim(settings: Settings, now: float, report: ReapReport) -> None:
+    dead_before = now - settings.worker_dead_s
     with session_scope(settings.database_url) as session:
-        lapsed = lapsed_shards(session, now=now)
+        lapsed = lapsed_shards(session, now=now, dead_before=dead_before)
     for shard_id, batch_id in lapsed:
         with session_scope(settings.database_url) as session:
             taken = reclaim_lapsed_shard(
-                session, shard_id=shard_id, batch_id=batch_id, now=now, max_attempts=settings.shard_max_attempts
+                session,
+                shard_id=shard_id,
+                batch_id=batch_id,
+                now=now,
+                max_attempts=settings.shard_max_attempts,
+                dead_before=dead_before,
             )
         if taken is None:
             continue
         (report.failed_shards if taken.failed else report.requeued_shards).append(shard_id)
         logger.warning(
-            "reaper: the lease of shard %s (batch %s) held by %s lapsed; %s",
+            "reaper: shard %s (batch %s): %s; %s",
             shard_id,
             batch_id,
-            taken.owner,
+            f"its worker {taken.owner} stopped its heartbeat {settings.worker_dead_s:g}+ s ago"
+            if taken.owner_dead
+            else f"the lease held by {taken.owner} lapsed",
             "its remaining lines failed" if taken.failed else "queued again",
         )
 

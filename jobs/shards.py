@@ -11,8 +11,16 @@ queued --claim--> running --every line recorded--> finished
    ^                 |  \\--graceful stop: hand back (attempt not counted)--> queued
    |                 |   \\--batch cancelled / expired: released; finalize closes it--> finished
    +--lease lapsed---+   (reaper; the attempt counted)
-                     +--lease lapsed on the last attempt--> failed (remaining lines: `shard_failed` errors)
+   +--holder dead----+   (reaper: the holder's heartbeat stopped; the attempt counted)
+                     +--lease lapsed / holder dead on the last attempt--> failed (remaining lines: `shard_failed` errors)
 ```
+
+A lease is *lapsed* when its expiry passed, or when its holder is *dead*: the holder's row in the
+``workers`` table (`jobs.workers`) has a heartbeat older than the reaper's ``dead_before`` (its
+process was killed; a worker writes its row every ``Settings.worker_heartbeat_s``). The second rule
+lets the reaper take a killed worker's shard back a few heartbeats after the kill instead of a whole
+lease expiry later; a holder with no row at all (a runner without a heartbeat) is judged by its
+lease's expiry alone, and a live holder's heartbeat keeps it from ever being reclaimed early.
 
 Fair share: `claim_next_shard` takes the queued shard of the highest ``priority``, then of the batch
 with the fewest shards running, then of the oldest batch, then the lowest shard index. Several
@@ -30,10 +38,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import Batch, BatchRequest, BatchShard, RequestState, ShardState
+from jobs.models import Batch, BatchRequest, BatchShard, RequestState, ShardState, Worker
 from jobs.repository import finalize_batch, get_batch, has_live_lease, is_past_expiry, num_rows_updated
 from jobs.status import BatchStatus
 from jobs.storage import FileStorage
@@ -56,12 +64,14 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class LapsedShard:
-    """A shard whose lease the reaper found lapsed: back in the queue, or failed for good."""
+    """A shard whose lease the reaper found lapsed: back in the queue, or failed for good.
+    ``owner_dead``: taken back because its holder's heartbeat stopped (its lease had not expired yet)."""
 
     shard_id: str
     batch_id: str
     owner: str | None
     failed: bool
+    owner_dead: bool = False
 
 
 def claim_next_shard(session: Session, *, owner: str, now: float, lease_s: float) -> Lease | None:
@@ -190,36 +200,50 @@ def _end_lease(session: Session, lease: Lease, *, state: ShardState, **values: o
     return bool(num_rows_updated(session.execute(query)))
 
 
-def lapsed_shards(session: Session, *, now: float) -> list[tuple[str, str]]:
-    """``(shard_id, batch_id)`` of every ``running`` shard whose lease lapsed before ``now``."""
-    query = select(BatchShard.id, BatchShard.batch_id).where(
-        BatchShard.state == ShardState.RUNNING.value, BatchShard.lease_expires_at < now
-    )
+def _is_lapsed(now: float, dead_before: float | None) -> ColumnElement[bool]:
+    """A ``running`` shard whose lease expired before ``now``, or whose holder's heartbeat is older than
+    ``dead_before`` (Unix seconds; None: expiry only)."""
+    expired = BatchShard.lease_expires_at < now
+    if dead_before is None:
+        return (BatchShard.state == ShardState.RUNNING.value) & expired
+    dead = BatchShard.lease_owner.in_(select(Worker.id).where(Worker.last_heartbeat_at < dead_before))
+    return (BatchShard.state == ShardState.RUNNING.value) & (expired | dead)
+
+
+def lapsed_shards(session: Session, *, now: float, dead_before: float | None = None) -> list[tuple[str, str]]:
+    """``(shard_id, batch_id)`` of every ``running`` shard whose lease lapsed before ``now`` or whose
+    holder's last heartbeat is older than ``dead_before`` (see the module docstring)."""
+    query = select(BatchShard.id, BatchShard.batch_id).where(_is_lapsed(now, dead_before))
     return [(shard_id, batch_id) for shard_id, batch_id in session.execute(query.order_by(BatchShard.id))]
 
 
 def reclaim_lapsed_shard(
-    session: Session, *, shard_id: str, batch_id: str, now: float, max_attempts: int
+    session: Session,
+    *,
+    shard_id: str,
+    batch_id: str,
+    now: float,
+    max_attempts: int,
+    dead_before: float | None = None,
 ) -> LapsedShard | None:
-    """Take back one shard whose lease lapsed (its worker died, hung or lost the database).
+    """Take back one shard whose lease lapsed (its worker died, hung or lost the database) or whose
+    holder's heartbeat is older than ``dead_before`` (its worker was killed).
 
     Below ``max_attempts`` claims the shard is ``queued`` again; at ``max_attempts`` it is
     ``failed`` and each of its lines still pending gets the error ``shard_failed`` (counted as
-    failed), so the batch can still end. None when the lease was renewed or ended meanwhile.
+    failed), so the batch can still end. None when the lease was renewed or ended meanwhile (or the
+    holder's heartbeat came back).
     """
     get_batch(session, batch_id=batch_id, for_update=True)
     shard = session.scalar(
         select(BatchShard)
-        .where(
-            BatchShard.id == shard_id,
-            BatchShard.state == ShardState.RUNNING.value,
-            BatchShard.lease_expires_at < now,
-        )
+        .where(BatchShard.id == shard_id, _is_lapsed(now, dead_before))
         .execution_options(populate_existing=True)
     )
     if shard is None:
         return None
     owner, failed = shard.lease_owner, shard.attempts >= max_attempts
+    owner_dead = shard.lease_expires_at is not None and shard.lease_expires_at >= now
     shard.state = (ShardState.FAILED if failed else ShardState.QUEUED).value
     shard.lease_token = shard.lease_owner = shard.lease_expires_at = None
     if failed:
@@ -248,7 +272,7 @@ def reclaim_lapsed_shard(
             .execution_options(synchronize_session=False)
         )
     session.flush()
-    return LapsedShard(shard_id, batch_id, owner, failed)
+    return LapsedShard(shard_id, batch_id, owner, failed, owner_dead)
 
 
 def settle_batch(session: Session, *, batch_id: str, now: float, storage: FileStorage | None = None) -> BatchStatus:

@@ -8,6 +8,7 @@ worker's ``current_batch_id`` only when that key owns the batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
@@ -32,6 +33,8 @@ class WorkerObject(BaseModel):
     metrics_port: int | None
     started_at: int
     last_heartbeat_at: int
+    ready_s: float | None
+    """Seconds from the process's start until it took work; null while it is starting (loading the model)."""
 
     @classmethod
     def from_row(cls, worker: Worker, *, show_batch: bool = True) -> WorkerObject:
@@ -48,6 +51,7 @@ class WorkerObject(BaseModel):
             metrics_port=worker.metrics_port,
             started_at=worker.started_at,
             last_heartbeat_at=worker.last_heartbeat_at,
+            ready_s=worker.ready_s,
         )
 
 
@@ -72,8 +76,10 @@ def record_heartbeat(
     metrics_port: int | None,
     started_at: int,
     now: int,
+    ready_s: float | None = None,
 ) -> None:
-    """Insert or rewrite the worker's row with its current state and ``last_heartbeat_at = now``."""
+    """Insert or rewrite the worker's row with its current state and ``last_heartbeat_at = now``
+    (``ready_s``: seconds from its start until it was ready; None while starting)."""
     worker = session.get(Worker, worker_id)
     if worker is None:
         worker = Worker(id=worker_id)
@@ -81,7 +87,7 @@ def record_heartbeat(
     worker.host, worker.pid, worker.model, worker.device = host, pid, model, device
     worker.current_batch_id, worker.num_running_requests = current_batch_id, num_running_requests
     worker.tokens_per_s, worker.metrics_port = tokens_per_s, metrics_port
-    worker.started_at, worker.last_heartbeat_at = started_at, now
+    worker.started_at, worker.last_heartbeat_at, worker.ready_s = started_at, now, ready_s
 
 
 def remove_worker(session: Session, *, worker_id: str) -> None:
@@ -108,3 +114,38 @@ def live_worker_objects(session: Session, *, now: int, live_s: float, owner: str
         else set()
     )
     return [WorkerObject.from_row(row, show_batch=row.current_batch_id in owned) for row in rows]
+
+
+def waits_for_workers(status: str, *, num_done: int, total: int) -> bool:
+    """Whether a batch in ``status`` with ``num_done`` of ``total`` lines done still needs a worker:
+    ``validating`` (its lines are about to be queued), or ``in_progress`` with lines left to run."""
+    return status == "validating" or (status == "in_progress" and num_done < total)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReadiness:
+    """How many live workers can take a shard now (``num_ready``) and how many are still starting."""
+
+    num_ready: int
+    num_starting: int
+
+    def waiting_note(self) -> str | None:
+        """What a batch with lines to run is waiting for when no worker is ready, else None:
+        ``"waiting: no worker is ready (1 starting)"``, or ``"(none running)"``."""
+        if self.num_ready:
+            return None
+        starting = f"{self.num_starting} starting" if self.num_starting else "none running"
+        return f"waiting: no worker is ready ({starting})"
+
+
+def worker_readiness(session: Session, *, now: int, live_s: float) -> WorkerReadiness:
+    """Count the live workers (heartbeat at most ``live_s`` s before ``now``) that are ready and starting."""
+    live = list_live_workers(session, now=now, live_s=live_s)
+    num_ready = sum(worker.ready_s is not None for worker in live)
+    return WorkerReadiness(num_ready=num_ready, num_starting=len(live) - num_ready)
+
+
+def ready_workers(session: Session, *, host: str, pids: list[int]) -> list[Worker]:
+    """The ready workers among the processes ``pids`` of ``host`` (``batchinfer serve`` watching its children)."""
+    query = select(Worker).where(Worker.host == host, Worker.pid.in_(pids), Worker.ready_s.is_not(None))
+    return list(session.scalars(query))

@@ -3,11 +3,18 @@
 Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, rotary
 embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer) and ``cpu_sampling.cpp`` (exponential race),
 next to this file. The first call builds them with :func:`torch.utils.cpp_extension.load`
-(``-O3 -march=native -fno-trapping-math -fopenmp``) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``); later processes reuse the built library, and concurrent builders wait on
-torch's file baton. The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``. Because
-``-march=native`` ties the binary to the CPU, the extension name carries a digest of the CPU's feature
-flags, of the compiler flags and of the sources, so a shared cache never hands one machine another's build or a stale one.
+(``-O3 -march=native -fno-trapping-math -fopenmp``) into a folder of torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``: :func:`build_directory`) named after the extension; concurrent
+builders wait on torch's file baton. The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``.
+Because ``-march=native`` ties the binary to the CPU, the extension name carries a digest of the CPU's
+feature flags, of the compiler flags, of the Python and torch versions and of the sources, so a shared
+cache never hands one machine another's build or a stale one.
+
+A later process finds the built library under that name and loads it directly
+(:func:`torch.ops.load_library`, a few milliseconds): it neither runs ninja nor takes the baton, so a
+worker's start does not wait behind a build of the same sources from another checkout (whose paths
+differ and would make ninja rebuild). While another process builds (its baton is present), or when
+the direct load fails, the ordinary :func:`~torch.utils.cpp_extension.load` path runs.
 
 Set ``BATCHINFER_CPU_KERNELS=0`` to disable the kernels (:func:`cpu_kernels_available` then returns
 ``False`` and callers use their PyTorch paths). When the build fails (no compiler, no ninja), a warning is
@@ -22,6 +29,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -41,15 +49,18 @@ _loaded: bool | None = None  # None: not tried yet; False: the build failed
 
 
 def _build_tag() -> str:
-    """Short digest of the machine type, the CPU feature flags (``/proc/cpuinfo``), the compiler flags and the
-    sources."""
+    """Short digest of the machine type, the CPU feature flags (``/proc/cpuinfo``), the compiler flags, the
+    Python and torch versions and the sources."""
+    import torch
+
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    digest = hashlib.sha256(f"{platform.machine()} {flags} {' '.join(_CFLAGS)}".encode())
+    versions = f"{sys.version_info[:2]} {sys.abiflags} torch {torch.__version__}"
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {' '.join(_CFLAGS)} {versions}".encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
@@ -63,21 +74,55 @@ def load_cpu_kernels() -> bool:
     global _loaded
     if _loaded is None:
         try:
-            from torch.utils.cpp_extension import load
+            name = f"batchinfer_cpu_{_build_tag()}"
+            build_dir = build_directory(name)
+            if not _load_built(build_dir / f"{name}.so"):
+                from torch.utils.cpp_extension import load
 
-            load(
-                name=f"batchinfer_cpu_{_build_tag()}",
-                sources=[str(source) for source in _SOURCES],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+                build_dir.mkdir(parents=True, exist_ok=True)
+                load(
+                    name=name,
+                    sources=[str(source) for source in _SOURCES],
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
             _loaded = True
         except Exception as exc:
             logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch paths", exc)
             _loaded = False
     return _loaded
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built: ``$TORCH_EXTENSIONS_DIR/name``, else
+    ``$XDG_CACHE_HOME/torch_extensions/name`` (default ``~/.cache/torch_extensions/name``, torch's own
+    default root on Linux).
+
+    NOTE: computed here rather than by :func:`torch.utils.cpp_extension.get_default_build_root`, whose
+    module imports setuptools (about a second of a worker's start) and is needed only to build.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions")
+    return Path(root) / name
+
+
+def _load_built(library: Path) -> bool:
+    """Load an already built ``library`` directly; False when there is none, a build is under way (torch's
+    baton file ``lock`` beside it), or it does not load."""
+    import torch
+
+    if not library.is_file() or (library.parent / "lock").exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError) as exc:
+        logger.warning("C++ CPU kernels at %s did not load (%s); building them again", library, exc)
+        return False
+    return True
 
 
 def require_cpu_kernels() -> None:

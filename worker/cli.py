@@ -6,9 +6,10 @@
     batchinfer worker                 a Celery worker (solo pool: one engine per process)
     batchinfer beat                   Celery beat + a light worker for its ticks (scheduled runs; no engine)
     batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes (a
-                                      worker or beat that dies is restarted)
+                                      worker or beat that dies is restarted; says when each worker is ready)
     batchinfer submit FILE [--endpoint URL] [--wait] [--output PATH]
-    batchinfer status BATCH_ID        one batch's status, counts, tokens and files
+    batchinfer status BATCH_ID        one batch's status, counts, tokens and files (and, while it waits
+                                      for workers, whether one is ready)
     batchinfer ls [--limit N]         the latest batches
     batchinfer keys create [--name N] a new API key (printed once; stored hashed)
     batchinfer keys ls                every API key (id, name, first characters, created, revoked)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -40,6 +42,7 @@ from jobs.config import get_settings
 if TYPE_CHECKING:
     import httpx
 
+logger = logging.getLogger(__name__)
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 _SHUTDOWN_GRACE_S = 30
 LIST_PAGE_MAX = 100  # the most GET /v1/batches returns per page (docs/api.md)
@@ -254,16 +257,28 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from worker.bootstrap import get_engine
-    from worker.tasks import celery_app
-    from worker.telemetry import start_worker_telemetry
+    from celery.signals import worker_ready
 
-    engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
-    stop_telemetry = start_worker_telemetry(
-        get_settings(), device=engine.config.device, max_model_len=engine.max_model_len
-    )
+    from worker.telemetry import start_heartbeat
+
+    settings = get_settings()
+    heartbeat = start_heartbeat(settings)  # first: the row says "starting" while the model loads
+    stop_telemetry = heartbeat.stop
     try:
-        celery_app.worker_main(["worker", "--pool=solo", f"--loglevel={args.loglevel}"])
+        from worker.bootstrap import get_engine
+        from worker.tasks import celery_app
+        from worker.telemetry import start_worker_telemetry
+
+        engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+        stop_telemetry = start_worker_telemetry(
+            settings, heartbeat, device=engine.config.device, max_model_len=engine.max_model_len
+        )
+        worker_ready.connect(lambda **_: heartbeat.mark_ready(), weak=False)
+        # NOTE: no mingle (a second's wait for other workers' replies at start; we use no revokes or
+        # clock sync) and no gossip: a worker takes its work from the broker and the database alone.
+        celery_app.worker_main(
+            ["worker", "--pool=solo", "--without-mingle", "--without-gossip", f"--loglevel={args.loglevel}"]
+        )
     finally:
         stop_telemetry()
     return 0
@@ -316,7 +331,9 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        return _supervise(children, lambda: stopping, api_address=(args.host, args.port))
+        return _supervise(
+            children, lambda: stopping, api_address=(args.host, args.port), ready_watch=ReadyWatch(ready_children)
+        )
     finally:
         _stop_children([child.process for child in children])
 
@@ -363,14 +380,75 @@ _RESTART_BACKOFF_S = 1.0
 _UVICORN_STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start (uvicorn.config)
 
 
-def _supervise(children: list[_Child], stopping: Callable[[], bool], api_address: tuple[str, int]) -> int:
+class ReadyWatch:
+    """Says once per worker process of ``serve`` when it is ready: ``batchinfer: worker ready (model M) in N s``.
+
+    ``find_ready(pids)`` returns ``{pid: (model, ready_s)}`` for the processes among ``pids`` that are
+    ready (`ready_children`: their heartbeat rows, `jobs.workers.ready_workers`); it is asked at most
+    every ``interval_s`` seconds, and only while a running worker child has not been reported.
+    """
+
+    def __init__(
+        self, find_ready: Callable[[list[int]], dict[int, tuple[str, float]]], *, interval_s: float = 1.0
+    ) -> None:
+        self._find_ready = find_ready
+        self._interval_s = interval_s
+        self._next_s = 0.0
+        self._reported: set[int] = set()
+
+    def poll(self, children: list[_Child], now: float) -> None:
+        """Report the worker children that became ready (``now``: `time.monotonic` seconds)."""
+        if now < self._next_s:
+            return
+        self._next_s = now + self._interval_s
+        waiting = {
+            child.process.pid: child
+            for child in children
+            if child.name == "worker" and child.process.poll() is None and child.process.pid not in self._reported
+        }
+        if not waiting:
+            return
+        try:
+            ready = self._find_ready(list(waiting))
+        except Exception as exc:  # NOTE: the database may not answer yet; the next poll asks again
+            logger.debug("serve: could not read worker readiness: %s", exc)
+            return
+        for pid, (model, ready_s) in sorted(ready.items()):
+            self._reported.add(pid)
+            print(
+                f"batchinfer: {waiting[pid].name} ready (model {model}) in {ready_s:.1f} s", file=sys.stderr, flush=True
+            )
+
+
+def ready_children(pids: list[int]) -> dict[int, tuple[str, float]]:
+    """``{pid: (model, ready_s)}`` of the worker processes of this host among ``pids`` whose heartbeat row
+    says they are ready (the settings' database)."""
+    import socket
+
+    from jobs.db import session_scope
+    from jobs.workers import ready_workers
+
+    with session_scope() as session:
+        rows = ready_workers(session, host=socket.gethostname(), pids=pids)
+        return {row.pid: (row.model, float(row.ready_s or 0.0)) for row in rows}
+
+
+def _supervise(
+    children: list[_Child],
+    stopping: Callable[[], bool],
+    api_address: tuple[str, int],
+    ready_watch: ReadyWatch | None = None,
+) -> int:
     """Watch the children until ``stopping()`` (then 0) or until one exits for good (then its status).
 
     An exited restartable child is started again (see `_Child`); any other exit, or a restartable
-    child exiting too often, ends the watch with one line on stderr saying why.
+    child exiting too often, ends the watch with one line on stderr saying why. ``ready_watch`` says
+    when each worker child is ready.
     """
     while not stopping():
         now = time.monotonic()
+        if ready_watch is not None:
+            ready_watch.poll(children, now)
         for child in children:
             returncode = child.process.poll()
             if returncode is None:
@@ -513,7 +591,9 @@ def _status(args: argparse.Namespace) -> int:
         from worker.cli_views import print_status
 
         with httpx.Client(base_url=server_root(args.base_url), headers=_auth_headers(), timeout=30) as client:
-            print_status(_json_or_exit(client.get(f"/v1/batches/{args.batch_id}")), sys.stdout)
+            batch = _json_or_exit(client.get(f"/v1/batches/{args.batch_id}"))
+            workers = client.get("/v1/workers")
+            print_status(batch, sys.stdout, None if workers.is_error else workers.json()["data"])
         return 0
 
     return _over_http("status", args, run)

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+from jobs.workers import WorkerReadiness, waits_for_workers
+
 MAX_ERRORS_SHOWN = 5  # file errors the summary of a failed batch lists
 
 
@@ -166,8 +168,26 @@ def _ended_at(batch: dict[str, Any]) -> int | None:
     return None
 
 
-def print_status(batch: dict[str, Any], stream: IO[str]) -> None:
-    """``batchinfer status``: one batch's facts, as a table on a terminal or ``key: value`` lines."""
+def workers_row(batch: dict[str, Any], workers: list[dict[str, Any]] | None) -> str | None:
+    """What ``batchinfer status`` says about the workers for a batch that still has lines to run
+    (``validating``, or ``in_progress`` with lines left): ``"2 ready"``, or the note of
+    `jobs.workers.WorkerReadiness.waiting_note` (``"waiting: no worker is ready (1 starting)"``) when no
+    live worker is ready. None for any other batch, or when the workers are unknown (``workers`` None:
+    ``GET /v1/workers`` did not answer)."""
+    completed, failed, total = counts(batch)
+    if workers is None or not waits_for_workers(batch.get("status", ""), num_done=completed + failed, total=total):
+        return None
+    num_ready = sum(worker.get("ready_s") is not None for worker in workers)
+    readiness = WorkerReadiness(num_ready=num_ready, num_starting=len(workers) - num_ready)
+    note = readiness.waiting_note()
+    if note is not None:
+        return note
+    return f"{num_ready} ready" + (f", {readiness.num_starting} starting" if readiness.num_starting else "")
+
+
+def print_status(batch: dict[str, Any], stream: IO[str], workers: list[dict[str, Any]] | None = None) -> None:
+    """``batchinfer status``: one batch's facts, as a table on a terminal or ``key: value`` lines; with the
+    live ``workers`` (``GET /v1/workers``'s data), a ``workers`` row for a batch waiting on them (`workers_row`)."""
     completed, failed, total = counts(batch)
     usage = batch.get("usage") or {}
     rows = [
@@ -182,6 +202,9 @@ def print_status(batch: dict[str, Any], stream: IO[str]) -> None:
         ("output file", batch.get("output_file_id") or "-"),
         ("error file", batch.get("error_file_id") or "-"),
     ]
+    workers_text = workers_row(batch, workers)
+    if workers_text is not None:
+        rows.insert(3, ("workers", workers_text))
     console = Console(file=stream)
     if console.is_terminal:
         table = Table(show_header=False, box=None)

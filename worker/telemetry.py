@@ -4,6 +4,12 @@
 `worker.metrics.EngineMetrics` and `WorkerActivity` (current batch, running requests, generation
 tokens over the last minute). `Heartbeat` writes that activity to the ``workers`` table every
 ``Settings.worker_heartbeat_s`` seconds from a daemon thread (`jobs.workers.record_heartbeat`).
+
+A worker process starts its heartbeat first (`start_heartbeat`: the row says *starting* while the
+model loads), attaches the engine's telemetry once the engine is up (`start_worker_telemetry`) and
+marks itself ready when Celery consumes (`Heartbeat.mark_ready`: ``ready_s``, the seconds since the
+process started, written at once). The reaper treats a worker whose heartbeat stopped as dead
+(`jobs.shards`), and the status views say when no worker is ready (`jobs.workers.worker_readiness`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jobs import workers
 from jobs.config import Settings
@@ -101,9 +108,24 @@ def get_telemetry(model_name: str, max_model_len: int = 8192) -> WorkerTelemetry
         return _telemetry
 
 
+def process_started_at() -> float:
+    """When this process started, in Unix seconds (Linux: ``/proc/self/stat``'s start time, 10 ms grain;
+    elsewhere the time this module was imported)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
+    return time.time() - age_s
+
+
+_IMPORTED_AT = time.time()
+
+
 @dataclass(slots=True)
 class Heartbeat:
-    """Rewrites this process's ``workers`` row every ``interval_s`` seconds until `stop` (which deletes it)."""
+    """Rewrites this process's ``workers`` row every ``settings.worker_heartbeat_s`` seconds until `stop`
+    (which deletes it). ``ready_s`` stays None (the row says *starting*) until `mark_ready`."""
 
     settings: Settings
     activity: WorkerActivity
@@ -113,6 +135,7 @@ class Heartbeat:
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     started_at: int = field(default_factory=lambda: int(time.time()))
+    ready_s: float | None = None
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _thread: threading.Thread | None = field(init=False, default=None)
 
@@ -136,7 +159,20 @@ class Heartbeat:
                 metrics_port=self.metrics_port,
                 started_at=self.started_at,
                 now=int(time.time()),
+                ready_s=self.ready_s,
             )
+
+    def mark_ready(self, started_at: float | None = None) -> float:
+        """Record that the worker takes work from now on: ``ready_s`` = seconds since ``started_at`` (Unix
+        seconds; default the process's start), written at once (a failed write is retried by the next
+        beat). Returns ``ready_s``."""
+        self.ready_s = round(time.time() - (process_started_at() if started_at is None else started_at), 2)
+        logger.info("worker ready (model %s) in %.1f s", self.model, self.ready_s)
+        try:
+            self.beat()
+        except Exception as exc:
+            logger.warning("heartbeat: could not write worker %s: %s", self.worker_id, exc)
+        return self.ready_s
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -163,19 +199,27 @@ class Heartbeat:
             self._stop.wait(self.settings.worker_heartbeat_s)
 
 
-def start_worker_telemetry(settings: Settings, *, device: str, max_model_len: int) -> Callable[[], None]:
-    """For a worker process: serve ``/metrics`` on ``settings.worker_metrics_port`` (when set) and start
-    the heartbeat; returns the function to call on shutdown (removes the row, drops live gauges)."""
+def start_heartbeat(settings: Settings) -> Heartbeat:
+    """For a worker process, first thing: start its heartbeat (row *starting*; the device as configured
+    until `start_worker_telemetry` names the engine's). Stop it with `Heartbeat.stop`."""
+    heartbeat = Heartbeat(settings, WorkerActivity(), model=settings.served_model_name, device=settings.device)
+    heartbeat.start()
+    return heartbeat
+
+
+def start_worker_telemetry(
+    settings: Settings, heartbeat: Heartbeat, *, device: str, max_model_len: int
+) -> Callable[[], None]:
+    """For a worker process whose engine is up: serve ``/metrics`` on ``settings.worker_metrics_port``
+    (when set) and let ``heartbeat`` report the engine's device and activity; returns the function to
+    call on shutdown (removes the row, drops live gauges)."""
     from worker.metrics import mark_process_dead, serve_metrics
 
     telemetry = get_telemetry(settings.served_model_name, max_model_len)
     port = settings.worker_metrics_port
     if port is not None and not serve_metrics(telemetry.metrics.registry, port, settings.worker_metrics_host):
         port = None
-    heartbeat = Heartbeat(
-        settings, telemetry.activity, model=settings.served_model_name, device=device, metrics_port=port
-    )
-    heartbeat.start()
+    heartbeat.activity, heartbeat.device, heartbeat.metrics_port = telemetry.activity, device, port
 
     def stop() -> None:
         heartbeat.stop()

@@ -2,8 +2,9 @@
 
 Pages (docs/api.md, "Jobs page"):
 - ``/ui``: batches (status, progress bar, tokens, tokens/s, created and finished times), schedules
-  (next and last runs) and live workers;
-- ``/ui/batches/{id}``: request counts, a plot of finished lines and output tokens over time (inline
+  (next and last runs) and live workers (ready or starting); while a batch waits for lines to run and
+  no live worker is ready, a note says so ("waiting: no worker is ready");
+- ``/ui/batches/{id}``: request counts, the same note while it applies, a plot of finished lines and output tokens over time (inline
   SVG from the lines' ``finished_at``), the first failed lines, links to the output and error files;
 - ``/ui/files/{id}``: the first lines of a stored file, with a link to its raw content.
 
@@ -38,7 +39,7 @@ from jobs.schedules import list_schedules
 from jobs.status import now_s
 from jobs.storage import storage_from_settings
 from jobs.validation import numbered_lines
-from jobs.workers import live_worker_objects
+from jobs.workers import WorkerReadiness, live_worker_objects, worker_readiness
 
 HERE = Path(__file__).resolve().parent.parent
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -100,6 +101,8 @@ def index(request: Request, session: SessionDep, settings: SettingsDep, owner: O
     progress = [batch_progress(batch, now=now) for batch in batches]
     schedules, _ = list_schedules(session, limit=MAX_BATCHES, owner=owner)
     live = live_worker_objects(session, now=now, live_s=settings.worker_live_s, owner=owner)
+    num_ready = sum(worker.ready_s is not None for worker in live)
+    waiting = any(p.waits_for_workers for p in progress) and num_ready == 0
     return templates.TemplateResponse(
         request,
         "index.html",
@@ -107,20 +110,32 @@ def index(request: Request, session: SessionDep, settings: SettingsDep, owner: O
             "batches": progress,
             "schedules": schedules,
             "workers": live,
+            "waiting_note": _readiness_note(num_ready, len(live)) if waiting else None,
             "refresh_ms": REFRESH_MS if any(not p.is_terminal for p in progress) else None,
         },
     )
 
 
+def _readiness_note(num_ready: int, num_live: int) -> str | None:
+    return WorkerReadiness(num_ready=num_ready, num_starting=num_live - num_ready).waiting_note()
+
+
 @router.get("/batches/{batch_id}", response_class=HTMLResponse)
-def batch_page(request: Request, session: SessionDep, owner: OwnerDep, batch_id: str) -> HTMLResponse:
+def batch_page(
+    request: Request, session: SessionDep, settings: SettingsDep, owner: OwnerDep, batch_id: str
+) -> HTMLResponse:
     batch = get_batch(session, batch_id=batch_id, owner=owner)
-    progress = batch_progress(batch, now=now_s())
+    now = now_s()
+    progress = batch_progress(batch, now=now)
+    waiting_note = None
+    if progress.waits_for_workers:
+        waiting_note = worker_readiness(session, now=now, live_s=settings.worker_live_s).waiting_note()
     return templates.TemplateResponse(
         request,
         "batch.html",
         {
             "p": progress,
+            "waiting_note": waiting_note,
             "plot": _plot(finish_series(session, batch_id=batch_id), batch.started_at or batch.in_progress_at),
             "failed": first_failed_lines(session, batch_id=batch_id),
             "refresh_ms": None if progress.is_terminal else REFRESH_MS,

@@ -104,3 +104,41 @@ def test_batch_page_plots_lines_shows_errors_and_links_files(client: Any, servic
 def test_unknown_batch_is_a_404(client: Any) -> None:
     assert client.get("/ui/batches/batch_nope").status_code == 404
     assert client.get("/ui/static/ui.js").status_code == 200
+
+
+def _worker_row(settings: Settings, pid: int, *, ready_s: float | None) -> None:
+    with session_scope(settings.database_url) as session:
+        workers.record_heartbeat(
+            session,
+            worker_id=f"box:{pid}",
+            host="box",
+            pid=pid,
+            model="SmolLM2-135M-Instruct",
+            device="cpu",
+            current_batch_id=None,
+            num_running_requests=0,
+            tokens_per_s=0.0,
+            metrics_port=None,
+            started_at=now_s(),
+            now=now_s(),
+            ready_s=ready_s,
+        )
+
+
+def test_a_waiting_batch_says_when_no_worker_is_ready(client: Any, service_settings: Settings) -> None:
+    batch_id = _start_batch(client, 2)
+    note = 'id="waiting-note"'
+
+    assert "waiting: no worker is ready (none running)" in client.get(f"/ui/batches/{batch_id}").text
+    _worker_row(service_settings, 7, ready_s=None)
+    page, index = client.get(f"/ui/batches/{batch_id}").text, client.get("/ui").text
+    assert "waiting: no worker is ready (1 starting)" in page and note in index and ">starting<" in index
+
+    _worker_row(service_settings, 7, ready_s=6.25)
+    page, index = client.get(f"/ui/batches/{batch_id}").text, client.get("/ui").text
+    assert note not in page and note not in index and "ready (in 6.2 s)" in index
+    assert client.get("/v1/workers").json()["data"][0]["ready_s"] == 6.25
+
+    _worker_row(service_settings, 7, ready_s=None)  # (a restart) none ready again, but the batch is over:
+    assert client.post(f"/v1/batches/{batch_id}/cancel").json()["status"] == "cancelled"
+    assert note not in client.get(f"/ui/batches/{batch_id}").text and note not in client.get("/ui").text

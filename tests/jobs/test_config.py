@@ -37,3 +37,10 @@ def test_served_model_name_is_builtin_name_or_folder_basename(tmp_path: Path) ->
     folder = tmp_path / "my-llama"
     folder.mkdir()
     assert Settings(model=str(folder)).served_model_name == "my-llama"
+
+
+def test_a_worker_is_judged_dead_only_after_missing_two_heartbeats(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, worker_heartbeat_s=5, worker_dead_s=10)
+    assert settings.worker_dead_s == 10
+    with pytest.raises(ValueError, match="worker_dead_s"):
+        Settings(data_dir=tmp_path, worker_heartbeat_s=5, worker_dead_s=9)

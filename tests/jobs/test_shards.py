@@ -28,6 +28,7 @@ from jobs.shards import (
 from jobs.status import now_s
 from jobs.storage import storage_from_settings
 from jobs.validation import ValidatedLine
+from jobs.workers import record_heartbeat
 from tests.helpers.service import COMPLETIONS, completion_line, jsonl, postgres_url, queued_tasks, service_settings  # noqa: F401
 
 LEASE_S = 60.0
@@ -137,6 +138,61 @@ def test_a_lapsed_lease_is_requeued_then_failed_and_the_batch_still_ends(service
     with session_scope() as session:
         batch = get_batch(session, batch_id=batch_id)
         assert (batch.completed_requests, batch.failed_requests) == (1, 1)
+
+
+def _heartbeat(worker_id: str, at: float) -> None:
+    host, pid = worker_id.split(":")
+    with session_scope() as session:
+        record_heartbeat(
+            session,
+            worker_id=worker_id,
+            host=host,
+            pid=int(pid),
+            model="m",
+            device="cpu",
+            current_batch_id=None,
+            num_running_requests=0,
+            tokens_per_s=0.0,
+            metrics_port=None,
+            started_at=int(at),
+            now=int(at),
+            ready_s=1.0,
+        )
+
+
+def test_a_killed_workers_shard_is_taken_back_when_its_heartbeat_stops_not_when_its_lease_lapses(
+    service_settings: Settings,
+) -> None:
+    """The reaper's clock (``now``) moves in heartbeat steps: worker h:1 is killed at once, h:2 lives on
+    (heartbeat and lease renewals), h:3 holds a lease but never wrote a heartbeat row."""
+    _batch(service_settings, 3)
+    start = now_s()
+    killed, live, rowless = _claim("h:1", start), _claim("h:2", start), _claim("h:3", start)
+    _heartbeat("h:1", start)
+    dead_s, beat_s = service_settings.worker_dead_s, service_settings.worker_heartbeat_s
+    assert dead_s + beat_s < LEASE_S  # the heartbeat rule must come first for this test to mean anything
+    taken_back_at = None
+    now = float(start)
+    while now < start + 3 * LEASE_S:
+        _heartbeat("h:2", now)
+        with session_scope() as session:
+            assert renew_lease(session, lease=live, now=now, lease_s=LEASE_S)
+        report = reap(settings=service_settings, now=now)
+        assert live.shard_id not in report.requeued_shards + report.failed_shards  # a live worker: never
+        if killed.shard_id in report.requeued_shards:
+            assert taken_back_at is None
+            taken_back_at = now
+            assert report.messages_sent == 1  # its message goes out in the same pass
+        if rowless.shard_id in report.requeued_shards:
+            assert now > start + LEASE_S  # no heartbeat row: only its lease's expiry counts
+        now += beat_s
+    assert taken_back_at is not None and start + dead_s < taken_back_at <= start + dead_s + beat_s
+    with session_scope() as session:
+        assert holds_lease(session, lease=live) and not holds_lease(session, lease=killed)
+        assert not renew_lease(session, lease=killed, now=now, lease_s=LEASE_S)  # were it alive, it would stop
+        shard = session.get(BatchShard, killed.shard_id)
+        assert (shard.state, shard.attempts, shard.lease_owner) == ("queued", 1, None)
+    assert _claim("h:2", now).shard_id in {killed.shard_id, rowless.shard_id}
 
 
 def test_cancel_with_a_dead_worker_ends_cancelled_once_the_lease_lapses(service_settings: Settings) -> None:

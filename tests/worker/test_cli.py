@@ -383,3 +383,72 @@ def test_serve_stops_when_the_api_exits_after_starting(capsys):
     api = cli._Child("api", _python("raise SystemExit(1)"), restartable=False)
     assert cli._supervise([api], lambda: False, ("127.0.0.1", 1)) == 1
     assert capsys.readouterr().err == "batchinfer: api exited with status 1; stopping\n"
+
+
+def _worker_row(pid: int, ready_s: float | None, host: str | None = None) -> None:
+    from jobs.db import session_scope
+    from jobs.status import now_s
+    from jobs.workers import record_heartbeat
+
+    host = host or socket.gethostname()
+    with session_scope() as session:
+        record_heartbeat(
+            session,
+            worker_id=f"{host}:{pid}",
+            host=host,
+            pid=pid,
+            model=BUILTIN_MODEL,
+            device="cpu",
+            current_batch_id=None,
+            num_running_requests=0,
+            tokens_per_s=0.0,
+            metrics_port=None,
+            started_at=now_s(),
+            now=now_s(),
+            ready_s=ready_s,
+        )
+
+
+def test_status_says_when_no_worker_is_ready(live_api, tmp_path, capsys):
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": BUILTIN_MODEL}}
+    path = tmp_path / "job.jsonl"
+    path.write_text(json.dumps({**line, "body": {**line["body"], "prompt": "Hi", "max_tokens": 2}}) + "\n")
+    assert cli.main(["submit", str(path), "--base-url", live_api]) == 0
+    batch_id = json.loads(capsys.readouterr().out)["id"]
+
+    def status() -> str:
+        assert cli.main(["status", batch_id, "--base-url", live_api]) == 0
+        return capsys.readouterr().out
+
+    assert "workers: waiting: no worker is ready (none running)\n" in status()
+    _worker_row(4242, None)
+    assert "workers: waiting: no worker is ready (1 starting)\n" in status()
+    _worker_row(4242, 7.5)
+    assert "workers: 1 ready\n" in status()
+
+
+def test_serve_says_when_each_worker_is_ready(data_dir, capsys):
+    """A stand-in worker child writes its heartbeat row as `batchinfer worker` does: starting, then ready."""
+    cli.main(["db", "upgrade"])
+    child_code = (
+        "import os, time; from tests.worker.test_cli import _worker_row; "
+        "_worker_row(os.getpid(), None); time.sleep(1.5); _worker_row(os.getpid(), 3.5); time.sleep(60)"
+    )
+    api = cli._Child("api", _python("import time; time.sleep(60)"), restartable=False)
+    worker = cli._Child("worker", _python(child_code), restartable=True)
+    _worker_row(worker.process.pid + 100000, 1.0, host="elsewhere")  # another host's ready worker: not ours
+    watch = cli.ReadyWatch(cli.ready_children, interval_s=0.1)
+    stop = threading.Event()
+    watcher = threading.Thread(target=lambda: cli._supervise([api, worker], stop.is_set, ("h", 1), watch))
+    watcher.start()
+    err, deadline = "", time.monotonic() + 60
+    try:
+        while not err and time.monotonic() < deadline:
+            time.sleep(0.1)
+            err = capsys.readouterr().err
+        time.sleep(0.5)  # polls go on: the worker is not reported twice
+    finally:
+        stop.set()
+        watcher.join()
+        cli._stop_children([api.process, worker.process])
+    assert err + capsys.readouterr().err == f"batchinfer: worker ready (model {BUILTIN_MODEL}) in 3.5 s\n"

@@ -6,6 +6,7 @@ The real engine's figures are checked against a live worker's scrape in tests/e2
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ from tests.worker.test_runner import completion, make_batch, service  # noqa: F4
 from worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics, serve_metrics, token_count_buckets
-from worker.telemetry import Heartbeat, WorkerActivity, WorkerTelemetry
+from worker.telemetry import Heartbeat, WorkerActivity, WorkerTelemetry, process_started_at
 
 
 def scrape(registry) -> dict[str, float]:
@@ -170,6 +171,34 @@ def test_heartbeat_writes_then_removes_its_row(service):
         heartbeat.stop()
     with session_scope() as session:
         assert workers.list_live_workers(session, now=heartbeat.started_at, live_s=30) == []
+
+
+def test_a_heartbeat_says_starting_until_the_worker_marks_itself_ready(service):
+    heartbeat = Heartbeat(service, WorkerActivity(), model="m", device="auto", host="h", pid=43)
+    heartbeat.beat()  # what the thread writes first, while the model loads
+    with session_scope() as session:
+        row = session.get(workers.Worker, "h:43")
+        assert row.ready_s is None
+        readiness = workers.worker_readiness(session, now=heartbeat.started_at, live_s=30)
+    assert readiness == workers.WorkerReadiness(num_ready=0, num_starting=1)
+    assert readiness.waiting_note() == "waiting: no worker is ready (1 starting)"
+
+    ready_s = heartbeat.mark_ready(started_at=time.time() - 4.0)  # written at once, not at the next beat
+
+    assert 4.0 <= ready_s < 30
+    with session_scope() as session:
+        assert session.get(workers.Worker, "h:43").ready_s == ready_s
+        readiness = workers.worker_readiness(session, now=heartbeat.started_at, live_s=30)
+        assert [w.pid for w in workers.ready_workers(session, host="h", pids=[43, 44])] == [43]
+    assert readiness == workers.WorkerReadiness(num_ready=1, num_starting=0) and readiness.waiting_note() is None
+    assert workers.WorkerReadiness(num_ready=0, num_starting=0).waiting_note() == (
+        "waiting: no worker is ready (none running)"
+    )
+
+
+def test_process_start_is_before_now_and_after_boot():
+    started_at = process_started_at()
+    assert time.time() - 3600 * 24 * 365 < started_at <= time.time()
 
 
 _CHILD = """
