@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from worker.engine.config import EngineConfig
@@ -20,12 +21,13 @@ from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
-from worker.engine.output.stop_checker import check_finish
+from worker.engine.output.stop_checker import FinishState, check_finish
 from worker.engine.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
 from worker.engine.sample.rejection_sampler import VerifiedTokens
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode.speculator import Speculator, build_speculator
 from worker.engine.stats import EngineStats
+from worker.engine.structured_output import StructuredOutputManager
 
 _MAX_IDS_SHOWN = 8  # token ids quoted in an error message
 
@@ -79,6 +81,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.speculator: Speculator | None = build_speculator(config, self.model_runner, self.max_model_len)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.structured_outputs_compile_timeout_s
+        )
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -93,8 +98,10 @@ class LLMEngine:
         Raises:
             PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
             InvalidParameterError: a token id outside the vocabulary (the prompt's, or in any field
-                `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves, or
-                beam search whose beams cannot fit the KV cache side by side.
+                `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves,
+                beam search whose beams cannot fit the KV cache side by side, or a ``structured_outputs``
+                constraint that is invalid, unsupported or overran its compile time limit
+                (``param="structured_outputs"``; docs/engine.md, "Structured outputs").
             ValueError: a duplicate ``request_id`` or an empty prompt.
         """
         if request_id in self.requests:
@@ -137,6 +144,9 @@ class LLMEngine:
                     f"holds {self.model_runner.num_blocks}: lower n or max_tokens",
                     "n",
                 )
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured_output.compile(params.structured_outputs)
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -145,6 +155,7 @@ class LLMEngine:
                 params=params,
                 prompt_token_ids=prompt_token_ids,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                grammar=None if compiled is None else self.structured_output.new_grammar(compiled),
             )
             for index in range(params.num_branches)
         ]
@@ -187,6 +198,7 @@ class LLMEngine:
         draft_probs = {}
         if speculator is not None:
             draft_probs = speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
+            self._check_drafts(draft_probs)
         scheduler_output = self.scheduler.schedule()
         if speculator is not None and scheduler_output.preempted_seqs:
             speculator.free(scheduler_output.preempted_seqs, finished=False)
@@ -225,6 +237,7 @@ class LLMEngine:
         stats.num_steps += 1
         stats.forward_s += runner_output.forward_s
         stats.sampling_s += runner_output.sampling_s
+        stats.grammar_s += runner_output.grammar_s
         occupancy = self.kv_cache_manager.slot_occupancy()
         stats.kv_tokens_stored_sum += occupancy.num_tokens_stored
         stats.kv_slots_sum += occupancy.num_slots
@@ -274,6 +287,9 @@ class LLMEngine:
         stats.prefix_cache_queries = prefix_cache_stats.queries
         stats.prefix_cache_hits = prefix_cache_stats.hits
         stats.num_kv_blocks_peak = self.kv_cache_manager.block_pool.take_num_used_peak()
+        compile_stats = self.structured_output.make_stats()
+        stats.grammar_compile_times_s = compile_stats.compile_times_s
+        stats.grammar_cache_hits = compile_stats.num_cache_hits
         if self.speculator is not None:
             spec_stats = self.speculator.make_stats()
             stats.num_drafts = spec_stats.num_drafts
@@ -281,6 +297,20 @@ class LLMEngine:
             stats.num_accepted_tokens = spec_stats.num_accepted_tokens
             stats.num_accepted_tokens_per_pos = spec_stats.num_accepted_tokens_per_pos
         return stats
+
+    def _check_drafts(self, draft_probs: dict[int, torch.Tensor]) -> None:
+        """Cut each constrained sequence's drafts before the first token its grammar does not allow (mutates
+        ``spec_token_ids`` and ``draft_probs``): verification then never scores a position the grammar forbids."""
+        for seq in self.scheduler.running:
+            if seq.grammar is None or not seq.spec_token_ids:
+                continue
+            num_valid = seq.grammar.num_valid_drafts(seq.spec_token_ids)
+            if num_valid == len(seq.spec_token_ids):
+                continue
+            del seq.spec_token_ids[num_valid:]
+            probs = draft_probs.pop(seq.seq_id, None)
+            if probs is not None and num_valid:
+                draft_probs[seq.seq_id] = probs[:num_valid]
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput, *, start_s: float) -> None:
         """Count the step's tokens; stamp ``first_scheduled_time`` (``start_s``, monotonic) on newly scheduled requests."""
@@ -355,6 +385,9 @@ class LLMEngine:
                 stats.inter_token_latencies_s.append(sampled_s - metrics.last_token_time)
             metrics.last_token_time = sampled_s
         seq.append_token(token_id)
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept_token(token_id)
+            assert accepted, "the grammar's bitmask allows only tokens it accepts"
         seq.cumulative_logprob += logprob
         stats.num_generation_tokens += 1
         if seq.logprobs is not None:
@@ -377,6 +410,10 @@ class LLMEngine:
             output_text=detokenizer.output_text,
             new_char_count=len(new_text),
         )
+        if finish is None and seq.grammar is not None and seq.grammar.is_terminated():
+            # NOTE: only the stop token (EOS) terminates a grammar; it ends the output even under ignore_eos or
+            # min_tokens, since the grammar allows nothing after it.
+            finish = FinishState("stop", None, detokenizer.output_text[: len(detokenizer.output_text) - len(new_text)])
         if finish is None:
             return False
         seq.finish_reason, seq.stop_reason, seq.output_text = (
@@ -424,6 +461,9 @@ class LLMEngine:
                 new_live.append((beam, token_id, logprob))
             for beam, token_id, logprob in new_live:
                 beam.append_token(token_id)
+                if beam.grammar is not None:
+                    accepted = beam.grammar.accept_token(token_id)
+                    assert accepted, "a constrained beam's candidates are tokens its grammar allows"
                 beam.cumulative_logprob += logprob
             self._stats.num_generation_tokens += len(new_live)
             state.live = [beam for beam, _, _ in new_live]
@@ -434,7 +474,7 @@ class LLMEngine:
         """Whether appending ``token_id`` ends ``beam``: ``("stop", stop token id, None for EOS)``,
         ``("length", None)``, or None while it goes on."""
         params = beam.params
-        if token_id == self.eos_token_id and not params.ignore_eos:
+        if token_id == self.eos_token_id and (not params.ignore_eos or beam.grammar is not None):
             return "stop", None
         if token_id in params.stop_token_ids:
             return "stop", token_id

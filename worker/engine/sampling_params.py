@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -22,7 +23,7 @@ class StructuredOutputsParams:
         ValueError: when not exactly one constraint is set, or ``choice`` is empty.
     """
 
-    json: str | dict | None = None
+    json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
