@@ -33,6 +33,8 @@ class EngineConfig:
 
     Structured outputs (docs/engine.md, "Structured outputs"): ``structured_outputs_compile_timeout_s`` is the
     longest ``add_request`` waits for one grammar compile before it fails that request (seconds).
+    ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
+    without a forward pass each (jump-forward decoding); the model computes them in one extend.
 
     Raises:
         ValueError: on a non-positive size.
@@ -58,6 +60,7 @@ class EngineConfig:
     speculative_model: str | None = None
     speculative_draft_num_layers: int | None = None
     structured_outputs_compile_timeout_s: float = 10.0
+    enable_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):

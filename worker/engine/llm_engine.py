@@ -217,6 +217,13 @@ class LLMEngine:
         # Verified tokens are appended before the scheduler marks them computed (it needs their ids).
         finished_seqs = self._process_verified(runner_output.verified_seqs, runner_output.verified, sampled_s)
         self.scheduler.update_from_output(scheduler_output)
+        # NOTE: forced tokens join a verified sequence only once the scheduler has rolled back its rejected drafts.
+        finished_ids = {id(seq) for seq in finished_seqs}
+        finished_seqs += [
+            seq
+            for seq in runner_output.verified_seqs
+            if id(seq) not in finished_ids and self._jump_forward(seq, sampled_s)
+        ]
         finished_seqs += self._process_samples(runner_output, sampled_s=sampled_s)
         finished_seqs += self._process_beams(runner_output.beam_seqs, runner_output.beam_candidates)
         self._record_prompt_logprobs(runner_output)
@@ -300,11 +307,16 @@ class LLMEngine:
 
     def _check_drafts(self, draft_probs: dict[int, torch.Tensor]) -> None:
         """Cut each constrained sequence's drafts before the first token its grammar does not allow (mutates
-        ``spec_token_ids`` and ``draft_probs``): verification then never scores a position the grammar forbids."""
+        ``spec_token_ids`` and ``draft_probs``): verification then never scores a position the grammar forbids.
+        Under jump-forward decoding, drafts also stop before a position where the grammar forces tokens, so the
+        tokens are those of the run without speculation."""
         for seq in self.scheduler.running:
             if seq.grammar is None or not seq.spec_token_ids:
                 continue
-            num_valid = seq.grammar.num_valid_drafts(seq.spec_token_ids)
+            jump_forward = None
+            if self._jumps_forward(seq):
+                jump_forward = (self.tokenizer, self.model_config.vocab_size)
+            num_valid = seq.grammar.num_valid_drafts(seq.spec_token_ids, jump_forward)
             if num_valid == len(seq.spec_token_ids):
                 continue
             del seq.spec_token_ids[num_valid:]
@@ -344,9 +356,35 @@ class LLMEngine:
             logprobs,
             sampler_output.top_logprobs,
         ):
-            if self._append_token(seq, token_id, logprob, top, sampled_s):
+            if self._append_token(seq, token_id, logprob, top, sampled_s) or self._jump_forward(seq, sampled_s):
                 finished.append(seq)
         return finished
+
+    def _jump_forward(self, seq: Sequence, sampled_s: float) -> bool:
+        """Append the tokens ``seq``'s grammar forces (jump-forward decoding, docs/engine.md, "Structured
+        outputs"): their K/V are computed by the next step in one extend instead of one step each. Only where
+        no logprob is needed (a forced token has none without a forward pass). True if ``seq`` finished."""
+        grammar = seq.grammar
+        if grammar is None or not self._jumps_forward(seq):
+            return False
+        vocab_size = self.model_config.vocab_size
+        while forced := grammar.forced_token_ids(self.tokenizer, vocab_size):
+            for token_id in forced:
+                self._stats.num_forced_tokens += 1
+                if self._append_token(seq, token_id, 0.0, None, sampled_s):
+                    return True
+        return False
+
+    def _jumps_forward(self, seq: Sequence) -> bool:
+        """Whether ``seq`` takes its grammar's forced tokens without a forward pass: jump-forward decoding is on,
+        and no logprob (asked for, or ranking ``best_of``) or beam score needs them scored."""
+        params = seq.params
+        return (
+            seq.grammar is not None
+            and self.config.enable_jump_forward
+            and not params.needs_sampled_logprobs
+            and not params.use_beam_search
+        )
 
     def _process_verified(
         self, seqs: list[Sequence], verified: list[VerifiedTokens], sampled_s: float

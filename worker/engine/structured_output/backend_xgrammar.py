@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import xgrammar as xgr
 from jsonschema import SchemaError
@@ -208,15 +209,22 @@ class StructuredOutputGrammar:
         """An independent copy at the same state (a forked branch or beam)."""
         return StructuredOutputGrammar(self.matcher.fork())
 
-    def num_valid_drafts(self, token_ids: Sequence[int]) -> int:
+    def num_valid_drafts(
+        self, token_ids: Sequence[int], jump_forward: tuple[PreTrainedTokenizerBase, int] | None = None
+    ) -> int:
         """How many leading ``token_ids`` the grammar allows in a row, stopping before a token that ends the
-        output (its stop token: a draft after it could never be kept). The state is unchanged."""
+        output (its stop token: a draft after it could never be kept). The state is unchanged.
+
+        With ``jump_forward`` (the tokenizer and vocabulary size: jump-forward decoding is on) it also stops
+        before a draft that leads where the grammar forces tokens: there the sequence takes the forced tokens
+        (:meth:`forced_token_ids`), as it would without speculation, not drafts or a sampled token.
+        """
         matcher = self.matcher
         num_valid = 0
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
                 break
-            if matcher.is_terminated():
+            if matcher.is_terminated() or (jump_forward is not None and self.forced_token_ids(*jump_forward)):
                 matcher.rollback(1)
                 break
             num_valid += 1
@@ -241,9 +249,37 @@ class StructuredOutputGrammar:
         if draft_token_ids:
             matcher.rollback(len(draft_token_ids))
 
-    def jump_forward_string(self) -> str:
-        """The text the grammar forces next (empty when more than one continuation is possible)."""
-        return self.matcher.find_jump_forward_string()
+    def forced_token_ids(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+        """Tokens the grammar forces next (jump-forward decoding; SGLang's compressed finite-state machine, Zheng
+        et al. 2024, "SGLang"), or an empty list; the state is unchanged.
+
+        The forced text (xgrammar's ``find_jump_forward_string``: what every path of the grammar takes next) is
+        tokenized on its own; its last token is left to the model unless the grammar is complete after it, since
+        the text that follows may merge with it into another token (the tokenization at the boundary stays the
+        model's: ``": "`` then free text may be the token ``' "J'``). When the grammar is complete and allows
+        only its stop token, that token is forced.
+        """
+        matcher = self.matcher
+        text = matcher.find_jump_forward_string()
+        forced: list[int] = []
+        if text:
+            for token_id in tokenizer.encode(text, add_special_tokens=False):
+                if not matcher.accept_token(token_id):
+                    break
+                forced.append(token_id)
+            if forced and not matcher.is_completed():
+                matcher.rollback(1)
+                forced.pop()
+            if forced:
+                matcher.rollback(len(forced))
+            return forced
+        if matcher.is_completed():
+            bitmask = allocate_token_bitmask(1, vocab_size)
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            allowed = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size].nonzero()[0]
+            if len(allowed) == 1:
+                forced.append(int(allowed[0]))
+        return forced
 
 
 def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

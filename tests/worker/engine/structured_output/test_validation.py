@@ -138,3 +138,39 @@ def assert_in(text, choices):
 
 def assert_fullmatch(pattern, text):
     assert re.fullmatch(pattern, text), text
+
+
+def test_jump_forward_appends_forced_tokens_and_outputs_stay_valid(model_dir):
+    """Jump-forward decoding takes fewer steps for the same valid outputs; not where logprobs are asked for."""
+    schema = {
+        "type": "object",
+        "properties": {"category": {"enum": ["alphabet", "numbers"]}, "n": {"type": "integer", "minimum": 0}},
+        "required": ["category", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema))
+    results = {}
+    for jump in (True, False):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(model_dir), kv_cache_memory_bytes=8 << 20, max_model_len=256, enable_jump_forward=jump
+            )
+        )
+        (out,) = engine.generate([[5, 6, 7]], params)
+        results[jump] = (out.outputs[0], engine.make_stats())
+        (with_logprobs,) = engine.generate([[5, 6, 7]], SamplingParams(**{**_fields(params), "logprobs": 0}))
+        assert len(with_logprobs.outputs[0].logprobs) == len(with_logprobs.outputs[0].token_ids)
+        assert engine.make_stats().num_forced_tokens == 0
+    for completion, _ in results.values():
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), schema)
+    jumped, jump_stats = results[True]
+    _, masked_stats = results[False]
+    assert jump_stats.num_forced_tokens >= len('{"category": "')
+    assert masked_stats.num_forced_tokens == 0
+    assert jump_stats.num_steps < masked_stats.num_steps
+    assert jumped.finish_reason == "stop"
+
+
+def _fields(params):
+    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
