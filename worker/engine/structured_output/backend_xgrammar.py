@@ -33,6 +33,8 @@ GrammarKind = Literal["json", "regex", "grammar"]
 # JSON Schema keywords that constrain a value but that xgrammar would silently ignore (measured on 0.2.9:
 # the compiled grammar is the same with and without them), so an output could break the schema. Refused.
 UNSUPPORTED_JSON_KEYWORDS = frozenset({"uniqueItems", "if", "then", "else", "dependentSchemas", "unevaluatedItems"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 _MAX_ERROR_CHARS = 300  # of a library's message quoted in a 400
 
 
@@ -122,20 +124,24 @@ def _check_schema(schema: Any) -> None:
 
 
 def _keywords(schema: Any) -> set[str]:
-    """Every key of every object nested in ``schema`` (a superset of its keywords: property names too)."""
+    """Every keyword used anywhere in ``schema``: the keys of each (sub)schema, not the names under
+    ``properties`` or ``$defs`` (a field may well be called "if") nor the values of ``enum``, ``const``,
+    ``default`` or ``examples`` (data, not schemas)."""
     found: set[str] = set()
     stack = [schema]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict):
-            found.update(key for key in node if isinstance(key, str))
-            properties = node.get("properties")
-            # NOTE: property names are data, not keywords ("if" may well be a field); only their schemas count.
-            stack.extend(value for key, value in node.items() if key != "properties")
-            if isinstance(properties, dict):
-                stack.extend(properties.values())
-        elif isinstance(node, list):
+        if isinstance(node, list):
             stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            found.add(key)
+            if key in _NAMED_SCHEMAS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key not in _DATA_KEYWORDS:
+                stack.append(value)
     return found
 
 

@@ -185,7 +185,9 @@ def test_greedy_with_speculation_preemption_and_chunks_equals_plain(served_model
     plain = engine.generate(prompts, greedy)
     variants = {
         "speculation": make_engine(served_model_dir, speculative_mode="on"),
-        "preemption": make_engine(served_model_dir, num_gpu_blocks_override=80, max_model_len=128),
+        "preemption": make_engine(
+            served_model_dir, num_gpu_blocks_override=24, max_model_len=128, enable_prefix_caching=False
+        ),
         "chunked prefill": make_engine(served_model_dir, max_num_batched_tokens=16, enable_prefix_caching=False),
     }
     for name, variant in variants.items():

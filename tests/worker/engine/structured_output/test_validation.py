@@ -56,9 +56,17 @@ def test_bad_constraint_fails_its_request_only(engine, case):
     assert len(out.outputs[0].token_ids) == 3
 
 
-def test_property_named_like_a_keyword_is_data(engine):
-    schema = {"type": "object", "properties": {"if": {"type": "boolean"}}, "required": ["if"]}
+def test_names_and_values_that_look_like_keywords_are_data():
+    schema = {
+        "type": "object",
+        "properties": {"if": {"type": "boolean"}, "mode": {"enum": [{"uniqueItems": 1}], "default": {"then": 2}}},
+        "$defs": {"else": {"type": "integer"}},
+        "required": ["if"],
+    }
     validate_structured_outputs(StructuredOutputsParams(json=schema))
+    nested = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(InvalidParameterError, match="uniqueItems"):
+        validate_structured_outputs(StructuredOutputsParams(json=nested))
 
 
 def test_compile_timeout_fails_the_line_and_the_engine_goes_on(model_dir):
