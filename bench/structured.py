@@ -8,6 +8,7 @@ asked for a JSON object under one schema (sentiment and topic enums, a 1..5 rati
   (``ignore_eos``), so both generate the same tokens.
 - ``b64_jump_tok_per_s`` / ``b64_masked_tok_per_s``: the 64 lines at once with ``enable_jump_forward`` on / off;
   ``b1_*``: the first ``--b1-lines`` (8) lines one at a time.
+- Prefix caching is off, so no run reuses an earlier run's prompts.
 - ``invalid_outputs``: finished (``stop``) outputs that fail ``jsonschema`` validation, over every run.
 - Grammar compile time (first, and the cached lookup), bitmask time per step, and the fraction of output
   tokens forced by jump-forward decoding.
@@ -80,7 +81,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = str(prepare_model())
     engines = {
-        jump: LLMEngine(EngineConfig(model=model, max_model_len=512, enable_jump_forward=jump))
+        jump: LLMEngine(
+            EngineConfig(model=model, max_model_len=512, enable_prefix_caching=False, enable_jump_forward=jump)
+        )
         for jump in (True, False)
     }
     tokenizer = engines[True].tokenizer
