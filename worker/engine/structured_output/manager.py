@@ -10,6 +10,7 @@ own line (``InvalidParameterError``) and never holds a step; its compile is left
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -82,6 +83,7 @@ class StructuredOutputManager:
         self._backend: XgrammarBackend | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._compiled: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
+        self._specs: dict[tuple[object, ...], GrammarSpec] = {}
         self.stats = CompileStats()
 
     @property
@@ -103,7 +105,17 @@ class StructuredOutputManager:
         """
         from worker.engine.structured_output.backend_xgrammar import PARAM, canonical_spec
 
-        spec = canonical_spec(params)
+        # NOTE: a job sends one constraint on many lines: its metaschema check runs once, not per line.
+        key = (
+            json.dumps(params.json) if isinstance(params.json, dict) else params.json,
+            params.regex,
+            params.choice,
+            params.grammar,
+            params.json_object,
+        )
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = canonical_spec(params)
         backend = self.backend
         future = self._compiled.get(spec)
         if future is None:
