@@ -31,6 +31,11 @@ class EngineConfig:
     ``speculative_model``, or by default the target's first ``speculative_draft_num_layers`` layers with its
     final norm and LM head). ``num_speculative_tokens`` is the most drafts per step.
 
+    Structured outputs (docs/engine.md, "Structured outputs"): ``structured_outputs_compile_timeout_s`` is the
+    longest ``add_request`` waits for one grammar compile before it fails that request (seconds).
+    ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
+    without a forward pass each (jump-forward decoding); the model computes them in one extend.
+
     Raises:
         ValueError: on a non-positive size.
     """
@@ -54,6 +59,8 @@ class EngineConfig:
     prompt_lookup_max: int = 8
     speculative_model: str | None = None
     speculative_draft_num_layers: int | None = None
+    structured_outputs_compile_timeout_s: float = 10.0
+    enable_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
@@ -72,5 +79,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min")
+        if self.structured_outputs_compile_timeout_s <= 0:
+            raise ValueError(
+                f"structured_outputs_compile_timeout_s must be > 0, got {self.structured_outputs_compile_timeout_s}"
+            )
         if self.speculative_draft_num_layers is not None and self.speculative_draft_num_layers < 1:
             raise ValueError(f"speculative_draft_num_layers must be >= 1, got {self.speculative_draft_num_layers}")

@@ -11,6 +11,7 @@ import itertools
 import time
 from collections.abc import Sequence as TokenIds
 
+import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from worker.engine.config import EngineConfig
@@ -21,7 +22,7 @@ from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError, ResumeError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
 from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
-from worker.engine.output.stop_checker import check_finish
+from worker.engine.output.stop_checker import FinishState, check_finish
 from worker.engine.outputs import (
     CompletionOutput,
     FinishReason,
@@ -34,6 +35,7 @@ from worker.engine.sample.rejection_sampler import VerifiedTokens
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode.speculator import Speculator, build_speculator
 from worker.engine.stats import EngineStats
+from worker.engine.structured_output import StructuredOutputManager
 
 _MAX_IDS_SHOWN = 8  # token ids quoted in an error message
 
@@ -87,6 +89,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.speculator: Speculator | None = build_speculator(config, self.model_runner, self.max_model_len)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.structured_outputs_compile_timeout_s
+        )
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -115,8 +120,10 @@ class LLMEngine:
         Raises:
             PromptTooLongError: ``len(prompt tokens) >= max_model_len`` (no room to generate).
             InvalidParameterError: a token id outside the vocabulary (the prompt's, or in any field
-                `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves, or
-                beam search whose beams cannot fit the KV cache side by side.
+                `SamplingParams.token_id_fields` lists), ``min_tokens`` beyond the room the prompt leaves,
+                beam search whose beams cannot fit the KV cache side by side, or a ``structured_outputs``
+                constraint that is invalid, unsupported or overran its compile time limit
+                (``param="structured_outputs"``; docs/engine.md, "Structured outputs").
             ResumeError: ``resumed_token_ids`` given for parameters that cannot resume (`core.request.can_resume`),
                 holding an id outside the vocabulary, or already finishing the request.
             ValueError: a duplicate ``request_id`` or an empty prompt.
@@ -167,6 +174,9 @@ class LLMEngine:
             )
         if any(not 0 <= token_id < vocab_size for token_id in resumed_token_ids):
             raise ResumeError(f"resumed_token_ids holds token ids outside the vocabulary [0, {vocab_size})")
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured_output.compile(params.structured_outputs)
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -175,6 +185,7 @@ class LLMEngine:
                 params=params,
                 prompt_token_ids=prompt_token_ids,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                grammar=None if compiled is None else self.structured_output.new_grammar(compiled),
             )
             for index in range(params.num_branches)
         ]
@@ -259,6 +270,7 @@ class LLMEngine:
         draft_probs = {}
         if speculator is not None:
             draft_probs = speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
+            self._check_drafts(draft_probs)
         scheduler_output = self.scheduler.schedule()
         if speculator is not None and scheduler_output.preempted_seqs:
             speculator.free(scheduler_output.preempted_seqs, finished=False)
@@ -277,6 +289,13 @@ class LLMEngine:
         # Verified tokens are appended before the scheduler marks them computed (it needs their ids).
         finished_seqs = self._process_verified(runner_output.verified_seqs, runner_output.verified, sampled_s)
         self.scheduler.update_from_output(scheduler_output)
+        # NOTE: forced tokens join a verified sequence only once the scheduler has rolled back its rejected drafts.
+        finished_ids = {id(seq) for seq in finished_seqs}
+        finished_seqs += [
+            seq
+            for seq in runner_output.verified_seqs
+            if id(seq) not in finished_ids and self._jump_forward(seq, sampled_s)
+        ]
         finished_seqs += self._process_samples(runner_output, sampled_s=sampled_s)
         finished_seqs += self._process_beams(runner_output.beam_seqs, runner_output.beam_candidates)
         self._record_prompt_logprobs(runner_output)
@@ -297,6 +316,7 @@ class LLMEngine:
         stats.num_steps += 1
         stats.forward_s += runner_output.forward_s
         stats.sampling_s += runner_output.sampling_s
+        stats.grammar_s += runner_output.grammar_s
         occupancy = self.kv_cache_manager.slot_occupancy()
         stats.kv_tokens_stored_sum += occupancy.num_tokens_stored
         stats.kv_slots_sum += occupancy.num_slots
@@ -346,6 +366,9 @@ class LLMEngine:
         stats.prefix_cache_queries = prefix_cache_stats.queries
         stats.prefix_cache_hits = prefix_cache_stats.hits
         stats.num_kv_blocks_peak = self.kv_cache_manager.block_pool.take_num_used_peak()
+        compile_stats = self.structured_output.make_stats()
+        stats.grammar_compile_times_s = compile_stats.compile_times_s
+        stats.grammar_cache_hits = compile_stats.num_cache_hits
         if self.speculator is not None:
             spec_stats = self.speculator.make_stats()
             stats.num_drafts = spec_stats.num_drafts
@@ -353,6 +376,25 @@ class LLMEngine:
             stats.num_accepted_tokens = spec_stats.num_accepted_tokens
             stats.num_accepted_tokens_per_pos = spec_stats.num_accepted_tokens_per_pos
         return stats
+
+    def _check_drafts(self, draft_probs: dict[int, torch.Tensor]) -> None:
+        """Cut each constrained sequence's drafts before the first token its grammar does not allow (mutates
+        ``spec_token_ids`` and ``draft_probs``): verification then never scores a position the grammar forbids.
+        Under jump-forward decoding, drafts also stop before a position where the grammar forces tokens, so the
+        tokens are those of the run without speculation."""
+        for seq in self.scheduler.running:
+            if seq.grammar is None or not seq.spec_token_ids:
+                continue
+            jump_forward = None
+            if self._jumps_forward(seq):
+                jump_forward = (self.tokenizer, self.model_config.vocab_size)
+            num_valid = seq.grammar.num_valid_drafts(seq.spec_token_ids, jump_forward)
+            if num_valid == len(seq.spec_token_ids):
+                continue
+            del seq.spec_token_ids[num_valid:]
+            probs = draft_probs.pop(seq.seq_id, None)
+            if probs is not None and num_valid:
+                draft_probs[seq.seq_id] = probs[:num_valid]
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput, *, start_s: float) -> None:
         """Count the step's tokens; stamp ``first_scheduled_time`` (``start_s``, monotonic) on newly scheduled requests."""
@@ -386,9 +428,35 @@ class LLMEngine:
             logprobs,
             sampler_output.top_logprobs,
         ):
-            if self._append_token(seq, token_id, logprob, top, sampled_s):
+            if self._append_token(seq, token_id, logprob, top, sampled_s) or self._jump_forward(seq, sampled_s):
                 finished.append(seq)
         return finished
+
+    def _jump_forward(self, seq: Sequence, sampled_s: float) -> bool:
+        """Append the tokens ``seq``'s grammar forces (jump-forward decoding, docs/engine.md, "Structured
+        outputs"): their K/V are computed by the next step in one extend instead of one step each. Only where
+        no logprob is needed (a forced token has none without a forward pass). True if ``seq`` finished."""
+        grammar = seq.grammar
+        if grammar is None or not self._jumps_forward(seq):
+            return False
+        vocab_size = self.model_config.vocab_size
+        while forced := grammar.forced_token_ids(self.tokenizer, vocab_size):
+            for token_id in forced:
+                self._stats.num_forced_tokens += 1
+                if self._append_token(seq, token_id, 0.0, None, sampled_s):
+                    return True
+        return False
+
+    def _jumps_forward(self, seq: Sequence) -> bool:
+        """Whether ``seq`` takes its grammar's forced tokens without a forward pass: jump-forward decoding is on,
+        and no logprob (asked for, or ranking ``best_of``) or beam score needs them scored."""
+        params = seq.params
+        return (
+            seq.grammar is not None
+            and self.config.enable_jump_forward
+            and not params.needs_sampled_logprobs
+            and not params.use_beam_search
+        )
 
     def _process_verified(
         self, seqs: list[Sequence], verified: list[VerifiedTokens], sampled_s: float
@@ -427,6 +495,9 @@ class LLMEngine:
                 stats.inter_token_latencies_s.append(sampled_s - metrics.last_token_time)
             metrics.last_token_time = sampled_s
         seq.append_token(token_id)
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept_token(token_id)
+            assert accepted, "the grammar's bitmask allows only tokens it accepts"
         seq.cumulative_logprob += logprob
         stats.num_generation_tokens += 1
         if seq.logprobs is not None:
@@ -449,6 +520,10 @@ class LLMEngine:
             output_text=detokenizer.output_text,
             new_char_count=len(new_text),
         )
+        if finish is None and seq.grammar is not None and seq.grammar.is_terminated():
+            # NOTE: only the stop token (EOS) terminates a grammar; it ends the output even under ignore_eos or
+            # min_tokens, since the grammar allows nothing after it.
+            finish = FinishState("stop", None, detokenizer.output_text[: len(detokenizer.output_text) - len(new_text)])
         if finish is None:
             return False
         seq.finish_reason, seq.stop_reason, seq.output_text = (
@@ -496,6 +571,9 @@ class LLMEngine:
                 new_live.append((beam, token_id, logprob))
             for beam, token_id, logprob in new_live:
                 beam.append_token(token_id)
+                if beam.grammar is not None:
+                    accepted = beam.grammar.accept_token(token_id)
+                    assert accepted, "a constrained beam's candidates are tokens its grammar allows"
                 beam.cumulative_logprob += logprob
             self._stats.num_generation_tokens += len(new_live)
             state.live = [beam for beam, _, _ in new_live]
@@ -506,7 +584,7 @@ class LLMEngine:
         """Whether appending ``token_id`` ends ``beam``: ``("stop", stop token id, None for EOS)``,
         ``("length", None)``, or None while it goes on."""
         params = beam.params
-        if token_id == self.eos_token_id and not params.ignore_eos:
+        if token_id == self.eos_token_id and (not params.ignore_eos or beam.grammar is not None):
             return "stop", None
         if token_id in params.stop_token_ids:
             return "stop", token_id

@@ -31,7 +31,11 @@ class EngineStats:
         kv_tokens_stored_sum, kv_slots_sum: per step, the computed tokens held in referenced blocks and
             those blocks' slots, summed over steps (their ratio is :attr:`kv_slot_utilization`).
         forward_s: model forward and logits; sampling_s: the sampler and prompt logprobs;
-            step_s: whole steps (scheduling and output processing included).
+            grammar_s: filling structured-output token bitmasks; step_s: whole steps (scheduling and output
+            processing included).
+        grammar_compile_times_s: seconds of each grammar compile (a cache miss) in the window;
+            grammar_cache_hits: constraints found compiled; num_forced_tokens: output tokens a grammar
+            forced (jump-forward decoding) rather than the model sampled (docs/engine.md, "Structured outputs").
         num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos: vLLM's
             spec-decoding counters: sequence-steps that verified drafts, drafts verified, drafts accepted,
             and per draft position ``j`` the drafts accepted there (docs/engine.md, "Speculative decoding").
@@ -57,7 +61,11 @@ class EngineStats:
     kv_slots_sum: int = 0
     forward_s: float = 0.0
     sampling_s: float = 0.0
+    grammar_s: float = 0.0
     step_s: float = 0.0
+    grammar_compile_times_s: list[float] = field(default_factory=list)
+    grammar_cache_hits: int = 0
+    num_forced_tokens: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -21,6 +21,7 @@ from worker.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from worker.engine.core.beam_search import BeamSearchState
     from worker.engine.output.detokenizer import IncrementalDetokenizer
+    from worker.engine.structured_output.backend_xgrammar import StructuredOutputGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +50,8 @@ class Sequence:
     ``spec_token_ids`` are draft tokens proposed for this step (speculative decoding, docs/engine.md,
     "Speculative decoding"): the scheduler schedules them after the last token and the step verifies them;
     they are never part of ``token_ids`` until accepted.
+    ``grammar`` is the sequence's structured-output matcher (None: unconstrained), advanced with every appended
+    output token and forked with the sequence (docs/engine.md, "Structured outputs").
     """
 
     seq_id: int
@@ -70,6 +73,7 @@ class Sequence:
     pending_forks: list[Sequence] = field(default_factory=list)
     cache_salt: int | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    grammar: StructuredOutputGrammar | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -89,13 +93,15 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
-        """A new sequence with this one's tokens, computed count, cumulative logprob and status (a branch)."""
+        """A new sequence with this one's tokens, computed count, cumulative logprob and grammar state (a branch)."""
         child = Sequence(seq_id, self.request_id, sample_index, self.params, self.prompt_token_ids)
         child.token_ids = list(self.token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.cumulative_logprob = self.cumulative_logprob
         child.num_cached_tokens = self.num_cached_tokens
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child
 
     def append_token(self, token_id: int) -> None:

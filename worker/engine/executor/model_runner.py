@@ -12,6 +12,7 @@ sequences, not of tokens.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ class ModelRunnerOutput:
     sampled: ``beam_seqs[i]`` reports ``beam_candidates[i]``, its ``2 * n`` most likely next tokens as
     ``(token_id, raw logprob)``, best first. Sequences that verified drafts are not in ``sampled_seqs``:
     ``verified_seqs[i]`` got ``verified[i]``. ``forward_s`` is wall time in the model forward and logits,
-    ``sampling_s`` in the sampler, the rejection sampler and prompt logprobs (seconds).
+    ``sampling_s`` in the sampler, the rejection sampler and prompt logprobs, ``grammar_s`` in filling
+    structured-output bitmasks (seconds).
     """
 
     sampled_seqs: list[Sequence]
@@ -62,6 +64,7 @@ class ModelRunnerOutput:
     verified: list[VerifiedTokens] = field(default_factory=list)
     forward_s: float = 0.0
     sampling_s: float = 0.0
+    grammar_s: float = 0.0
 
 
 def kv_cache_bytes_per_block(
@@ -101,14 +104,66 @@ def copy_blocks(
         kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
 
 
-def _top_candidates(logits: torch.Tensor, num_top: list[int]) -> list[list[tuple[int, float]]]:
+def _top_candidates(
+    logits: torch.Tensor, num_top: list[int], grammar_masks: GrammarMasks | None = None
+) -> list[list[tuple[int, float]]]:
     """Per row the ``num_top[i]`` largest ``log_softmax`` entries of float32 ``logits: [R, vocab_size]`` as
-    ``(token_id, logprob)``, best first (a beam's expansion, as Hugging Face's beam search scores it)."""
+    ``(token_id, logprob)``, best first (a beam's expansion, as Hugging Face's beam search scores it). Rows under
+    a grammar offer only tokens it allows, with their raw logprobs (HF's logits processors on the log-softmax)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if grammar_masks is not None:
+        grammar_masks.apply(logprobs)
     top = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
     ids: list[list[int]] = top.indices.tolist()
     values: list[list[float]] = top.values.tolist()
-    return [list(zip(i[:k], v[:k], strict=True)) for i, v, k in zip(ids, values, num_top, strict=True)]
+    return [
+        [(token_id, value) for token_id, value in zip(i[:k], v[:k], strict=True) if value != -math.inf]
+        for i, v, k in zip(ids, values, num_top, strict=True)
+    ]
+
+
+@dataclass(slots=True)
+class GrammarMasks:
+    """The structured-output bitmask of a group of logits rows: ``bitmask`` (int32 ``[num_rows, ceil(vocab_size /
+    32)]``, row ``i`` for logits row ``i``) and the ``rows`` under a grammar (docs/engine.md, "Structured outputs")."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens of the constrained rows to ``-inf`` (``logits: [num_rows, vocab_size]``, mutated)."""
+        from worker.engine.structured_output.backend_xgrammar import apply_token_bitmask
+
+        apply_token_bitmask(logits, self.bitmask, self.rows)
+
+    def select(self, rows: list[int]) -> GrammarMasks | None:
+        """The masks of ``rows`` (renumbered from 0), or None when none of them is constrained."""
+        constrained = set(self.rows)
+        kept = [j for j, row in enumerate(rows) if row in constrained]
+        if not kept:
+            return None
+        return GrammarMasks(self.bitmask[torch.tensor(rows, dtype=torch.long)], kept)
+
+
+def fill_grammar_masks(
+    seqs: list[Sequence], vocab_size: int, draft_token_ids: list[list[int]] | None = None
+) -> GrammarMasks | None:
+    """The bitmask of one row per sequence, or ``1 + len(draft_token_ids[i])`` rows (the positions a speculating
+    sequence verifies); None when no sequence is constrained (nothing is allocated)."""
+    if all(seq.grammar is None for seq in seqs):
+        return None
+    from worker.engine.structured_output.backend_xgrammar import allocate_token_bitmask
+
+    num_rows = [1 + len(drafts) for drafts in draft_token_ids] if draft_token_ids is not None else [1] * len(seqs)
+    bitmask = allocate_token_bitmask(sum(num_rows), vocab_size)
+    rows: list[int] = []
+    first_row = 0
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.fill_bitmask(bitmask, first_row, draft_token_ids[i] if draft_token_ids is not None else ())
+            rows.extend(range(first_row, first_row + num_rows[i]))
+        first_row += num_rows[i]
+    return GrammarMasks(bitmask, rows)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -254,6 +309,12 @@ class ModelRunner:
             self._synchronize()
             return ModelRunnerOutput([], None, [], forward_s=time.perf_counter() - start_s)
         logits = self.model.compute_logits(hidden_states[torch.tensor(rows, dtype=torch.long, device=device)])
+        # NOTE: the matchers fill their bitmasks on the CPU while a device still computes the logits.
+        grammar_start_s = time.perf_counter()
+        vocab_size = logits.shape[-1]
+        sample_masks = fill_grammar_masks(sampled_seqs, vocab_size)
+        verify_masks = fill_grammar_masks(verified_seqs, vocab_size, [seq.spec_token_ids for seq in verified_seqs])
+        grammar_s = time.perf_counter() - grammar_start_s
         self._synchronize()
         sampling_start_s = time.perf_counter()
 
@@ -263,10 +324,13 @@ class ModelRunner:
             beam_idx = [i for i, seq in enumerate(sampled_seqs) if seq.params.use_beam_search]
             beam_seqs = [sampled_seqs[i] for i in beam_idx]
             beam_logits = logits.index_select(0, torch.tensor([sample_rows[i] for i in beam_idx], device=device))
-            beam_candidates = _top_candidates(beam_logits, [2 * seq.params.n for seq in beam_seqs])
+            beam_masks = sample_masks.select(beam_idx) if sample_masks is not None else None
+            beam_candidates = _top_candidates(beam_logits, [2 * seq.params.n for seq in beam_seqs], beam_masks)
             kept = [i for i, seq in enumerate(sampled_seqs) if not seq.params.use_beam_search]
             sampled_seqs = [sampled_seqs[i] for i in kept]
             sample_rows = [sample_rows[i] for i in kept]
+            if sample_masks is not None:
+                sample_masks = sample_masks.select(kept)
 
         sampler_output = None
         if sampled_seqs:
@@ -277,6 +341,8 @@ class ModelRunner:
                 output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
                 eos_token_id=self.eos_token_id,
             )
+            if sample_masks is not None:
+                metadata.token_bitmask, metadata.constrained_rows = sample_masks.bitmask, sample_masks.rows
             if sample_rows == list(range(len(logits_rows))):
                 sample_logits = logits[: len(logits_rows)]
             else:
@@ -293,7 +359,7 @@ class ModelRunner:
             prompt_logprobs.append(PromptLogprobsChunk(seq, first_position, entries))
         verified: list[VerifiedTokens] = []
         if verified_seqs:
-            verified = self._verify(logits[offset:], verified_seqs, draft_probs or {})
+            verified = self._verify(logits[offset:], verified_seqs, draft_probs or {}, verify_masks)
         self._synchronize()
         return ModelRunnerOutput(
             sampled_seqs,
@@ -303,17 +369,22 @@ class ModelRunner:
             beam_candidates,
             verified_seqs,
             verified,
-            forward_s=sampling_start_s - start_s,
+            forward_s=sampling_start_s - start_s - grammar_s,
             sampling_s=time.perf_counter() - sampling_start_s,
+            grammar_s=grammar_s,
         )
 
     def _verify(
-        self, logits: torch.Tensor, seqs: list[Sequence], draft_probs: dict[int, torch.Tensor]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        draft_probs: dict[int, torch.Tensor],
+        grammar_masks: GrammarMasks | None,
     ) -> list[VerifiedTokens]:
         """Rejection-sample each sequence's drafts from its ``k + 1`` rows of ``logits`` (in order).
 
-        Row ``j`` of a sequence sees the output so far plus its first ``j`` drafts, so penalties and
-        min-tokens apply at every verified position as they would one token at a time.
+        Row ``j`` of a sequence sees the output so far plus its first ``j`` drafts, so penalties, min-tokens and
+        a grammar's bitmask apply at every verified position as they would one token at a time.
         """
         params, keys, prompts, outputs = [], [], [], []
         for seq in seqs:
@@ -324,6 +395,8 @@ class ModelRunner:
                 prompts.append(seq.prompt_token_ids)
                 outputs.append(seq.output_token_ids + seq.spec_token_ids[:j] if j else seq.output_token_ids)
         metadata = SamplingMetadata(params, keys, prompts, outputs, self.eos_token_id)
+        if grammar_masks is not None:
+            metadata.token_bitmask, metadata.constrained_rows = grammar_masks.bitmask, grammar_masks.rows
         return self.rejection_sampler(
             logits,
             metadata,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -16,7 +20,10 @@ class SamplingMetadata:
     sampled. ``prompt_token_ids``/``output_token_ids`` feed the penalties
     (repetition counts prompt + output tokens, as vLLM; presence/frequency count output tokens only) and
     min-tokens masking; ``eos_token_id`` is masked together with ``params.stop_token_ids`` while
-    ``len(output_token_ids[i]) < params.min_tokens``, unless ``params.ignore_eos``.
+    ``len(output_token_ids[i]) < params.min_tokens``, unless ``params.ignore_eos`` or the row is constrained.
+    ``constrained_rows`` are the rows under a structured-output grammar; ``token_bitmask`` (int32
+    ``[num_rows, ceil(vocab_size / 32)]``, row ``i`` for logits row ``i``) holds their allowed tokens, and every
+    other token of those rows is excluded from sampling (docs/engine.md, "Structured outputs").
     """
 
     params: list[SamplingParams]
@@ -24,6 +31,8 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     eos_token_id: int | None
+    token_bitmask: torch.Tensor | None = None
+    constrained_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """Token sampling: logit processors, temperature/top-k/top-p/min-p, counter-based random draws, logprobs.
 
 Semantics follow vLLM's sampler (``vllm/v1/sample/sampler.py`` and its V0 predecessor): per row, in order,
-``logit_bias`` -> min-tokens masking of stop/EOS ids -> repetition/presence/frequency penalties ->
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw with the row's own ``torch.Generator``.
+``logit_bias`` -> min-tokens masking of stop/EOS ids -> repetition/presence/frequency penalties -> the
+structured-output grammar's token bitmask (constrained rows) -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> a draw with the row's own ``torch.Generator``.
 Logprobs are always the log-softmax of the *raw* logits (before any processing), as vLLM V1 returns them.
 
 Reproducibility: a non-greedy row draws its token by an exponential race (the Gumbel-max trick) over
@@ -114,14 +115,17 @@ class _RowPlan:
     min_tokens_rows: list[int]
     penalty_rows: list[int]
     random_rows: list[int]
+    constrained_rows: list[int]
 
     @classmethod
     def build(cls, metadata: SamplingMetadata) -> _RowPlan:
-        plan = cls([], [], [], [])
+        plan = cls([], [], [], [], metadata.constrained_rows)
+        constrained = set(metadata.constrained_rows)
         for i, p in enumerate(metadata.params):
             if p.logit_bias:
                 plan.bias_rows.append(i)
-            if p.min_tokens and len(metadata.output_token_ids[i]) < p.min_tokens:
+            # NOTE: a grammar decides where a constrained output may end; masking EOS there could leave no token.
+            if p.min_tokens and len(metadata.output_token_ids[i]) < p.min_tokens and i not in constrained:
                 plan.min_tokens_rows.append(i)
             if has_penalties(p):
                 plan.penalty_rows.append(i)
@@ -131,7 +135,7 @@ class _RowPlan:
 
     @property
     def needs_logits_processing(self) -> bool:
-        return bool(self.bias_rows or self.min_tokens_rows or self.penalty_rows)
+        return bool(self.bias_rows or self.min_tokens_rows or self.penalty_rows or self.constrained_rows)
 
 
 class Sampler:
@@ -205,13 +209,19 @@ def _check_rows(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 
 def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata, plan: _RowPlan) -> torch.Tensor:
-    """logit_bias -> min-tokens masking -> penalties on a copy (``logits`` itself when nothing applies)."""
+    """logit_bias -> min-tokens masking -> penalties -> grammar bitmask on a copy (``logits`` itself when nothing
+    applies)."""
     if not plan.needs_logits_processing:
         return logits
     processed = logits.clone()
     apply_logit_bias(processed, metadata.params, plan.bias_rows)
     apply_min_tokens(processed, metadata, plan.min_tokens_rows)
     apply_penalties(processed, metadata, plan.penalty_rows)
+    if plan.constrained_rows:
+        from worker.engine.structured_output.backend_xgrammar import apply_token_bitmask
+
+        assert metadata.token_bitmask is not None
+        apply_token_bitmask(processed, metadata.token_bitmask, plan.constrained_rows)
     return processed
 
 
