@@ -70,6 +70,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative_method=settings.speculative_method,
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
+        quantization=settings.quantization,
     )
 
 

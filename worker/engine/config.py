@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.executor.layers.quantization import check_quantization
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -31,8 +33,11 @@ class EngineConfig:
     ``speculative_model``, or by default the target's first ``speculative_draft_num_layers`` layers with its
     final norm and LM head). ``num_speculative_tokens`` is the most drafts per step.
 
+    ``quantization`` is ``"none"`` or ``"int8"`` (weight-only int8 linear layers on CPU float32; docs/engine.md,
+    "Quantized weights"); ``"q4"`` is refused as not yet served.
+
     Raises:
-        ValueError: on a non-positive size.
+        ValueError: on a non-positive size, or a quantization not served.
     """
 
     model: str
@@ -54,8 +59,10 @@ class EngineConfig:
     prompt_lookup_max: int = 8
     speculative_model: str | None = None
     speculative_draft_num_layers: int | None = None
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
