@@ -26,6 +26,10 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -65,11 +69,19 @@ inline void load_panel_row(const float* p, vec& w0, vec& w1) {
 }
 
 inline void load_panel_row(const int8_t* p, vec& w0, vec& w1) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // NOTE: GCC lowers the generic conversion of an 8-byte vector poorly (lane by lane); the intrinsics give one
+  // vpmovsxbd (with its load folded) and one vcvtdq2ps per eight weights.
+  w0 = reinterpret_cast<vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  w1 = reinterpret_cast<vec>(
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kLanes)))));
+#else
   qvec q0, q1;
   std::memcpy(&q0, p, sizeof(q0));
   std::memcpy(&q1, p + kLanes, sizeof(q1));
   w0 = __builtin_convertvector(q0, vec);
   w1 = __builtin_convertvector(q1, vec);
+#endif
 }
 
 // y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR (float32 panels), or
