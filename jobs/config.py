@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 16
     torch_num_threads: int | None = None
+    # Weight quantization (docs/engine.md, "Quantized weights"): "none" or "int8"; "q4" is not yet served.
+    quantization: str = "none"
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
     max_file_bytes: int = 200_000_000
@@ -91,6 +93,15 @@ class Settings(BaseSettings):
     checkpoint_interval_s: float = Field(default=5.0, ge=0)
     # The window every batch of this deployment gets ("<n>s", "<n>m" or "<n>h"); clients still send "24h".
     completion_window: str = "24h"
+
+    @field_validator("quantization")
+    @classmethod
+    def _served_quantization(cls, value: str) -> str:
+        if value == "q4":
+            raise ValueError("quantization 'q4' is not yet served; use 'none' or 'int8'")
+        if value not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

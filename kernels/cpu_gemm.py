@@ -71,3 +71,52 @@ def linear_packed(
     rows = x.reshape(-1, x.shape[-1])
     out: torch.Tensor = torch.ops.batchinfer_cpu.linear_packed(rows, packed_weight, out_features, bias)
     return out.view(*x.shape[:-1], out_features)
+
+
+def pack_linear_weight_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """Pack an int8 weight (from :func:`kernels.reference.quantize_int8_per_channel`) for :func:`linear_int8_packed`.
+
+    Args:
+        qweight: int8 CPU ``[out_features, in_features]``.
+
+    Returns:
+        int8 contiguous ``[ceil(out_features / W), in_features, W]``, the layout of :func:`pack_linear_weight`.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on a weight that is not 2-D int8 on CPU.
+    """
+    require_cpu_kernels()
+    packed: torch.Tensor = torch.ops.batchinfer_cpu.pack_linear_weight_int8(qweight)
+    return packed
+
+
+def linear_int8_packed(
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    scales: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-only int8 linear: ``y = (x @ qweight.T) * scales + bias``, dequantized in registers.
+
+    Activations stay float32; each int8 panel row is converted to float32 in registers and every output is
+    one fused multiply-add chain over the input features, scaled once at the end, so results are batch
+    invariant. The twin is :func:`kernels.reference.linear_int8_reference` (float32 rounding apart).
+
+    Args:
+        x: float32 CPU ``[..., in_features]`` with unit stride in the last dimension.
+        packed_weight: from :func:`pack_linear_weight_int8`.
+        scales: float32 contiguous ``[out_features]``, one per output channel.
+        out_features: rows of the original weight.
+        bias: optional float32 ``[out_features]``.
+
+    Returns:
+        float32 contiguous ``[..., out_features]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on mismatched shapes or dtypes.
+    """
+    require_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    out: torch.Tensor = torch.ops.batchinfer_cpu.linear_int8_packed(rows, packed_weight, scales, out_features, bias)
+    return out.view(*x.shape[:-1], out_features)

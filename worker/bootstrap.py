@@ -10,12 +10,12 @@ torch has started threads hangs the prefork pool).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from jobs.config import Settings, get_settings
+from worker.cpu_threads import available_cpus, use_passive_wait
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
@@ -40,10 +40,11 @@ def resolve_device(device: str) -> str:
 
 
 def num_torch_threads(settings: Settings) -> int:
-    """``settings.torch_num_threads``, or every core this process may run on."""
+    """``settings.torch_num_threads``, or the cores this process is given (affinity and cgroup quota,
+    :func:`worker.cpu_threads.available_cpus`)."""
     if settings.torch_num_threads is not None:
         return settings.torch_num_threads
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return available_cpus()
 
 
 def engine_config(settings: Settings) -> EngineConfig:
@@ -69,6 +70,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative_method=settings.speculative_method,
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
+        quantization=settings.quantization,
     )
 
 
@@ -77,6 +79,7 @@ def get_engine() -> LLMEngine:
     global _engine
     with _lock:
         if _engine is None:
+            use_passive_wait()  # before torch loads libgomp (a no-op for this process if it already has)
             import torch
 
             from worker.engine.llm_engine import LLMEngine

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.executor.layers.quantization import check_quantization
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -35,9 +37,11 @@ class EngineConfig:
     longest ``add_request`` waits for one grammar compile before it fails that request (seconds).
     ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
     without a forward pass each (jump-forward decoding); the model computes them in one extend.
+    ``quantization`` is ``"none"`` or ``"int8"`` (weight-only int8 linear layers on CPU float32; docs/engine.md,
+    "Quantized weights"); ``"q4"`` is refused as not yet served.
 
     Raises:
-        ValueError: on a non-positive size.
+        ValueError: on a non-positive size, or a quantization not served.
     """
 
     model: str
@@ -61,8 +65,10 @@ class EngineConfig:
     speculative_draft_num_layers: int | None = None
     structured_outputs_compile_timeout_s: float = 10.0
     enable_jump_forward: bool = True
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

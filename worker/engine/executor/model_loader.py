@@ -15,6 +15,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from worker.engine.executor.layers.linear import pack_linear_layers
+from worker.engine.executor.layers.quantization import check_quantization
+from worker.engine.executor.layers.quantization.int8 import quantize_linear_layers
 from worker.engine.executor.models.llama import LlamaForCausalLM, enable_cpu_kernels
 from worker.engine.executor.models.registry import resolve_model_class
 
@@ -56,14 +58,18 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quantization: str = "none"
+) -> LlamaForCausalLM:
     """Build the model ``model_dir/config.json``'s ``architectures`` names and load its safetensors weights.
 
     Stored bf16/fp16/fp32 weights are converted to ``dtype``. Returns the model on ``device``
     in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a float32 model on CPU gets
     packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`) and
     fused C++ norms, rotary embeddings and SwiGLU
-    (:func:`worker.engine.executor.models.llama.enable_cpu_kernels`).
+    (:func:`worker.engine.executor.models.llama.enable_cpu_kernels`). ``quantization="int8"`` first swaps
+    every linear layer but the LM head for a weight-only int8 one
+    (:func:`worker.engine.executor.layers.quantization.int8.quantize_linear_layers`).
 
     Raises:
         FileNotFoundError: if the folder has no safetensors weights.
@@ -72,7 +78,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
             them).
         ValueError: if a weight is missing or mis-shaped (named).
         KeyError: on a checkpoint tensor the model has no parameter for (named).
+        ValueError: on a quantization not served, or one this model, dtype or CPU cannot run (named).
     """
+    check_quantization(quantization)
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     model_class = resolve_model_class(config)
@@ -83,6 +91,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     model.requires_grad_(False)
+    if quantization == "int8":
+        quantize_linear_layers(model)
     if pack_linear_layers(model):  # float32 on CPU, kernels built
         enable_cpu_kernels(model)
     return model

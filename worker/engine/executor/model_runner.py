@@ -186,7 +186,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
         model_config = self.model.config
         num_layers = int(model_config.num_hidden_layers)
         num_kv_heads = num_kv_heads_of(model_config)
