@@ -242,26 +242,32 @@ class LLMEngine:
         Raises:
             ResumeError: one of the tokens finishes the sequence (EOS, a stop id or string, a length limit).
         """
-        detokenizer = seq.detokenizer
-        assert detokenizer is not None
         for token_id in token_ids:
             seq.append_token(token_id)
-            new_text = detokenizer.append(token_id)
-            finish = check_finish(
-                params=seq.params,
-                last_token_id=token_id,
-                num_output_tokens=len(seq.output_token_ids),
-                num_prompt_tokens=seq.num_prompt_tokens,
-                max_model_len=self.max_model_len,
-                eos_token_id=self.eos_token_id,
-                output_text=detokenizer.output_text,
-                new_char_count=len(new_text),
-            )
+            finish, _ = self._append_text(seq, token_id)
             if finish is not None:
                 raise ResumeError(
                     f"resumed_token_ids finish the request at token {len(seq.output_token_ids)} of "
                     f"{len(token_ids)} ({finish.finish_reason}); nothing is left to resume"
                 )
+
+    def _append_text(self, seq: Sequence, token_id: int) -> tuple[FinishState | None, str]:
+        """Detokenize ``seq``'s newly appended ``token_id`` and check whether it finishes the sequence (EOS, a
+        stop id or string, a length limit); returns that finish (None if it goes on) and the new text."""
+        detokenizer = seq.detokenizer
+        assert detokenizer is not None
+        new_text = detokenizer.append(token_id)
+        finish = check_finish(
+            params=seq.params,
+            last_token_id=token_id,
+            num_output_tokens=len(seq.output_token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id,
+            output_text=detokenizer.output_text,
+            new_char_count=len(new_text),
+        )
+        return finish, new_text
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, process samples; returns the requests that finished this step."""
@@ -507,19 +513,9 @@ class LLMEngine:
                 if top_id not in entry:
                     entry[top_id] = Logprob(top_logprob, decode_token(tokenizer, top_id))
             seq.logprobs.append(entry)
+        finish, new_text = self._append_text(seq, token_id)
         detokenizer = seq.detokenizer
         assert detokenizer is not None
-        new_text = detokenizer.append(token_id)
-        finish = check_finish(
-            params=seq.params,
-            last_token_id=token_id,
-            num_output_tokens=len(seq.output_token_ids),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_id=self.eos_token_id,
-            output_text=detokenizer.output_text,
-            new_char_count=len(new_text),
-        )
         if finish is None and seq.grammar is not None and seq.grammar.is_terminated():
             # NOTE: only the stop token (EOS) terminates a grammar; it ends the output even under ignore_eos or
             # min_tokens, since the grammar allows nothing after it.
