@@ -158,8 +158,8 @@ BAD_INPUTS = [
     (
         RESPONSES,
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-        "input[0].content",
-        "images, files and audio are not served",
+        "input[0].content[0].type",
+        "'input_image' is not one of 'input_text' or 'output_text': only text parts are served (images, files",
     ),
     (
         RESPONSES,
