@@ -10,6 +10,7 @@
 | `jobs.errors.Conflict` (e.g. delete a file a schedule uses) | 409 | invalid_request_error / the error's code |
 | a request body not received in time (`api.limits.RequestBodies`) | 408 | invalid_request_error / ``request_timeout`` |
 | `UploadTooLarge`, a request body over the size limit | 413 | invalid_request_error / ``file_too_large`` or ``too_many_lines`` |
+| a non-upload body over ``max_request_body_bytes`` (`api.limits`) | 413 | invalid_request_error / ``request_too_large`` |
 | `api.rate_limits.RateLimited` (``Retry-After``) | 429 | ``requests`` / ``rate_limit_exceeded``; ``tokens`` / ``token_limit_exceeded`` |
 | SQLAlchemy's ``OperationalError`` or ``InterfaceError`` (the database is unreachable) | 503 | server_error / ``database_unavailable`` |
 | anything else | 500 | server_error |

@@ -9,8 +9,11 @@ a slow or stalled sender holds only its own connection and one upload slot.
 
 For an HTTP request that carries a body (``Content-Length`` above 0, or chunked), in this order:
 
-1. a ``Content-Length`` over ``max_file_bytes`` + `FORM_SLACK_BYTES` (room for the multipart
-   boundaries, part headers and small fields): a 413 ``file_too_large`` at once, nothing read;
+1. a ``Content-Length`` over the route's limit: a 413 at once, nothing read. An upload route
+   (`UPLOAD_ROUTES`: ``POST /v1/files``, ``POST /v1/jobs``) takes ``max_file_bytes`` +
+   `FORM_SLACK_BYTES` (room for the multipart boundaries, part headers and small fields), else a 413
+   ``file_too_large``; any other request (a JSON body, parsed in memory) takes
+   ``max_request_body_bytes``, else a 413 ``request_too_large``;
 2. its API key (`api.auth.owner_of`, one short query in a worker thread under an admission slot): a
    401 at once when the deployment has keys and the request has no live one;
 3. an upload slot (`api.rate_limits.UploadSlots`, per key and in all): a 429 at once when none is free;
@@ -55,6 +58,8 @@ from api.rate_limits import RateLimited, UploadSlots, limit_key
 from jobs.config import Settings
 from jobs.db import session_scope
 
+UPLOAD_ROUTES = frozenset({("POST", "/v1/files"), ("POST", "/v1/jobs")})
+"""(method, path) of the multipart upload routes, whose bodies may be up to ``max_file_bytes``."""
 FORM_SLACK_BYTES = 64 * 1024
 """Request bytes allowed beyond ``max_file_bytes``: multipart boundaries, part headers and the small fields."""
 SPOOL_MEMORY_BYTES = 1 << 20
@@ -187,7 +192,7 @@ class RequestBodies:
     def __init__(self, app: ASGIApp, *, settings: Settings, admission_slots: asyncio.Semaphore) -> None:
         self.app = app
         self.settings = settings
-        self.max_body_bytes = settings.max_file_bytes + FORM_SLACK_BYTES
+        self.max_upload_bytes = settings.max_file_bytes + FORM_SLACK_BYTES
         self.admission_slots = admission_slots
         self.uploads = UploadSlots(
             max_total=settings.max_concurrent_uploads, max_per_key=settings.max_concurrent_uploads_per_key
@@ -201,9 +206,11 @@ class RequestBodies:
         if not _has_body(headers):
             await self.app(scope, receive, send)
             return
+        upload = (scope["method"], scope["path"].rstrip("/")) in UPLOAD_ROUTES
+        max_bytes = self.max_upload_bytes if upload else self.settings.max_request_body_bytes
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _refuse(self._too_large(), receive, send, drain=True)
+        if declared.isdigit() and int(declared) > max_bytes:
+            await _refuse(self._too_large(upload=upload), receive, send, drain=True)
             return
         try:
             owner = await self._owner(headers.get("authorization", ""), browser=is_browser_path(scope["path"]))
@@ -221,7 +228,7 @@ class RequestBodies:
             await _refuse(rate_limited_response(exc), receive, send, drain=True)
             return
         try:
-            spool = await self._receive_body(receive)
+            spool = await self._receive_body(receive, max_bytes=max_bytes, upload=upload)
         except _ClientGone:
             return
         finally:
@@ -235,8 +242,15 @@ class RequestBodies:
         finally:
             spool.close()
 
-    def _too_large(self) -> JSONResponse:
-        return error_response(413, too_large_message(self.settings.max_file_bytes), param="file", code="file_too_large")
+    def _too_large(self, *, upload: bool) -> JSONResponse:
+        if upload:
+            message = too_large_message(self.settings.max_file_bytes)
+            return error_response(413, message, param="file", code="file_too_large")
+        message = (
+            f"the request body is larger than the limit of {self.settings.max_request_body_bytes} bytes "
+            "(BATCHINFER_MAX_REQUEST_BODY_BYTES); only uploads (POST /v1/files, POST /v1/jobs) may be larger"
+        )
+        return error_response(413, message, code="request_too_large")
 
     async def _owner(self, authorization: str, *, browser: bool) -> str | None:
         def lookup() -> str | None:
@@ -246,9 +260,9 @@ class RequestBodies:
         async with self.admission_slots:
             return await anyio.to_thread.run_sync(lookup)
 
-    async def _receive_body(self, receive: Receive) -> _Spool | _Refusal:
+    async def _receive_body(self, receive: Receive, *, max_bytes: int, upload: bool) -> _Spool | _Refusal:
         """The whole body, spooled; or the 408 of a body that stalled for ``upload_read_timeout_s`` or
-        took over ``upload_timeout_s``, or the 413 of a (chunked) body over the size limit.
+        took over ``upload_timeout_s``, or the 413 of a (chunked) body over ``max_bytes``.
 
         Raises:
             _ClientGone: the client disconnected.
@@ -270,9 +284,9 @@ class RequestBodies:
                 if message["type"] == "http.disconnect":
                     raise _ClientGone
                 await spool.write(message.get("body", b""))
-                if spool.num_bytes > self.max_body_bytes:
+                if spool.num_bytes > max_bytes:
                     spool.close()
-                    return _Refusal(self._too_large(), drain=True)
+                    return _Refusal(self._too_large(upload=upload), drain=True)
                 if not message.get("more_body", False):
                     await spool.finish()
                     return spool

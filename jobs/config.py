@@ -61,6 +61,13 @@ class Settings(BaseSettings):
     # (0: no cap), else a 429. Per key: max_requests_per_minute (0: none) and max_enqueued_tokens, the
     # estimated tokens of its unfinished batches (jobs/sharding.py's estimate; 0: none), else a 429.
     upload_read_timeout_s: float = Field(default=30.0, gt=0)
+    # A request's head (its request line and headers) must arrive within header_read_timeout_s of the
+    # connection opening or of the previous response, else the connection is closed (api/connections.py);
+    # at most max_connections connections at once (uvicorn's limit_concurrency), else a 503. A request
+    # body other than an upload (POST /v1/files, POST /v1/jobs) is at most max_request_body_bytes, else a 413.
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    max_connections: int = Field(default=2000, ge=1)
+    max_request_body_bytes: int = Field(default=1 << 20, ge=1)
     upload_timeout_s: float = Field(default=1800.0, ge=0)
     max_concurrent_uploads: int = Field(default=32, ge=0)
     max_concurrent_uploads_per_key: int = Field(default=8, ge=0)

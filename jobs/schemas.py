@@ -113,6 +113,44 @@ def _one_message(message: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
+def _message_content(part: str, text_type: str) -> WrapValidator:
+    """The validator of a message's ``content`` (a list of text parts): a string, taken as one part of
+    type ``text_type``, or a non-empty list of text parts shaped like ``part``. Null and an empty list
+    get their own message; a list's parts are checked one by one, so an error names the part and its
+    field (``content[0].type``, ``content[0].foo``), as a ``str | list`` union could not."""
+    shape = f"a string or a non-empty list of text parts ({part})"
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if value is None:
+            raise PydanticCustomError("invalid_value", f"must not be null: a message's content is {shape}")
+        if isinstance(value, str):
+            return handler([{"type": text_type, "text": value}])
+        if not isinstance(value, list):
+            raise PydanticCustomError("invalid_value", f"must be {shape}")
+        if not value:
+            raise PydanticCustomError("invalid_value", f"must not be empty: a message's content is {shape}")
+        return handler(value)
+
+    return WrapValidator(validate)
+
+
+def _part_type(*served: str) -> WrapValidator:
+    """The validator of a content part's ``type``: one of ``served``; the message says what it got."""
+    names = repr(served[0]) if len(served) == 1 else "one of " + " or ".join(repr(name) for name in served)
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(
+                "invalid_value",
+                f"{{got}} is not {names}: only text parts are served (images, files and audio are not)",
+                {"got": repr(value)[:80]},
+            ) from None
+
+    return WrapValidator(validate)
+
+
 def _refuse_streaming(stream: bool | None) -> bool | None:
     if stream:
         raise ValueError("streaming is not supported in a batch; remove it or set it to false")
@@ -284,13 +322,13 @@ class TextContentPart(BaseModel):
 
     model_config = _STRICT
 
-    type: Literal["text"]
+    type: Annotated[Literal["text"], _part_type("text")]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of text parts, never null (OpenAI allows a null
-    content only next to ``tool_calls``, which this service does not take).
+    """One chat message; content is a string (kept as one text part) or a non-empty list of text parts,
+    never null (OpenAI allows a null content only next to ``tool_calls``, which this service does not take).
 
     An assistant message may carry OpenAI's ``refusal`` (a string or null), as the messages this service
     writes in its output do; it is not part of the prompt. Another role with a ``refusal`` is refused.
@@ -299,10 +337,7 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[
-        str | list[TextContentPart],
-        _one_message('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
-    ]
+    content: Annotated[list[TextContentPart], _message_content('{"type": "text", "text": "..."}', "text")]
     name: str | None = None
     refusal: str | None = None
 
@@ -316,9 +351,7 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
-        if isinstance(self.content, str):
-            return self.content
+        """The content as one string (text parts joined; a string content is one part)."""
         return "".join(part.text for part in self.content)
 
 
@@ -417,35 +450,31 @@ class ResponsesContentPart(BaseModel):
 
     model_config = _STRICT
 
-    type: Literal["input_text", "output_text"]
+    type: Annotated[Literal["input_text", "output_text"], _part_type("input_text", "output_text")]
     text: str
     annotations: list[Any] | None = None
 
 
 class ResponsesMessage(BaseModel):
     """One item of a Responses ``input`` list: a message (``type`` "message" or absent) whose content is
-    a string or a list of text parts. An output message fed back as history may keep its ``id`` and
-    ``status``. Other item types (function calls, reasoning, item references) are not taken."""
+    a string (kept as one ``input_text`` part) or a non-empty list of text parts. An output message fed
+    back as history may keep its ``id`` and ``status``. Other item types (function calls, reasoning,
+    item references) are not taken."""
 
     model_config = _STRICT
 
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[
-        str | list[ResponsesContentPart],
-        _one_message(
-            'must be a string or a list of text parts ({"type": "input_text" or "output_text", "text": "..."}); '
-            "images, files and audio are not served"
-        ),
+        list[ResponsesContentPart],
+        _message_content('{"type": "input_text" or "output_text", "text": "..."}', "input_text"),
     ]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     @property
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
-        if isinstance(self.content, str):
-            return self.content
+        """The content as one string (text parts joined; a string content is one part)."""
         return "".join(part.text for part in self.content)
 
 

@@ -113,8 +113,12 @@ def strict_schema_problem(schema: dict[str, Any]) -> str | None:
     names, definition names, enum and const strings, and 15,000 characters in one string enum of more than
     250 values. Keywords themselves are left to the grammar engine.
     """
-    if schema.get("type") != "object" or "anyOf" in schema:
+    if "anyOf" in schema:
         return 'the root must be an object ("type": "object"), not an anyOf'
+    if "type" not in schema:
+        return 'the root must be an object ("type": "object"); it has no "type"'
+    if schema["type"] != "object":
+        return f'the root must be an object ("type": "object"), not "type": {json.dumps(schema["type"])}'
     num_properties = num_enum_values = num_chars = 0
     stack: list[tuple[Any, str, int]] = [(schema, "#", 1)]
     while stack:

@@ -251,8 +251,16 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    # NOTE: an import string keeps `api` out of this module's imports (worker code never imports api).
-    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port)
+    settings = get_settings()
+    # NOTE: import strings keep `api` out of this module's imports (worker code never imports api).
+    uvicorn.run(
+        "api.main:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        http="api.connections:HeaderTimeoutH11Protocol",
+        limit_concurrency=settings.max_connections,
+    )
     return 0
 
 

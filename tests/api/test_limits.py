@@ -119,3 +119,52 @@ def test_a_201_mb_upload_is_a_413_and_the_api_grows_by_under_50_mb(tmp_path: Pat
         growth_mb = (peak_kb - before_kb) / 1000
         assert growth_mb < 50, f"the API's resident set grew by {growth_mb:.1f} MB"
     assert not (tmp_path / "data" / "files").exists() or list((tmp_path / "data" / "files").iterdir()) == []
+
+
+def _json_of(num_bytes: int, chunk_bytes: int = 4096) -> Iterator[bytes]:
+    """A JSON object of about ``num_bytes`` (one long metadata value), sent chunk by chunk."""
+    yield b'{"metadata": {"x": "'
+    for start in range(0, num_bytes, chunk_bytes):
+        yield b"y" * min(chunk_bytes, num_bytes - start)
+    yield b'"}}'
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_json_body_over_the_request_limit_is_a_413_naming_the_setting(
+    service_settings: Settings, chunked: bool
+) -> None:
+    settings = service_settings.model_copy(update={"max_request_body_bytes": 10_000})
+    body = b"".join(_json_of(20_000))
+    with api_client(settings) as client:
+        response = client.post(
+            "/v1/batches",
+            content=_json_of(20_000) if chunked else body,
+            headers={"Content-Type": "application/json"},
+        )
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large"
+        assert "limit of 10000 bytes" in error["message"] and "BATCHINFER_MAX_REQUEST_BODY_BYTES" in error["message"]
+        assert client.get("/v1/batches").json()["data"] == []
+
+
+def test_a_json_body_within_the_request_limit_reaches_the_route(service_settings: Settings) -> None:
+    settings = service_settings.model_copy(update={"max_request_body_bytes": 10_000})
+    with api_client(settings) as client:
+        response = client.post(
+            "/v1/batches", content=b"".join(_json_of(5_000)), headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 400, response.text  # the route's own validation: no input_file_id
+        assert response.json()["error"]["code"] != "request_too_large"
+
+
+def test_an_upload_over_the_request_limit_is_still_accepted(service_settings: Settings) -> None:
+    settings = service_settings.model_copy(update={"max_request_body_bytes": 1000})
+    with api_client(settings) as client:
+        response = client.post(
+            "/v1/files",
+            content=_multipart(_lines_of(20_000, chunk_bytes=4096)),
+            headers={"Content-Type": "multipart/form-data; boundary=batchinfer-test-boundary"},
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["bytes"] > 1000

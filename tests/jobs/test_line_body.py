@@ -56,7 +56,7 @@ def _rejection(endpoint: str, body: dict[str, Any]) -> InvalidRequest:
         ({"seed": "7"}, "seed"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -266,9 +266,9 @@ def test_the_assistant_message_this_service_writes_is_accepted_back_as_history()
 @pytest.mark.parametrize(
     ("message", "param", "text"),
     [
-        ({"role": "user", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
-        ({"role": "system", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
-        ({"role": "assistant", "content": None}, "messages[0].content", "must be a string or a list of text parts"),
+        ({"role": "user", "content": None}, "messages[0].content", "must not be null"),
+        ({"role": "system", "content": None}, "messages[0].content", "must not be null"),
+        ({"role": "assistant", "content": None}, "messages[0].content", "must not be null"),
         ({"role": "user"}, "messages[0].content", "is required"),
         ({"role": "user", "content": "Hi", "refusal": None}, "messages[0].refusal", "only assistant messages"),
         ({"role": "assistant", "content": "Hi", "refusal": 3}, "messages[0].refusal", "must be a valid string"),
@@ -355,3 +355,61 @@ def test_a_nul_or_lone_surrogate_anywhere_in_a_body_is_a_400_naming_the_field(
     assert error.param == param
     assert ("NUL character" in error.message) != ("lone surrogate" in error.message)
     assert "\x00" not in error.message and "\ud800" not in error.message  # written as its JSON escape
+
+
+def _parts(*parts: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "messages", "param", "text"),
+    [
+        (RESPONSES, _parts({"type": "input_text", "text": "x", "foo": 1}), "input[0].content[0].foo", "unknown field"),
+        (RESPONSES, [{"role": "user", "content": None}], "input[0].content", "must not be null"),
+        (RESPONSES, [{"role": "user"}], "input[0].content", "is required"),
+        (
+            RESPONSES,
+            _parts({"type": "text", "text": "x"}),
+            "input[0].content[0].type",
+            "'text' is not one of 'input_text' or 'output_text'",
+        ),
+        (RESPONSES, [{"role": "user", "content": []}], "input[0].content", "must not be empty"),
+        (RESPONSES, [{"role": "user", "content": 5}], "input[0].content", "must be a string or a non-empty list"),
+        (RESPONSES, _parts({"type": "input_text"}), "input[0].content[0].text", "is required"),
+        (
+            RESPONSES,
+            [{"role": "user", "content": "ok"}, *_parts({"type": "output_text", "text": "x"}, {"type": "input_file"})],
+            "input[1].content[1].type",
+            "'input_file' is not one of",
+        ),
+        (
+            CHAT_COMPLETIONS,
+            _parts({"type": "text", "text": "x", "foo": 1}),
+            "messages[0].content[0].foo",
+            "unknown field",
+        ),
+        (CHAT_COMPLETIONS, [{"role": "user", "content": None}], "messages[0].content", "must not be null"),
+        (CHAT_COMPLETIONS, _parts({"type": "input_text", "text": "x"}), "messages[0].content[0].type", "is not 'text'"),
+        (CHAT_COMPLETIONS, [{"role": "user", "content": []}], "messages[0].content", "must not be empty"),
+    ],
+)
+def test_a_bad_content_part_is_named_by_its_place(
+    endpoint: str, messages: list[dict[str, Any]], param: str, text: str
+) -> None:
+    body = _response(input=messages) if endpoint == RESPONSES else _chat(messages=messages)
+    error = _rejection(endpoint, body)
+    assert error.param == param, error.message
+    assert text in error.message
+
+
+@pytest.mark.parametrize("endpoint", [RESPONSES, CHAT_COMPLETIONS])
+def test_string_content_and_text_parts_give_the_same_conversation(endpoint: str) -> None:
+    part_type = "input_text" if endpoint == RESPONSES else "text"
+    as_parts = [{"role": "user", "content": [{"type": part_type, "text": "Say "}, {"type": part_type, "text": "hi."}]}]
+    as_string = [{"role": "user", "content": "Say hi."}]
+
+    def conversation(messages: list[dict[str, Any]]) -> Any:
+        body = _response(input=messages) if endpoint == RESPONSES else _chat(messages=messages)
+        return parse_body(endpoint, body).conversation()  # type: ignore[union-attr]
+
+    assert conversation(as_parts) == conversation(as_string) == [{"role": "user", "content": "Say hi."}]

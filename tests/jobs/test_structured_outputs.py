@@ -85,6 +85,12 @@ BAD_INPUTS = [
     ),
     (
         CHAT_COMPLETIONS,
+        {"response_format": _json_schema_format({"type": "array", "items": {"type": "string"}}, strict=True)},
+        "response_format.json_schema.schema",
+        'the root must be an object ("type": "object"), not "type": "array"',
+    ),
+    (
+        CHAT_COMPLETIONS,
         {"response_format": _json_schema_format(strict="yes")},
         "response_format.json_schema.strict",
         "must be a valid boolean",
@@ -140,7 +146,7 @@ BAD_INPUTS = [
         RESPONSES,
         {"text": _text_format(schema={"type": "array", "items": {"type": "string"}}, strict=True)},
         "text.format.schema",
-        "the root must be an object",
+        'the root must be an object ("type": "object"), not "type": "array"',
     ),
     (RESPONSES, {"text": {"format": {"type": "text", "schema": LABEL}}}, "text.format.schema", "only taken with"),
     (RESPONSES, {"text": {"format": {"type": "json"}}}, "text.format.type", "must be 'text'"),
@@ -152,8 +158,8 @@ BAD_INPUTS = [
     (
         RESPONSES,
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-        "input[0].content",
-        "images, files and audio are not served",
+        "input[0].content[0].type",
+        "'input_image' is not one of 'input_text' or 'output_text': only text parts are served (images, files",
     ),
     (
         RESPONSES,
@@ -273,8 +279,12 @@ def _nested(levels: int) -> dict[str, Any]:
         (LABEL, None),
         (_nested(10), None),
         (_nested(11), "nested more than 10 levels"),
-        ({"type": "array", "items": LABEL}, "the root must be an object"),
-        ({"anyOf": [LABEL], "type": "object"}, "the root must be an object"),
+        ({"type": "array", "items": LABEL}, 'the root must be an object ("type": "object"), not "type": "array"'),
+        ({"type": ["object", "null"], "properties": {}}, 'not "type": ["object", "null"]'),
+        ({"type": "string"}, 'not "type": "string"'),
+        ({"properties": {}, "additionalProperties": False}, 'it has no "type"'),
+        ({"anyOf": [LABEL], "type": "object"}, "not an anyOf"),
+        ({"anyOf": [LABEL]}, "not an anyOf"),
         (
             {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
             '"additionalProperties": false',
