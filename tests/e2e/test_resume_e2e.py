@@ -58,14 +58,15 @@ def _uninterrupted(result: dict) -> None:
 
 
 def _line(database_url: str, batch_id: str) -> tuple[list[int] | None, int, str | None]:
-    """The line's checkpoint, recomputed tokens, and the owner of its shard's lease."""
+    """The line's checkpoint, recomputed tokens, and the owner of its shard's lease (None, 0, None while the
+    batch is still validating: its line has no row yet)."""
     with session_scope(database_url) as session:
         row = session.execute(
             select(BatchRequest.checkpoint_token_ids, BatchRequest.recomputed_tokens, BatchShard.lease_owner)
             .join(BatchShard, BatchShard.id == BatchRequest.shard_id)
             .where(BatchRequest.batch_id == batch_id)
-        ).one()
-    return row[0], row[1], row[2]
+        ).one_or_none()
+    return (None, 0, None) if row is None else (row[0], row[1], row[2])
 
 
 def test_a_long_line_interrupted_by_sigterm_resumes_from_its_checkpoint_on_another_worker(tmp_path: Path):
