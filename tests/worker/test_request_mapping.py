@@ -126,7 +126,11 @@ def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
         (COMPLETIONS, {"prompt": "x", "use_beam_search": True, "temperature": 0.5}, "temperature"),
         (CHAT_COMPLETIONS, {"messages": []}, "messages"),
         (CHAT_COMPLETIONS, {"messages": [{"content": "no role"}]}, "messages[0].role"),
-        (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        (
+            CHAT_COMPLETIONS,
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].type",
+        ),
         (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/embeddings", {"input": "x"}, "url"),
     ],
