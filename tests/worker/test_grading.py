@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from jobs.evals.criteria import parse_testing_criteria
-from worker.grading import GradeResult, grade_item
+from worker.grading import GradeResult, grade_item, grade_items
 from worker.grading.sandbox import SandboxLimits
 
 ITEM = {"question": "Capital of France?", "answer": "Paris"}
@@ -250,3 +250,12 @@ def test_code_that_hangs_or_escapes_fails_its_sample_and_errors_the_item() -> No
         "the sandbox stopped sample 1: timed out; sample 2: failed: the sandbox refused network access"
     )
     assert not result.passed
+
+
+def test_grade_items_keeps_the_order_of_the_items() -> None:
+    criterion = _criterion(type="code_execution", timeout_s=2.0)
+    completions = ["    return a + b\n", "    return a * b\n", "    return 5\n"]
+    results = grade_items(criterion, [(PROBLEM, [_sample(text)]) for text in completions])
+    assert [result.passed for result in results] == [True, False, True]
+    checks = grade_items(_string_check("eq"), [(ITEM, [_sample("Paris")]), (ITEM, [_sample("Lyon")])])
+    assert [result.passed for result in checks] == [True, False]

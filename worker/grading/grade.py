@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,7 @@ from jobs.evals.criteria import (
     TextSimilarityCriterion,
 )
 from jobs.evals.templates import TemplateError, render
+from worker.cpu_threads import available_cpus
 from worker.grading.code_execution import grade_code
 from worker.grading.model_graders import GraderOutputError, ModelGrader, model_label, model_score
 from worker.grading.sandbox import SandboxLimits, run_in_sandbox
@@ -149,3 +152,24 @@ def grade_item(
     except Exception as exc:
         logger.exception("grader %r failed on an item", criterion.name)
         return _errored(f"{criterion.type} grader failed: {type(exc).__name__}: {exc}")
+
+
+def grade_items(
+    criterion: TestingCriterion,
+    items: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]],
+    *,
+    model_grader: ModelGrader | None = None,
+    limits: SandboxLimits | None = None,
+) -> list[GradeResult]:
+    """`grade_item` over ``(item, samples)`` pairs, results in the same order.
+
+    Sandboxed graders (``python``, ``code_execution``) grade several items at once (one sandbox per core
+    at most, `worker.grading.sandbox`); the others grade in order.
+    """
+    if isinstance(criterion, PythonCriterion | CodeExecutionCriterion):
+        with ThreadPoolExecutor(max_workers=available_cpus()) as pool:
+            futures = [
+                pool.submit(grade_item, criterion, item=item, samples=samples, limits=limits) for item, samples in items
+            ]
+            return [future.result() for future in futures]
+    return [grade_item(criterion, item=item, samples=samples, model_grader=model_grader) for item, samples in items]

@@ -1,4 +1,4 @@
-"""The sandboxed side of `worker.grading.sandbox`: run as a script by a fresh ``python -I``; stdlib only.
+"""The sandboxed side of `worker.grading.sandbox`: run as a script by a fresh ``python -I -S``; stdlib only.
 
 Reads one JSON task from stdin, confines itself (below), runs the untrusted code and writes one JSON
 line to the original stdout: ``{"ok": true, "value": ...}`` or ``{"ok": false, "kind": ..., "error": ...}``.
@@ -185,6 +185,7 @@ def _run(task: dict[str, Any], result_fd: int) -> NoReturn:
 
 def main() -> None:
     payload = json.loads(sys.stdin.buffer.read())
+    sys.path.extend(payload["site_packages"])
     limits, uid, gid = payload["limits"], payload["uid"], payload["gid"]
     result_fd = os.dup(1)
     workdir = payload["workdir"]
