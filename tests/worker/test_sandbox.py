@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from worker.grading import sandbox
 from worker.grading.sandbox import SandboxLimits, run_in_sandbox
 
 LIMITS = SandboxLimits(timeout_s=1.5, cpu_s=2, memory_bytes=256 << 20, max_processes=16, max_file_bytes=1 << 20)
@@ -94,3 +95,15 @@ def test_as_root_the_code_runs_as_nobody_in_its_own_namespaces() -> None:
         "    return float(os.getpid() * 100000 + os.getuid())\n"
     )
     assert _grade(body) == (2 * 100000 + 65534, None, False)
+
+
+def test_without_namespaces_or_a_user_to_drop_to_the_audit_hook_and_timeout_still_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a worker that is not root gets (and the sandbox's last line of defence everywhere).
+    monkeypatch.setattr(sandbox, "_unprivileged_ids", lambda: None)
+    target = tmp_path / "escaped.txt"
+    assert _grade(f"    open({str(target)!r}, 'w')\n    return 1.0\n")[1] == f"the sandbox refused writing {target}"
+    assert _grade("    socket.socket()\n    return 1.0\n")[1] == "the sandbox refused network access"
+    assert _grade("    time.sleep(1000)\n") == (None, "timed out after 1.5 s", True)
+    assert _grade("    return 0.5\n") == (0.5, None, False)
