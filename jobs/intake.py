@@ -13,7 +13,7 @@ holds the file in memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import func, select
@@ -53,7 +53,7 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
     """
     settings = settings or get_settings()
     try:
-        status, num_lines, num_shards, num_errors = _validate(batch_id, settings)
+        status, num_lines, num_shards, num_errors, model = _validate(batch_id, settings)
     except (NotFound, IllegalTransition, OperationalError, InterfaceError):
         raise
     except Exception as exc:
@@ -71,21 +71,27 @@ def validate_and_start(batch_id: str, *, settings: Settings | None = None) -> Ba
             )
             return BatchStatus(batch.status)
     logger.info(
-        "batch %s validated: %s (%d lines in %d shards, %d errors)", batch_id, status, num_lines, num_shards, num_errors
+        "batch %s validated: %s (%d lines in %d shards, %d errors; model %s)",
+        batch_id,
+        status,
+        num_lines,
+        num_shards,
+        num_errors,
+        model,
     )
     if status == BatchStatus.IN_PROGRESS:
         try:
-            enqueue_shards(num_shards, broker_url=settings.broker_url)
+            enqueue_shards(num_shards, model=model, broker_url=settings.broker_url)
         except BrokerUnreachable as exc:
             logger.warning("batch %s: broker unreachable (%s); the reaper will queue its shards", batch_id, exc)
     return status
 
 
-def _validate(batch_id: str, settings: Settings) -> tuple[BatchStatus, int, int, int]:
-    """Check the batch's file and store the outcome (`apply_validation`); returns the new status and the
-    numbers of lines, shards and errors."""
+def _validate(batch_id: str, settings: Settings) -> tuple[BatchStatus, int, int, int, str]:
+    """Check the batch's file and store the outcome (`apply_validation`); returns the new status, the
+    numbers of lines, shards and errors, and the model the batch is routed to."""
     storage = storage_from_settings(settings)
-    model_names = {settings.served_model_name}
+    model_names = settings.aliases
     with session_scope(settings.database_url) as session:
         batch = get_batch(session, batch_id=batch_id)
         endpoint, input_file_id = batch.endpoint, batch.input_file_id
@@ -97,6 +103,9 @@ def _validate(batch_id: str, settings: Settings) -> tuple[BatchStatus, int, int,
     except OSError:
         message = f"the input file {input_file_id!r} no longer exists or cannot be read"
         result = ValidationResult(errors=[LineError(code="file_not_found", message=message, param="input_file_id")])
+    # NOTE: a file none of whose lines names a served model has only rejected lines; the default
+    # model's workers close it.
+    model = result.model or settings.served_model_name
     with session_scope(settings.database_url) as session:
         # NOTE: the second pass reads inside this transaction: SQLite's BEGIN IMMEDIATE would block a
         # reader on a connection of its own (database storage) until this transaction ends.
@@ -111,19 +120,19 @@ def _validate(batch_id: str, settings: Settings) -> tuple[BatchStatus, int, int,
             lines=lines,
             errors=result.errors,
             num_errors=result.num_errors,
-            model=settings.served_model_name,
+            model=model,
             storage=storage,
         )
         status = BatchStatus(batch.status)
         num_shards = session.scalar(select(func.count()).where(BatchShard.batch_id == batch_id)) or 0
-    return status, result.num_lines, num_shards, result.num_errors
+    return status, result.num_lines, num_shards, result.num_errors, model
 
 
 def validate_input_file(
     file: File, *, endpoint: str, settings: Settings, storage: FileStorage, session: Session | None = None
 ) -> ValidationResult:
     """The structure checks of `jobs.validation` on stored ``file`` as a batch of ``endpoint``, against the
-    served model and the deployment's file limits (``session``: read in that transaction).
+    served models and the deployment's file limits (``session``: read in that transaction).
 
     Raises:
         FileNotFoundError: the file's bytes are gone.
@@ -131,7 +140,7 @@ def validate_input_file(
     return validate_batch_file(
         file_chunks(file, storage=storage, session=session),
         endpoint=endpoint,
-        model_names={settings.served_model_name},
+        model_names=settings.aliases,
         max_lines=settings.max_file_lines,
         max_bytes=settings.max_file_bytes,
     )
@@ -140,7 +149,7 @@ def validate_input_file(
 class _FileLines:
     """The validated lines of a file, streamed from storage again at each iteration (a re-iterable)."""
 
-    def __init__(self, chunks: Callable[[], Iterable[bytes]], endpoint: str, model_names: set[str]) -> None:
+    def __init__(self, chunks: Callable[[], Iterable[bytes]], endpoint: str, model_names: Mapping[str, str]) -> None:
         self._chunks, self._endpoint, self._model_names = chunks, endpoint, model_names
 
     def __iter__(self) -> Iterator[ValidatedLine]:

@@ -5,17 +5,19 @@ transport over a SQLite file, ``sqla+sqlite:///{data_dir}/broker.db``, whose dir
 here).
 
 Work messages carry no data: each ``RUN_SHARD`` message asks a worker to claim the next queued shard
-(`jobs.shards.claim_next_shard`, fair across batches), so which shard runs is decided in the
-database, and the lease there, not the message, says who holds it. The API sends one message per
-shard after validation; the reaper tops the queue up to the number of queued shards, so a message
-lost with a killed worker, or never sent because the broker was down, costs one reaper interval.
+of its model (`jobs.shards.claim_next_shard`, fair across that model's batches), so which shard runs
+is decided in the database, and the lease there, not the message, says who holds it. Each configured
+model has its own work queue (`work_queue`), consumed only by the workers serving that model
+(``batchinfer worker --model NAME``). The API sends one message per shard after validation to the
+batch's model's queue; the reaper tops each model's queue up to that model's queued shards, so a
+message lost with a killed worker, or never sent because the broker was down, costs one reaper interval.
 ``task_acks_late`` with ``worker_prefetch_multiplier = 1`` keeps a busy solo worker from reserving
 messages it cannot run; a surplus message finds nothing to claim and ends at once.
 
 Beat (``batchinfer beat``: a light worker with an embedded beat, no engine) sends ``TICK_SCHEDULES``
 every ``SCHEDULE_TICK_S`` seconds and ``REAP`` every ``Settings.reaper_interval_s`` on its own
 ``SCHEDULES_QUEUE``, so neither waits behind a shard on an engine worker (those consume only the
-default queue). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
+model queues). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
 ticks are dropped, not replayed.
 """
 
@@ -33,12 +35,18 @@ TICK_SCHEDULES = "batchinfer.tick_schedules"
 REAP = "batchinfer.reap"
 SCHEDULE_TICK_S = 30
 SCHEDULES_QUEUE = "schedules"
-WORK_QUEUE = "celery"
+WORK_QUEUE_PREFIX = "batchinfer.model."
 # NOTE: on Redis an unacknowledged message (its worker was killed) comes back after this long; the
 # lease and the reaper do not wait for it, and a late duplicate finds nothing to claim.
 _VISIBILITY_TIMEOUT_S = 3600
 
 celery_app = Celery("batchinfer", set_as_current=False)
+
+
+def work_queue(model: str) -> str:
+    """The Celery queue of ``RUN_SHARD`` messages for the batches of ``model`` (a configured model's name):
+    ``batchinfer.model.<name>``."""
+    return WORK_QUEUE_PREFIX + model
 
 
 def ensure_broker_dir(broker_url: str) -> None:
@@ -51,7 +59,8 @@ def ensure_broker_dir(broker_url: str) -> None:
 
 
 def configure_celery(settings: Settings | None = None) -> Celery:
-    """Point ``celery_app`` at ``settings`` (default `get_settings()`); call before the worker starts."""
+    """Point ``celery_app`` at ``settings`` (default `get_settings()`); call before the worker starts.
+    The default queue, which a worker consumes, is the `work_queue` of ``settings.served_model_name``."""
     settings = settings or get_settings()
     ensure_broker_dir(settings.broker_url)
     celery_app.conf.update(
@@ -65,6 +74,8 @@ def configure_celery(settings: Settings | None = None) -> Celery:
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
         include=["jobs.tasks"],
+        # NOTE: a worker consumes its default queue: the work queue of the model it serves.
+        task_default_queue=work_queue(settings.served_model_name),
         task_routes={TICK_SCHEDULES: {"queue": SCHEDULES_QUEUE}, REAP: {"queue": SCHEDULES_QUEUE}},
         beat_schedule={
             TICK_SCHEDULES: {
@@ -86,29 +97,35 @@ def configure_celery(settings: Settings | None = None) -> Celery:
     return celery_app
 
 
-def enqueue_shards(count: int, *, broker_url: str | None = None) -> int:
-    """Send ``count`` ``RUN_SHARD`` messages to the broker (default ``settings.broker_url``); returns ``count``.
+def enqueue_shards(count: int, *, model: str | None = None, broker_url: str | None = None) -> int:
+    """Send ``count`` ``RUN_SHARD`` messages to ``model``'s work queue (default: this process's model,
+    ``settings.served_model_name``) on the broker (default ``settings.broker_url``); returns ``count``.
 
     A fresh connection per call, so the broker named by the current settings is always the one used.
 
     Raises:
         kombu.exceptions.OperationalError: the broker is unreachable.
     """
-    broker_url = broker_url or get_settings().broker_url
+    settings = get_settings()
+    broker_url = broker_url or settings.broker_url
+    queue = work_queue(model or settings.served_model_name)
     ensure_broker_dir(broker_url)
     with celery_app.connection_for_write(broker_url) as connection:
         for _ in range(count):
-            celery_app.send_task(RUN_SHARD, connection=connection)
+            celery_app.send_task(RUN_SHARD, connection=connection, queue=queue)
     return count
 
 
-def num_waiting_messages(*, broker_url: str | None = None, queue: str = WORK_QUEUE) -> int:
-    """Messages waiting in ``queue`` (not those a worker has taken), as the broker counts them.
+def num_waiting_messages(*, broker_url: str | None = None, queue: str | None = None) -> int:
+    """Messages waiting in ``queue`` (default: this process's model's `work_queue`; not those a worker
+    has taken), as the broker counts them.
 
     Raises:
         kombu.exceptions.OperationalError: the broker is unreachable.
     """
-    broker_url = broker_url or get_settings().broker_url
+    settings = get_settings()
+    broker_url = broker_url or settings.broker_url
+    queue = queue or work_queue(settings.served_model_name)
     ensure_broker_dir(broker_url)
     with celery_app.connection_for_read(broker_url) as connection:
         connection.ensure_connection(max_retries=1)

@@ -15,7 +15,8 @@ from two beat processes at once:
    ``batch_expired``); a ``cancelling`` batch nobody holds a live lease on is finalized
    ``cancelled``; an ``in_progress`` batch with nothing left to run is finalized ``completed``
    (`jobs.shards.settle_batch`).
-3. **Messages.** The work queue is topped up to one message per claimable shard: shards whose message
+3. **Messages.** Each model's work queue (`jobs.queue.work_queue`) is topped up to one message per
+   claimable shard of that model's batches: shards whose message
    never reached the broker (it was down when the batch was validated), or was lost with a killed
    worker, reach a worker within one interval of the broker answering. A shard taken back in step 1
    gets its message in the same pass, so an idle worker claims it at once; a busy one after its
@@ -36,7 +37,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
-from jobs.queue import enqueue_shards, num_waiting_messages
+from jobs.queue import enqueue_shards, num_waiting_messages, work_queue
 from jobs.shards import batches_to_settle, lapsed_shards, num_queued_shards, reclaim_lapsed_shard, settle_batch
 from jobs.status import BatchStatus
 from jobs.storage import storage_from_settings
@@ -117,10 +118,11 @@ def _settle(settings: Settings, now: float, report: ReapReport) -> None:
 
 def _top_up(settings: Settings, now: float, report: ReapReport) -> None:
     with session_scope(settings.database_url) as session:
-        num_queued = num_queued_shards(session, now=now)
-    if not num_queued:
-        return
-    missing = num_queued - num_waiting_messages(broker_url=settings.broker_url)
-    if missing > 0:
-        report.messages_sent = enqueue_shards(missing, broker_url=settings.broker_url)
-        logger.info("reaper: %d queued shards had no message waiting; sent %d", num_queued, missing)
+        queued_by_model = num_queued_shards(session, now=now)
+    for model, num_queued in sorted(queued_by_model.items()):
+        missing = num_queued - num_waiting_messages(broker_url=settings.broker_url, queue=work_queue(model))
+        if missing > 0:
+            report.messages_sent += enqueue_shards(missing, model=model, broker_url=settings.broker_url)
+            logger.info(
+                "reaper: %d queued shards of model %s had no message waiting; sent %d", num_queued, model, missing
+            )

@@ -256,9 +256,10 @@ def apply_validation(
     ``lines`` is iterated twice (a list, or a re-iterable that streams the file again each time).
     No ``errors``: the lines cut into shards (`jobs.sharding.plan_shards`, ``Settings.shard_target_tokens``),
     one ``queued`` `BatchShard` per shard and one ``pending`` row per line, ``request_counts.total``,
-    ``model``, and ``validating -> in_progress``. A line with a ``rejection`` (its ``custom_id`` cannot
-    be stored) gets its row already ``failed`` with that 400 response, ``custom_id`` null and
-    ``custom_id_sent`` as sent, and counts as failed. Errors: ``validating -> failed`` with ``errors``
+    ``model`` (the model the batch is routed to), and ``validating -> in_progress``. A line with a
+    ``rejection`` (its ``custom_id`` cannot be stored: ``custom_id`` null and ``custom_id_sent`` as sent;
+    or its model is not served) gets its row already ``failed`` with that 400 response, and counts as
+    failed. Errors: ``validating -> failed`` with ``errors``
     (``num_errors``, default ``len(errors)``, counts those not kept too), no rows.
     A batch cancelled while it was validating goes to ``cancelled`` instead (its lines, if valid,
     all reported as ``batch_cancelled``).
@@ -337,7 +338,8 @@ def _request_row(batch_id: str, shard_of: dict[int, str], line: ValidatedLine, n
     }
     rejection = line.rejection
     if rejection is not None:
-        row["custom_id"], row["custom_id_sent"] = None, line.custom_id
+        if rejection.param == "custom_id":
+            row["custom_id"], row["custom_id_sent"] = None, line.custom_id
         row["state"], row["finished_at"] = RequestState.FAILED.value, now
         row["response"] = rejected_response(
             line.line_number, rejection.message, param=rejection.param, code=rejection.code

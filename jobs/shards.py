@@ -22,10 +22,11 @@ lets the reaper take a killed worker's shard back a few heartbeats after the kil
 lease expiry later; a holder with no row at all (a runner without a heartbeat) is judged by its
 lease's expiry alone, and a live holder's heartbeat keeps it from ever being reclaimed early.
 
-Fair share: `claim_next_shard` takes the queued shard of the highest ``priority``, then of the batch
-with the fewest shards running, then of the oldest batch, then the lowest shard index. Several
-batches therefore progress side by side, and a batch submitted behind a 100,000-line one gets the
-next free worker.
+Routing: a worker serves one model and claims only shards of that model's batches (``batches.model``,
+set at validation to the model every line names). Fair share: `claim_next_shard` takes the queued
+shard of the highest ``priority``, then of the batch with the fewest shards running, then of the
+oldest batch, then the lowest shard index. Several batches therefore progress side by side, and a
+batch submitted behind a 100,000-line one gets the next free worker.
 
 Data functions are keyword-only and leave the transaction to the caller; every function that
 changes a batch's counts or status locks the batch row first (the same order as
@@ -74,15 +75,19 @@ class LapsedShard:
     owner_dead: bool = False
 
 
-def claim_next_shard(session: Session, *, owner: str, now: float, lease_s: float) -> Lease | None:
+def claim_next_shard(
+    session: Session, *, owner: str, now: float, lease_s: float, model: str | None = None
+) -> Lease | None:
     """Lease the next queued shard (fair-share order, see the module docstring) to ``owner``.
 
-    Only shards of ``in_progress`` batches whose window is still open are claimed. The claim counts
-    one attempt and stamps the batch's ``started_at`` the first time.
+    Only shards of ``in_progress`` batches whose window is still open are claimed, and only of batches
+    for ``model`` when given. The claim counts one attempt and stamps the batch's ``started_at`` the
+    first time.
 
     Args:
         owner: the worker's id (``host:pid``).
         now: Unix seconds; the lease lapses at ``now + lease_s`` unless renewed.
+        model: the name of the model the worker serves (None: any batch).
 
     Returns:
         The lease, or None when no shard is waiting.
@@ -101,6 +106,7 @@ def claim_next_shard(session: Session, *, owner: str, now: float, lease_s: float
             BatchShard.state == ShardState.QUEUED.value,
             Batch.status == BatchStatus.IN_PROGRESS.value,
             Batch.expires_at > now,
+            *(() if model is None else (Batch.model == model,)),
         )
         .order_by(
             BatchShard.priority.desc(),
@@ -330,10 +336,11 @@ def batches_to_settle(session: Session, *, now: float) -> list[str]:
     return list(session.scalars(query.order_by(Batch.created_at, Batch.id)))
 
 
-def num_queued_shards(session: Session, *, now: float) -> int:
-    """Queued shards a worker could claim now (their batch ``in_progress``, its window open)."""
+def num_queued_shards(session: Session, *, now: float) -> dict[str, int]:
+    """Queued shards a worker could claim now (their batch ``in_progress``, its window open), by the
+    batch's model (only models with at least one)."""
     query = (
-        select(func.count())
+        select(Batch.model, func.count())
         .select_from(BatchShard)
         .join(Batch, Batch.id == BatchShard.batch_id)
         .where(
@@ -341,5 +348,6 @@ def num_queued_shards(session: Session, *, now: float) -> int:
             Batch.status == BatchStatus.IN_PROGRESS.value,
             Batch.expires_at > now,
         )
+        .group_by(Batch.model)
     )
-    return session.scalar(query) or 0
+    return {model: count for model, count in session.execute(query) if model is not None}

@@ -18,7 +18,7 @@ Each bad line yields exactly one `LineError` (the first problem found, checked i
 | ``invalid_url`` | ``url`` differs from the batch's endpoint |
 | ``invalid_body`` | ``body`` is not an object |
 | ``invalid_body`` | ``body.model`` is missing or not a string |
-| ``model_not_found`` | ``body.model`` is not the served model |
+| ``mismatched_model`` | ``body.model`` names another served model than an earlier line (one model per file; aliases count as their model) |
 
 Whole-file problems have ``line = None``: ``file_too_large`` (over ``max_file_bytes``),
 ``empty_file`` (no non-blank line), ``too_many_lines`` (over ``max_file_lines`` non-blank lines).
@@ -29,7 +29,10 @@ blank lines are skipped but counted; a UTF-8 BOM and CRLF line ends are accepted
 
 A ``custom_id`` that PostgreSQL cannot hold (a NUL character, a lone surrogate; `jobs.storable_text`)
 does not fail the file: the line is kept with a `ValidatedLine.rejection` and answered with its own
-400 naming ``custom_id``, while the other lines run (`jobs.repository.apply_validation`).
+400 naming ``custom_id``, while the other lines run (`jobs.repository.apply_validation`). So is a
+``body.model`` that no configured model has (name or alias): a 400 ``model_not_found`` naming the
+served models, for that line alone. The file's model (`ValidationResult.model`) is the model its
+served lines name, which routes the batch to that model's workers (`jobs.shards`).
 
 The file arrives as chunks and is read once per pass, line by line, so memory holds one line, the
 ``custom_id`` set and the errors, never the file: `validate_batch_file` checks it, then
@@ -40,7 +43,7 @@ The file arrives as chunks and is read once per pass, line by line, so memory ho
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,23 +64,27 @@ class ValidatedLine:
     """A line whose structure passed every check: its 1-based line number, ``custom_id`` and raw ``body``.
 
     ``rejection``: why the line is answered with a 400 instead of running (its ``custom_id`` cannot be
-    stored; ``param`` "custom_id"), or None.
+    stored, ``param`` "custom_id"; or its model is not served, ``param`` "body.model"), or None.
+    ``model``: the served model ``body.model`` names (an alias resolved), None when not served.
     """
 
     line_number: int
     custom_id: str
     body: dict[str, Any]
     rejection: LineError | None = None
+    model: str | None = None
 
 
 @dataclass(slots=True)
 class ValidationResult:
     """``errors``: the first `MAX_ERRORS` errors (empty when the file is good); ``num_errors``: all of
-    them; ``num_lines``: the non-blank lines read."""
+    them; ``num_lines``: the non-blank lines read; ``model``: the served model the lines name (None
+    when no line names one)."""
 
     errors: list[LineError] = field(default_factory=list)
     num_errors: int = 0
     num_lines: int = 0
+    model: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -165,16 +172,17 @@ def validate_batch_file(
     chunks: Iterable[bytes],
     *,
     endpoint: str,
-    model_names: Collection[str],
+    model_names: Collection[str] | Mapping[str, str],
     max_lines: int,
     max_bytes: int,
 ) -> ValidationResult:
-    """Check every line of a batch input file against the batch's endpoint and the served model.
+    """Check every line of a batch input file against the batch's endpoint and the served models.
 
     Args:
         chunks: the raw file bytes, in chunks (any sizes).
         endpoint: the batch's endpoint; every line's ``url`` must equal it.
-        model_names: names accepted in ``body.model``.
+        model_names: names accepted in ``body.model``: a mapping name or alias -> model name
+            (`jobs.config.Settings.aliases`), or the names alone.
         max_lines: most non-blank lines allowed.
         max_bytes: largest file size allowed, in bytes.
 
@@ -185,6 +193,7 @@ def validate_batch_file(
     """
     result = ValidationResult()
     first_line_of: dict[str, int] = {}
+    first_line_of_model: dict[str, int] = {}
     try:
         for line_number, raw in numbered_lines(chunks, max_bytes=max_bytes):
             result.num_lines += 1
@@ -193,7 +202,8 @@ def validate_batch_file(
                     "too_many_lines", f"the file has more than {max_lines} requests; the limit is {max_lines}"
                 )
             try:
-                _validate_line(line_number, raw, endpoint, model_names, first_line_of)
+                line = _validate_line(line_number, raw, endpoint, model_names, first_line_of)
+                _check_one_model(line, result, first_line_of_model)
             except _LineProblem as problem:
                 result.add(LineError(code=problem.code, message=problem.message, param=problem.param, line=line_number))
             except _NotUtf8 as exc:
@@ -211,7 +221,9 @@ def validate_batch_file(
     return result
 
 
-def validated_lines(chunks: Iterable[bytes], *, endpoint: str, model_names: Collection[str]) -> Iterator[ValidatedLine]:
+def validated_lines(
+    chunks: Iterable[bytes], *, endpoint: str, model_names: Collection[str] | Mapping[str, str]
+) -> Iterator[ValidatedLine]:
     """The lines of a file `validate_batch_file` found good, in file order, one at a time.
 
     Raises:
@@ -231,8 +243,29 @@ def _whole_file(code: str, message: str) -> ValidationResult:
     return ValidationResult(errors=[LineError(code=code, message=message)], num_errors=1)
 
 
+def _check_one_model(line: ValidatedLine, result: ValidationResult, first_line_of_model: dict[str, int]) -> None:
+    """Note the line's served model as the file's; raise when an earlier line named another one."""
+    if line.model is None:
+        return
+    first = first_line_of_model.setdefault(line.model, line.line_number)
+    if result.model is None:
+        result.model = line.model
+    elif line.model != result.model:
+        first = first_line_of_model[result.model]
+        raise _LineProblem(
+            "mismatched_model",
+            f"body.model {line.body['model']!r} is model {line.model!r}, but line {first} names model "
+            f"{result.model!r}: all lines of a batch's file must name the same model",
+            "body.model",
+        )
+
+
 def _validate_line(
-    line_number: int, raw: bytes, endpoint: str, model_names: Collection[str], first_line_of: dict[str, int]
+    line_number: int,
+    raw: bytes,
+    endpoint: str,
+    model_names: Collection[str] | Mapping[str, str],
+    first_line_of: dict[str, int],
 ) -> ValidatedLine:
     try:
         text = raw.decode("utf-8")
@@ -267,10 +300,16 @@ def _validate_line(
         raise _LineProblem("invalid_url", f"url {line['url']!r} does not match the batch endpoint {endpoint!r}", "url")
     if not isinstance(line.get("body"), dict):
         raise _LineProblem("invalid_body", "body must be a JSON object", "body")
-    _check_model(line["body"], model_names)
+    model, model_rejection = _check_model(line["body"], model_names, line_number)
     # NOTE: no pydantic model here: it refuses a lone surrogate (string_unicode), which must reach the
     # custom_id rejection above or the body's own 400 (`jobs.line_body.parse_body`) instead.
-    return ValidatedLine(line_number=line_number, custom_id=line["custom_id"], body=line["body"], rejection=rejection)
+    return ValidatedLine(
+        line_number=line_number,
+        custom_id=line["custom_id"],
+        body=line["body"],
+        rejection=rejection or model_rejection,
+        model=model,
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -298,13 +337,21 @@ def _check_custom_id(line: dict[str, Any], line_number: int, first_line_of: dict
     return LineError(code="invalid_value", message=message, param="custom_id", line=line_number)
 
 
-def _check_model(body: dict[str, Any], model_names: Collection[str]) -> None:
+def _check_model(
+    body: dict[str, Any], model_names: Collection[str] | Mapping[str, str], line_number: int
+) -> tuple[str | None, LineError | None]:
+    """The served model ``body.model`` names, or None and the line's 400 when no model has that name."""
     model = body.get("model")
     if not isinstance(model, str):
         raise _LineProblem("invalid_body", "body.model is required and must be a string", "body.model")
-    if model not in model_names:
-        served = ", ".join(repr(name) for name in sorted(model_names))
-        raise _LineProblem("model_not_found", f"model {model!r} is not served here (served: {served})", "body.model")
+    resolved = model_names.get(model) if isinstance(model_names, Mapping) else (model if model in model_names else None)
+    if resolved is not None:
+        return resolved, None
+    served = ", ".join(
+        repr(name) for name in sorted(set(model_names.values() if isinstance(model_names, Mapping) else model_names))
+    )
+    message = f'model "{escaped(model)}" is not served here (served: {served}); this line was not run'
+    return None, LineError(code="model_not_found", message=message, param="body.model", line=line_number)
 
 
 def _json_type(value: object) -> str:

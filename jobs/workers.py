@@ -8,6 +8,7 @@ worker's ``current_batch_id`` only when that key owns the batch).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -124,25 +125,42 @@ def waits_for_workers(status: str, *, num_done: int, total: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReadiness:
-    """How many live workers can take a shard now (``num_ready``) and how many are still starting."""
+    """How many live workers can take a shard now (``num_ready``) and how many are still starting;
+    ``model``: the model they serve (None: every live worker, whatever its model)."""
 
     num_ready: int
     num_starting: int
+    model: str | None = None
 
     def waiting_note(self) -> str | None:
         """What a batch with lines to run is waiting for when no worker is ready, else None:
-        ``"waiting: no worker is ready (1 starting)"``, or ``"(none running)"``."""
+        ``"waiting: no worker serves model M"`` (no live worker of the batch's model),
+        ``"waiting: no worker is ready (1 starting)"``, or ``"(none running)"`` without a model."""
         if self.num_ready:
             return None
+        if self.model is not None and not self.num_starting:
+            return f"waiting: no worker serves model {self.model}"
         starting = f"{self.num_starting} starting" if self.num_starting else "none running"
         return f"waiting: no worker is ready ({starting})"
 
+    @classmethod
+    def of(cls, workers: Iterable[Worker | WorkerObject], *, model: str | None = None) -> WorkerReadiness:
+        """Count ``workers`` (live ones) that serve ``model`` (None: all), ready and starting."""
+        serving = [worker for worker in workers if model is None or worker.model == model]
+        num_ready = sum(worker.ready_s is not None for worker in serving)
+        return cls(num_ready=num_ready, num_starting=len(serving) - num_ready, model=model)
 
-def worker_readiness(session: Session, *, now: int, live_s: float) -> WorkerReadiness:
-    """Count the live workers (heartbeat at most ``live_s`` s before ``now``) that are ready and starting."""
+
+def worker_readiness(session: Session, *, now: int, live_s: float, model: str | None = None) -> WorkerReadiness:
+    """Count the live workers (heartbeat at most ``live_s`` s before ``now``) serving ``model`` (None: all)
+    that are ready and starting."""
+    return WorkerReadiness.of(list_live_workers(session, now=now, live_s=live_s), model=model)
+
+
+def live_workers_by_model(session: Session, *, now: int, live_s: float) -> dict[str, WorkerReadiness]:
+    """`WorkerReadiness` of the live workers of each model that has at least one."""
     live = list_live_workers(session, now=now, live_s=live_s)
-    num_ready = sum(worker.ready_s is not None for worker in live)
-    return WorkerReadiness(num_ready=num_ready, num_starting=len(live) - num_ready)
+    return {model: WorkerReadiness.of(live, model=model) for model in sorted({worker.model for worker in live})}
 
 
 def ready_workers(session: Session, *, host: str, pids: list[int]) -> list[Worker]:

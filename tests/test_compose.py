@@ -9,6 +9,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_SERVICES = ("migrate", "api", "worker", "beat")
+WORKER_SERVICES = ("worker", "worker-embed")
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +19,25 @@ def compose():
 
 def test_services_present(compose):
     assert set(compose["services"]) == {
-        "postgres", "redis", "migrate", "api", "worker", "beat", "prometheus", "grafana"
+        "postgres", "redis", "migrate", "api", "worker", "worker-embed", "beat", "prometheus", "grafana"
     }  # fmt: skip
 
 
+def test_one_worker_service_per_default_model(compose):
+    """Each model of the default list has its worker service, which names it; the embedder's waits in
+    the `embeddings` profile until the embedding engine is served."""
+    from jobs.config import Settings
+    from worker.cli import _parser
+
+    services = compose["services"]
+    served = {_parser().parse_args(services[name]["command"][1:]).model: name for name in WORKER_SERVICES}
+    assert set(served) == {entry.name for entry in Settings().models}
+    assert services["worker-embed"]["profiles"] == ["embeddings"]
+    assert "deploy" not in services["worker-embed"]
+
+
 def test_long_running_services_have_healthchecks(compose):
-    for name in ("postgres", "redis", "api", "worker", "beat", "prometheus", "grafana"):
+    for name in ("postgres", "redis", "api", *WORKER_SERVICES, "beat", "prometheus", "grafana"):
         check = compose["services"][name].get("healthcheck")
         assert check and check["test"], f"{name} has no healthcheck"
         assert check["test"][0] in ("CMD", "CMD-SHELL")
@@ -34,7 +48,7 @@ def test_long_running_services_have_healthchecks(compose):
 def test_worker_reserves_an_nvidia_gpu(compose):
     devices = compose["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and d.get("count", 0) >= 1 for d in devices)
-    for name in ("api", "beat", "migrate"):
+    for name in ("api", "beat", "migrate", "worker-embed"):
         assert "deploy" not in compose["services"][name], f"{name} should not hold a GPU"
 
 
@@ -42,7 +56,7 @@ def test_startup_order_waits_for_health_and_migrations(compose):
     services = compose["services"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["migrate"]["restart"] == "no"
-    for name in ("api", "worker", "beat"):
+    for name in ("api", *WORKER_SERVICES, "beat"):
         depends = services[name]["depends_on"]
         assert depends["migrate"]["condition"] == "service_completed_successfully"
         assert depends["redis"]["condition"] == "service_healthy"
@@ -50,7 +64,7 @@ def test_startup_order_waits_for_health_and_migrations(compose):
 
 def test_app_services_share_settings_image_and_volumes(compose):
     services = compose["services"]
-    for name in APP_SERVICES:
+    for name in (*APP_SERVICES, "worker-embed"):
         service = services[name]
         env = service["environment"]
         assert env["BATCHINFER_DATABASE_URL"].startswith("postgresql")
@@ -67,7 +81,7 @@ def test_commands_are_cli_subcommands(compose):
     from worker.cli import _parser
 
     parser = _parser()
-    for name in APP_SERVICES:
+    for name in (*APP_SERVICES, "worker-embed"):
         command = compose["services"][name]["command"][1:]
         args = parser.parse_args(command)
         assert callable(args.handler)
@@ -107,7 +121,8 @@ def test_worker_serves_metrics_on_the_port_prometheus_scrapes(compose):
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert jobs["batchinfer-api"]["static_configs"][0]["targets"] == ["api:8000"]
     discovery = jobs["batchinfer-worker"]["dns_sd_configs"][0]
-    assert discovery["names"] == ["worker"] and str(discovery["port"]) == port
+    assert discovery["names"] == list(WORKER_SERVICES) and str(discovery["port"]) == port
+    assert compose["services"]["worker-embed"]["environment"]["BATCHINFER_WORKER_METRICS_PORT"] == port
 
 
 def test_grafana_provisions_the_datasource_and_the_dashboard(compose):

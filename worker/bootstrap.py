@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 _engine: LLMEngine | None = None
 _lock = threading.Lock()
 
+SERVED_KINDS = frozenset({"generate"})
+"""Model kinds (`jobs.config.ModelEntry.kind`) this build has an engine for; ``batchinfer serve`` starts
+workers for these only. The embedding engine adds ``"embed"``."""
+
 WARMUP_PROMPT_LENS = (16, 128)  # one short and one longer prompt, prefilled together, then decoded as a batch
 WARMUP_MAX_TOKENS = 4
 
@@ -74,8 +78,26 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
+class KindNotServed(RuntimeError):
+    """The model this process is to serve is of a kind no engine of this build serves (`SERVED_KINDS`)."""
+
+
+def check_served_kind(settings: Settings) -> None:
+    """Raise `KindNotServed` when the model ``settings`` serve (``worker_model``) is of a kind without an engine."""
+    entry = settings.model_entry(settings.served_model_name)
+    if entry.kind not in SERVED_KINDS:
+        raise KindNotServed(
+            f"model {entry.name!r} is of kind {entry.kind!r}, which is not yet served "
+            f"(served kinds: {', '.join(sorted(SERVED_KINDS))})"
+        )
+
+
 def get_engine() -> LLMEngine:
-    """This process's engine, built on first use (thread-safe)."""
+    """This process's engine, built on first use (thread-safe).
+
+    Raises:
+        KindNotServed: the served model's kind has no engine yet (`check_served_kind`).
+    """
     global _engine
     with _lock:
         if _engine is None:
@@ -85,6 +107,7 @@ def get_engine() -> LLMEngine:
             from worker.engine.llm_engine import LLMEngine
 
             settings = get_settings()
+            check_served_kind(settings)
             torch.set_num_threads(num_torch_threads(settings))
             config = engine_config(settings)
             logger.info("starting engine: %s (torch threads: %d)", config, torch.get_num_threads())

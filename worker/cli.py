@@ -3,10 +3,12 @@
     batchinfer model prepare          convert/locate the served model (prints its folder)
     batchinfer db upgrade             apply the database migrations
     batchinfer api                    the HTTP API (uvicorn, ``api.main:create_app``)
-    batchinfer worker                 a Celery worker (solo pool: one engine per process)
+    batchinfer worker [--model NAME]  a Celery worker serving one configured model (default: the first;
+                                      solo pool: one engine per process)
     batchinfer beat                   Celery beat + a light worker for its ticks (scheduled runs; no engine)
-    batchinfer serve                  db upgrade, then API + worker (+ beat) as child processes (a
-                                      worker or beat that dies is restarted; says when each worker is ready)
+    batchinfer serve                  db upgrade, then API + one worker per configured model (+ beat) as
+                                      child processes (a worker or beat that dies is restarted; says when
+                                      each worker is ready; /metrics carries the workers' engine metrics)
     batchinfer submit FILE [--endpoint URL] [--wait] [--output PATH]
     batchinfer status BATCH_ID        one batch's status, counts, tokens and files (and, while it waits
                                       for workers, whether one is ready)
@@ -81,7 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_bind_args(api, settings.api_host, settings.api_port)
     api.set_defaults(handler=_api)
 
-    worker = commands.add_parser("worker", help="run a Celery worker (solo pool)")
+    worker = commands.add_parser("worker", help="run a Celery worker (solo pool) serving one model")
+    worker.add_argument(
+        "--model",
+        default=settings.served_model_name,
+        help="the configured model to serve, by name or alias (BATCHINFER_MODELS; default: the first)",
+    )
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(handler=_worker)
 
@@ -266,10 +273,23 @@ def _api(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from celery.signals import worker_ready
+    from pydantic import ValidationError
 
+    from jobs.queue import configure_celery
+    from worker.bootstrap import KindNotServed, check_served_kind
     from worker.telemetry import start_heartbeat
 
-    settings = get_settings()
+    # NOTE: through the environment, so every get_settings() of this process is the model's view.
+    os.environ["BATCHINFER_WORKER_MODEL"] = args.model
+    get_settings.cache_clear()
+    try:
+        settings = get_settings()
+        check_served_kind(settings)
+    except (ValidationError, KindNotServed) as exc:
+        problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        print(f"batchinfer worker: {problem}", file=sys.stderr)
+        return 2
+    configure_celery(settings)
     heartbeat = start_heartbeat(settings)  # first: the row says "starting" while the model loads
     stop_telemetry = heartbeat.stop
     try:
@@ -314,15 +334,32 @@ def _beat(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from jobs.db import upgrade_database
+    from worker.bootstrap import SERVED_KINDS
 
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_database()
+    metrics_dir = fresh_metrics_dir(settings.data_dir)
     own = [sys.executable, "-m", "worker.cli"]
+    api_env = dict(os.environ, BATCHINFER_ENGINE_METRICS_DIR=str(metrics_dir))
     children = [
-        _Child("api", own + ["api", "--host", args.host, "--port", str(args.port)], restartable=False),
-        _Child("worker", own + ["worker"], restartable=True),
+        _Child("api", own + ["api", "--host", args.host, "--port", str(args.port)], restartable=False, env=api_env)
     ]
+    for entry in settings.models:
+        if entry.kind not in SERVED_KINDS:
+            print(
+                f"batchinfer: no worker for model {entry.name} (kind {entry.kind} is not yet served)", file=sys.stderr
+            )
+            continue
+        children.append(
+            _Child(
+                f"worker {entry.name}",
+                own + ["worker", "--model", entry.name],
+                restartable=True,
+                env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
+                metrics_dir=metrics_dir,
+            )
+        )
     if not args.no_beat:
         children.append(_Child("beat", own + ["beat"], restartable=True))
     print(
@@ -346,6 +383,17 @@ def _serve(args: argparse.Namespace) -> int:
         _stop_children([child.process for child in children])
 
 
+def fresh_metrics_dir(data_dir: Path) -> Path:
+    """``data_dir/metrics``, emptied: the folder ``serve``'s workers write their multiprocess metrics files
+    to and its API reads (`api.routes.metrics`); files of an earlier run would add to this run's counters."""
+    import shutil
+
+    metrics_dir = data_dir / "metrics"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    return metrics_dir
+
+
 class _Child:
     """One child process of ``serve``, started at once: its command, its process, its recent exits.
 
@@ -358,10 +406,20 @@ class _Child:
     :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``.
     """
 
-    def __init__(self, name: str, command: list[str], *, restartable: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        *,
+        restartable: bool,
+        env: dict[str, str] | None = None,
+        metrics_dir: Path | None = None,
+    ) -> None:
         self.name = name
         self.command = command
         self.restartable = restartable
+        self.env = env
+        self.metrics_dir = metrics_dir
         self.restarts = 0
         self.restart_at: float | None = None
         self._exits: list[float] = []
@@ -369,12 +427,17 @@ class _Child:
 
     def restart(self) -> None:
         """Start the child's process (again), leading a process group of its own."""
-        self.process = subprocess.Popen(self.command, process_group=0)
+        self.process = subprocess.Popen(self.command, process_group=0, env=self.env)
         self.restart_at = None
 
     def reap_group(self) -> None:
-        """SIGKILL what is left of the exited child's process group (a killed beat leaves its scheduler)."""
+        """SIGKILL what is left of the exited child's process group (a killed beat leaves its scheduler),
+        and drop its live gauges from the metrics folder (a killed worker could not)."""
         _signal_group(self.process, signal.SIGKILL)
+        if self.metrics_dir is not None:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(self.process.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
 
     def record_exit(self, now: float) -> int:
         """Note an unexpected exit at ``now``; return how many happened within the restart window."""
@@ -409,23 +472,23 @@ class ReadyWatch:
         if now < self._next_s:
             return
         self._next_s = now + self._interval_s
-        waiting = {
-            child.process.pid: child
+        waiting = [
+            child.process.pid
             for child in children
-            if child.name == "worker" and child.process.poll() is None and child.process.pid not in self._reported
-        }
+            if child.name.startswith("worker")
+            and child.process.poll() is None
+            and child.process.pid not in self._reported
+        ]
         if not waiting:
             return
         try:
-            ready = self._find_ready(list(waiting))
+            ready = self._find_ready(waiting)
         except Exception as exc:  # NOTE: the database may not answer yet; the next poll asks again
             logger.debug("serve: could not read worker readiness: %s", exc)
             return
         for pid, (model, ready_s) in sorted(ready.items()):
             self._reported.add(pid)
-            print(
-                f"batchinfer: {waiting[pid].name} ready (model {model}) in {ready_s:.1f} s", file=sys.stderr, flush=True
-            )
+            print(f"batchinfer: worker ready (model {model}) in {ready_s:.1f} s", file=sys.stderr, flush=True)
 
 
 def ready_children(pids: list[int]) -> dict[int, tuple[str, float]]:

@@ -170,15 +170,18 @@ def _ended_at(batch: dict[str, Any]) -> int | None:
 
 def workers_row(batch: dict[str, Any], workers: list[dict[str, Any]] | None) -> str | None:
     """What ``batchinfer status`` says about the workers for a batch that still has lines to run
-    (``validating``, or ``in_progress`` with lines left): ``"2 ready"``, or the note of
-    `jobs.workers.WorkerReadiness.waiting_note` (``"waiting: no worker is ready (1 starting)"``) when no
-    live worker is ready. None for any other batch, or when the workers are unknown (``workers`` None:
+    (``validating``, or ``in_progress`` with lines left): ``"2 ready"`` (workers of the batch's model), or
+    the note of `jobs.workers.WorkerReadiness.waiting_note` (``"waiting: no worker serves model M"``,
+    ``"waiting: no worker is ready (1 starting)"``) when no live worker of its model is ready.
+    None for any other batch, or when the workers are unknown (``workers`` None:
     ``GET /v1/workers`` did not answer)."""
     completed, failed, total = counts(batch)
     if workers is None or not waits_for_workers(batch.get("status", ""), num_done=completed + failed, total=total):
         return None
-    num_ready = sum(worker.get("ready_s") is not None for worker in workers)
-    readiness = WorkerReadiness(num_ready=num_ready, num_starting=len(workers) - num_ready)
+    model = batch.get("model") or None
+    serving = [worker for worker in workers if model is None or worker.get("model") == model]
+    num_ready = sum(worker.get("ready_s") is not None for worker in serving)
+    readiness = WorkerReadiness(num_ready=num_ready, num_starting=len(serving) - num_ready, model=model)
     note = readiness.waiting_note()
     if note is not None:
         return note

@@ -1,7 +1,7 @@
 """Run one shard of a batch: its pending lines through the engine as one stream, each result persisted as it lands.
 
 Flow (plain functions; the Celery task in `worker.tasks` only calls `run_next_shard`):
-1. Claim the next queued shard under a lease (`jobs.shards.claim_next_shard`: fair across batches,
+1. Claim the next queued shard of this worker's model under a lease (`jobs.shards.claim_next_shard`: fair across batches,
    priority first) and load its pending lines (a shard run again resumes where the last run stopped:
    lines already recorded are not run again). A `worker.leases.LeaseKeeper` renews the lease.
 2. Parse each line body with its endpoint's schema and map it to prompt token ids + `SamplingParams`
@@ -240,7 +240,11 @@ def run_next_shard(
     stop = stop or threading.Event()
     with session_scope(database_url) as session:
         lease = shards.claim_next_shard(
-            session, owner=owner or this_worker_id(), now=clock(), lease_s=settings.lease_expiry_s
+            session,
+            owner=owner or this_worker_id(),
+            now=clock(),
+            lease_s=settings.lease_expiry_s,
+            model=settings.served_model_name,
         )
         pending = (
             []

@@ -17,7 +17,7 @@ __all__ = ["celery_app", "run_shard"]
 
 @celery_app.task(name=RUN_SHARD)
 def run_shard() -> dict[str, Any] | None:
-    """Claim the next queued shard of any batch and run it (`worker.runner.run_next_shard`); a stop
+    """Claim the next queued shard of a batch of this worker's model and run it (`worker.runner.run_next_shard`); a stop
     signal meanwhile hands the shard back (`worker.shutdown`). Returns what happened, or None when no
     shard was waiting (a surplus message)."""
     if shutdown.requested.is_set():

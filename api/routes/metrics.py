@@ -15,16 +15,24 @@ Each app has its own `CollectorRegistry` (`install_metrics`), holding:
 Database figures are read on every scrape by a custom collector (the prometheus_client pattern for
 state owned elsewhere), so they are right whichever process changed them. HTTP counts are this
 API process's own (not multiprocess-aggregated).
+
+With ``Settings.engine_metrics_dir`` set (``batchinfer serve`` sets it), the scrape also carries the
+engine metrics (``batchinfer:*``, labelled ``model_name``; `worker.metrics`) of every worker process
+writing prometheus_client's multiprocess files into that folder: its workers are started with
+``PROMETHEUS_MULTIPROC_DIR`` pointing there. No port to set, nothing to scrape but the API; the files
+are read on each scrape, so a worker that is restarted shows again without the API knowing it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -143,10 +151,15 @@ def _route_label(scope: Scope) -> str:
     return UNMATCHED_ROUTE
 
 
-def install_metrics(app: FastAPI, database_url: str) -> CollectorRegistry:
-    """Give ``app`` its registry (``app.state.metrics_registry``), the request counter and ``GET /metrics``."""
+def install_metrics(app: FastAPI, database_url: str, engine_metrics_dir: Path | None = None) -> CollectorRegistry:
+    """Give ``app`` its registry (``app.state.metrics_registry``), the request counter and ``GET /metrics``;
+    with ``engine_metrics_dir`` (created when missing), the engine metrics of the worker processes writing
+    multiprocess files there."""
     registry = CollectorRegistry()
     registry.register(DatabaseCollector(database_url))
+    if engine_metrics_dir is not None:
+        engine_metrics_dir.mkdir(parents=True, exist_ok=True)
+        MultiProcessCollector(registry, path=str(engine_metrics_dir))  # type: ignore[no-untyped-call]
     counter = Counter(
         "batchinfer_http_requests",
         "HTTP requests served by this API process",

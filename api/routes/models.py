@@ -1,4 +1,11 @@
-"""``/v1/models``: the one model this deployment serves (OpenAI Models API), so ``client.models.list()`` works."""
+"""``/v1/models``: the models this deployment serves (OpenAI Models API), so ``client.models.list()`` works.
+
+Each is OpenAI's model object plus batchinfer's fields: ``kind`` (``generate`` or ``embed``),
+``aliases`` (other names a line may use), ``num_workers`` (live workers serving it: heartbeat within
+``Settings.worker_live_s``) and ``num_ready_workers`` (those of them that take work; the rest are
+loading the model). A model with no live worker is still listed: its batches wait (docs/operations.md,
+"Several models").
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,15 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from api.deps import SettingsDep
+from api.deps import SessionDep, SettingsDep
+from jobs.config import ModelEntry
 from jobs.errors import NotFound
 from jobs.status import now_s
+from jobs.workers import WorkerReadiness, live_workers_by_model
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
-_STARTED_AT = now_s()  # `created`: when this API process started serving the model
+_STARTED_AT = now_s()  # `created`: when this API process started serving the models
 
 
 class ModelObject(BaseModel):
@@ -21,6 +30,23 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "batchinfer"
+    kind: Literal["generate", "embed"] = "generate"
+    aliases: list[str] = []
+    num_workers: int = 0
+    num_ready_workers: int = 0
+
+    @classmethod
+    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None) -> ModelObject:
+        """The configured ``entry`` with the live workers serving it (None: none)."""
+        num_ready = readiness.num_ready if readiness else 0
+        return cls(
+            id=entry.name,
+            created=_STARTED_AT,
+            kind=entry.kind,
+            aliases=entry.aliases,
+            num_workers=num_ready + (readiness.num_starting if readiness else 0),
+            num_ready_workers=num_ready,
+        )
 
 
 class ModelList(BaseModel):
@@ -29,13 +55,18 @@ class ModelList(BaseModel):
 
 
 @router.get("")
-def list_models(settings: SettingsDep) -> ModelList:
-    return ModelList(data=[ModelObject(id=settings.served_model_name, created=_STARTED_AT)])
+def list_models(session: SessionDep, settings: SettingsDep) -> ModelList:
+    """Every configured model, in the settings' order."""
+    live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
+    return ModelList(data=[ModelObject.of(entry, live.get(entry.name)) for entry in settings.models])
 
 
 @router.get("/{model_id}")
-def retrieve_model(model_id: str, settings: SettingsDep) -> ModelObject:
-    """The served model; 404 ``model_not_found`` for any other id."""
-    if model_id != settings.served_model_name:
-        raise NotFound("model", model_id)
-    return ModelObject(id=model_id, created=_STARTED_AT)
+def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep) -> ModelObject:
+    """The configured model named ``model_id`` (or an alias of it); 404 ``model_not_found`` for any other id."""
+    try:
+        entry = settings.model_entry(model_id)
+    except ValueError:
+        raise NotFound("model", model_id) from None
+    live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
+    return ModelObject.of(entry, live.get(entry.name))

@@ -3,7 +3,8 @@
 Pages (docs/api.md, "Jobs page"):
 - ``/ui``: batches (status, progress bar, tokens, tokens/s, created and finished times), schedules
   (next and last runs) and live workers (ready or starting); while a batch waits for lines to run and
-  no live worker is ready, a note says so ("waiting: no worker is ready");
+  no live worker of its model is ready, a note says so ("waiting: no worker serves model M", or "no
+  worker is ready (1 starting)");
 - ``/ui/batches/{id}``: request counts, the same note while it applies, a plot of finished lines and output tokens over time (inline
   SVG from the lines' ``finished_at``), the first failed lines, links to the output and error files;
 - ``/ui/files/{id}``: the first lines of a stored file, with a link to its raw content.
@@ -101,8 +102,10 @@ def index(request: Request, session: SessionDep, settings: SettingsDep, owner: O
     progress = [batch_progress(batch, now=now) for batch in batches]
     schedules, _ = list_schedules(session, limit=MAX_BATCHES, owner=owner)
     live = live_worker_objects(session, now=now, live_s=settings.worker_live_s, owner=owner)
-    num_ready = sum(worker.ready_s is not None for worker in live)
-    waiting = any(p.waits_for_workers for p in progress) and num_ready == 0
+    waiting_models = sorted(
+        {batch.model or "" for batch, p in zip(batches, progress, strict=True) if p.waits_for_workers}
+    )
+    notes = [WorkerReadiness.of(live, model=model or None).waiting_note() for model in waiting_models]
     return templates.TemplateResponse(
         request,
         "index.html",
@@ -110,14 +113,10 @@ def index(request: Request, session: SessionDep, settings: SettingsDep, owner: O
             "batches": progress,
             "schedules": schedules,
             "workers": live,
-            "waiting_note": _readiness_note(num_ready, len(live)) if waiting else None,
+            "waiting_note": "; ".join(note for note in notes if note) or None,
             "refresh_ms": REFRESH_MS if any(not p.is_terminal for p in progress) else None,
         },
     )
-
-
-def _readiness_note(num_ready: int, num_live: int) -> str | None:
-    return WorkerReadiness(num_ready=num_ready, num_starting=num_live - num_ready).waiting_note()
 
 
 @router.get("/batches/{batch_id}", response_class=HTMLResponse)
@@ -129,7 +128,8 @@ def batch_page(
     progress = batch_progress(batch, now=now)
     waiting_note = None
     if progress.waits_for_workers:
-        waiting_note = worker_readiness(session, now=now, live_s=settings.worker_live_s).waiting_note()
+        readiness = worker_readiness(session, now=now, live_s=settings.worker_live_s, model=batch.model)
+        waiting_note = readiness.waiting_note()
     return templates.TemplateResponse(
         request,
         "batch.html",

@@ -7,7 +7,7 @@ import random
 import time
 from typing import Any
 
-from jobs.config import BUILTIN_MODEL, Settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, ModelEntry, Settings
 from jobs.db import session_scope
 from jobs.queue import RUN_SHARD
 from jobs.schemas import RESPONSES
@@ -93,7 +93,8 @@ def test_create_returns_validating_batch_then_validation_starts_it(client: Any, 
 
 
 def test_bad_input_file_fails_the_batch_with_line_numbered_errors(client: Any, service_settings: Settings) -> None:
-    lines = [chat_line("a"), "not json", chat_line("a"), completion_line("c"), chat_line("d", model="gpt-4o")]
+    lines = [chat_line("a"), "not json", chat_line("a"), completion_line("c"), chat_line("d", model="tiny")]
+    service_settings.models = [*service_settings.models, ModelEntry(name="tiny", source="tiny")]
     batch_id = _create(client, _upload(client, lines)).json()["id"]
     batch = client.get(f"/v1/batches/{batch_id}").json()
     assert batch["status"] == "failed" and batch["failed_at"] is not None
@@ -102,12 +103,29 @@ def test_bad_input_file_fails_the_batch_with_line_numbered_errors(client: Any, s
         (2, "invalid_json"),
         (3, "duplicate_custom_id"),
         (4, "invalid_url"),
-        (5, "model_not_found"),
+        (5, "mismatched_model"),
     ]
     assert all(set(e) == {"code", "message", "param", "line"} for e in batch["errors"]["data"])
     assert batch["request_counts"]["total"] == 0
     assert batch["errors"]["total"] == 4
     assert queued_tasks(service_settings.broker_url) == []
+
+
+def test_a_line_naming_an_unknown_model_is_a_400_of_its_own(client: Any, service_settings: Settings) -> None:
+    batch_id = _create(client, _upload(client, [chat_line("a"), chat_line("b", model="gpt-4o")])).json()["id"]
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    assert (batch["status"], batch["model"]) == ("in_progress", BUILTIN_MODEL)
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 1}
+    assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])]
+    cancelled = client.post(f"/v1/batches/{batch_id}/cancel").json()
+    assert cancelled["status"] == "cancelled"
+    errors = client.get(f"/v1/files/{cancelled['error_file_id']}/content").text.splitlines()
+    by_id = {line["custom_id"]: line for line in map(json.loads, errors)}
+    assert by_id["a"]["error"]["code"] == "batch_cancelled"
+    rejected = by_id["b"]["response"]
+    assert rejected["status_code"] == 400 and rejected["body"]["error"]["code"] == "model_not_found"
+    assert rejected["body"]["error"]["param"] == "body.model"
+    assert f"served: '{BUILTIN_MODEL}', '{BUILTIN_EMBEDDING_MODEL}'" in rejected["body"]["error"]["message"]
 
 
 def test_errors_list_the_first_thousand_and_count_them_all(client: Any) -> None:

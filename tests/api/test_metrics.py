@@ -96,3 +96,37 @@ def test_metrics_report_an_unreachable_database_instead_of_failing(sqlite_settin
         dispose_engines()
     assert _value(samples, "batchinfer_database_up") == 0
     assert not any(name == "batchinfer_batches" for name, _labels in samples)
+
+
+_WORKER = """
+import sys
+from worker.engine.stats import EngineStats
+from worker.metrics import EngineMetrics
+EngineMetrics(sys.argv[1]).record_step(
+    EngineStats(num_steps=1, num_running_reqs=int(sys.argv[2]), num_prompt_tokens=9, num_generation_tokens=4)
+)
+"""
+
+
+def test_metrics_carry_the_engine_metrics_of_the_workers_of_the_folder_by_model(
+    sqlite_settings: Settings, tmp_path: Path
+) -> None:
+    """What ``batchinfer serve`` sets up: workers writing multiprocess files into one folder, the API's
+    ``/metrics`` serving them, each series labelled with its worker's model."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "metrics"
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder))
+    folder.mkdir()
+    for model, running in (("chat", 2), ("tiny", 1)):
+        subprocess.run([sys.executable, "-c", _WORKER, model, str(running)], env=env, check=True)
+    settings = sqlite_settings.model_copy(update={"engine_metrics_dir": folder})
+    with api_client(settings) as client:
+        samples = _scrape(client)
+    for model, running in (("chat", 2), ("tiny", 1)):
+        assert _value(samples, "batchinfer:num_requests_running", model_name=model) == running
+        assert _value(samples, "batchinfer:generation_tokens_total", model_name=model) == 4
+        assert _value(samples, "batchinfer:prompt_tokens_total", model_name=model) == 9
+    assert _value(samples, "batchinfer_database_up") == 1

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from jobs.config import Settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, Settings
 from jobs.db import session_scope
 from jobs.queue import RUN_SHARD
 from jobs.repository import finalize_batch, pending_requests, record_result
@@ -100,10 +100,11 @@ def test_sdk_sees_openai_errors(sdk: openai.OpenAI) -> None:
         sdk.batches.cancel(failed.id)
 
 
-def test_sdk_lists_and_retrieves_the_served_model(sdk: openai.OpenAI, service_settings: Settings) -> None:
-    [model] = list(sdk.models.list())
+def test_sdk_lists_and_retrieves_the_served_models(sdk: openai.OpenAI, service_settings: Settings) -> None:
+    model, embedder = list(sdk.models.list())
 
     assert (model.id, model.object, model.owned_by) == (service_settings.served_model_name, "model", "batchinfer")
+    assert (embedder.id, embedder.model_extra["kind"]) == (BUILTIN_EMBEDDING_MODEL, "embed")
     assert sdk.models.retrieve(model.id).id == model.id
     with pytest.raises(openai.NotFoundError) as not_found:
         sdk.models.retrieve("gpt-4o")

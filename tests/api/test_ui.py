@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from jobs import repository, workers
-from jobs.config import Settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, Settings
 from jobs.db import session_scope
 from jobs.shards import claim_next_shard
 from jobs.status import now_s
@@ -106,14 +106,14 @@ def test_unknown_batch_is_a_404(client: Any) -> None:
     assert client.get("/ui/static/ui.js").status_code == 200
 
 
-def _worker_row(settings: Settings, pid: int, *, ready_s: float | None) -> None:
+def _worker_row(settings: Settings, pid: int, *, ready_s: float | None, model: str = BUILTIN_MODEL) -> None:
     with session_scope(settings.database_url) as session:
         workers.record_heartbeat(
             session,
             worker_id=f"box:{pid}",
             host="box",
             pid=pid,
-            model="SmolLM2-135M-Instruct",
+            model=model,
             device="cpu",
             current_batch_id=None,
             num_running_requests=0,
@@ -129,7 +129,10 @@ def test_a_waiting_batch_says_when_no_worker_is_ready(client: Any, service_setti
     batch_id = _start_batch(client, 2)
     note = 'id="waiting-note"'
 
-    assert "waiting: no worker is ready (none running)" in client.get(f"/ui/batches/{batch_id}").text
+    assert f"waiting: no worker serves model {BUILTIN_MODEL}" in client.get(f"/ui/batches/{batch_id}").text
+    _worker_row(service_settings, 6, ready_s=1.0, model=BUILTIN_EMBEDDING_MODEL)  # another model's: no help
+    page, index = client.get(f"/ui/batches/{batch_id}").text, client.get("/ui").text
+    assert f"waiting: no worker serves model {BUILTIN_MODEL}" in page and note in index
     _worker_row(service_settings, 7, ready_s=None)
     page, index = client.get(f"/ui/batches/{batch_id}").text, client.get("/ui").text
     assert "waiting: no worker is ready (1 starting)" in page and note in index and ">starting<" in index
@@ -137,7 +140,7 @@ def test_a_waiting_batch_says_when_no_worker_is_ready(client: Any, service_setti
     _worker_row(service_settings, 7, ready_s=6.25)
     page, index = client.get(f"/ui/batches/{batch_id}").text, client.get("/ui").text
     assert note not in page and note not in index and "ready (in 6.2 s)" in index
-    assert client.get("/v1/workers").json()["data"][0]["ready_s"] == 6.25
+    assert {w["id"]: w["ready_s"] for w in client.get("/v1/workers").json()["data"]}["box:7"] == 6.25
 
     _worker_row(service_settings, 7, ready_s=None)  # (a restart) none ready again, but the batch is over:
     assert client.post(f"/v1/batches/{batch_id}/cancel").json()["status"] == "cancelled"

@@ -7,6 +7,7 @@ the model cache, where the built-in model is converted once) and one torch threa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,3 +100,34 @@ def wait_for_batch(client, batch_id: str, timeout_s: float, logs: list[Path]):
         time.sleep(1)
     tails = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in logs if p.exists())
     pytest.fail(f"batch {batch_id} still {batch.status} after {timeout_s} s\n{tails}")
+
+
+@contextmanager
+def redis_server(port: int, data_dir: Path) -> Iterator[subprocess.Popen]:
+    """A throwaway ``redis-server`` on ``port`` (no persistence) for the block."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        cwd=data_dir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=20)

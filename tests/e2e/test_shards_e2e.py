@@ -16,14 +16,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -33,44 +32,13 @@ from sqlalchemy import func, select
 from jobs.config import BUILTIN_MODEL
 from jobs.db import session_scope
 from jobs.models import BatchRequest, BatchShard, RequestState
-from tests.e2e.processes import ROOT, TERMINAL, child_env, cli, free_port, running, wait_for_health
+from tests.e2e.processes import ROOT, TERMINAL, child_env, cli, free_port, redis_server, running, wait_for_health
 from tests.helpers.service import postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 LEASE = {"lease_renew_s": "1", "lease_expiry_s": "6", "reaper_interval_s": "1"}
 RESUME_WITHIN_S = 90
-
-
-@contextmanager
-def redis_server(port: int, data_dir: Path) -> Iterator[subprocess.Popen]:
-    """A throwaway ``redis-server`` on ``port`` (no persistence) for the block."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    data_dir.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=data_dir,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        import redis
-
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
 
 
 class Service:

@@ -75,11 +75,17 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
             timeout=600,
         )
         assert submit.returncode == 0, f"{submit.stderr}\n--- serve log\n{serve_log.read_text()[-4000:]}"
+        metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=60) == 0, serve_log.read_text()[-4000:]
 
     batch = json.loads(submit.stdout)
     assert batch["status"] == "completed" and batch["metadata"] == {"suite": "e2e"}
+    # the worker's engine metrics, labelled by its model, through the API's /metrics with no port set
+    label = f'{{model_name="{BUILTIN_MODEL}"}}'
+    assert f"batchinfer:num_requests_running{label} 0.0" in metrics
+    assert _sample(metrics, f"batchinfer:generation_tokens_total{label}") > 0
+    assert _sample(metrics, f"batchinfer:prompt_tokens_total{label}") > 0
     assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     assert (data_dir / "batchinfer.db").is_file() and (data_dir / "broker.db").is_file()
     output = {entry["custom_id"]: entry for entry in map(json.loads, output_path.read_text().splitlines())}
@@ -100,6 +106,12 @@ def test_serve_and_submit_on_the_embedded_defaults(tmp_path, served_tokenizer):
         assert len(content) >= 1
         assert all(len(entry["top_logprobs"]) == 2 for entry in content)
     assert samples["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in samples["choices"])
+
+
+def _sample(metrics: str, series: str) -> float:
+    """The value of ``series`` (name and labels) in a Prometheus text exposition."""
+    [value] = [line.split()[-1] for line in metrics.splitlines() if line.startswith(series + " ")]
+    return float(value)
 
 
 def _serve_children(serve: subprocess.Popen) -> dict[str, int]:
@@ -128,9 +140,9 @@ def test_serve_restarts_a_worker_killed_with_sigkill_and_stays_up(tmp_path):
         assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=60) == 0, serve_log.read_text()[-4000:]
-    assert "batchinfer: worker exited with status -9 (killed by SIGKILL); restarting it in 1 s (restart 1)" in (
-        serve_log.read_text()
-    )
+    assert (
+        f"batchinfer: worker {BUILTIN_MODEL} exited with status -9 (killed by SIGKILL); restarting it in 1 s (restart 1)"
+    ) in serve_log.read_text()
 
 
 def test_serve_names_the_port_setting_when_the_port_is_taken(tmp_path):

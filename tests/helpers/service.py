@@ -44,7 +44,7 @@ from sqlalchemy.engine import make_url
 
 from jobs.config import BUILTIN_MODEL, Settings, get_settings
 from jobs.db import dispose_engines, get_engine, upgrade_database
-from jobs.queue import celery_app, configure_celery
+from jobs.queue import celery_app, configure_celery, work_queue
 
 POSTGRES_ADMIN_URL = os.environ.get("BATCHINFER_TEST_POSTGRES_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres")
 REDIS_TEST_URL = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/15"
@@ -168,8 +168,10 @@ def redis_broker_url() -> Iterator[str]:
     client.close()
 
 
-def queued_tasks(broker_url: str, queue: str = "celery") -> list[tuple[str, list[Any]]]:
-    """Drain ``queue`` on ``broker_url``; the ``(task name, args)`` of every message, in order."""
+def queued_tasks(broker_url: str, queue: str | None = None) -> list[tuple[str, list[Any]]]:
+    """Drain ``queue`` (default: the work queue of the settings' first model) on ``broker_url``; the
+    ``(task name, args)`` of every message, in order."""
+    queue = queue or work_queue(get_settings().served_model_name)
     tasks = []
     with celery_app.connection_for_read(broker_url) as connection:
         simple = connection.SimpleQueue(queue)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from jobs.config import BUILTIN_MODEL, Settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, ModelEntry, Settings
 
 
 def test_defaults_live_under_absolute_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,6 +39,58 @@ def test_served_model_name_is_builtin_name_or_folder_basename(tmp_path: Path) ->
     folder = tmp_path / "my-llama"
     folder.mkdir()
     assert Settings(model=str(folder)).served_model_name == "my-llama"
+
+
+def test_default_models_are_the_model_setting_and_the_builtin_embedder(tmp_path: Path) -> None:
+    folder = tmp_path / "my-llama"
+    folder.mkdir()
+    settings = Settings(model=str(folder), quantization="int8")
+    assert settings.models == [
+        ModelEntry(name="my-llama", source=str(folder)),
+        ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed"),
+    ]
+    assert (settings.served_model_name, settings.model, settings.quantization) == ("my-llama", str(folder), "int8")
+
+
+def test_models_from_env_as_an_object_or_a_list_with_aliases_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    models = {"chat": BUILTIN_MODEL, "mini": {"source": "/m/tiny", "aliases": ["small"], "quantization": "int8"}}
+    monkeypatch.setenv("BATCHINFER_MODELS", json.dumps(models))
+    settings = Settings()
+    assert [(m.name, m.source, m.kind) for m in settings.models] == [
+        ("chat", BUILTIN_MODEL, "generate"),
+        ("mini", "/m/tiny", "generate"),
+    ]
+    assert settings.aliases == {"chat": "chat", "mini": "mini", "small": "mini"}
+    assert (settings.served_model_name, settings.model, settings.quantization) == ("chat", BUILTIN_MODEL, "none")
+    as_list = [{"name": "e", "source": BUILTIN_EMBEDDING_MODEL, "kind": "embed"}, {"name": "g", "source": "x"}]
+    monkeypatch.setenv("BATCHINFER_MODELS", json.dumps(as_list))
+    assert [m.kind for m in Settings().models] == ["embed", "generate"]
+
+
+def test_worker_model_makes_the_process_serve_that_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    models = {"chat": BUILTIN_MODEL, "mini": {"source": "/m/tiny", "aliases": ["small"], "quantization": "int8"}}
+    monkeypatch.setenv("BATCHINFER_MODELS", json.dumps(models))
+    monkeypatch.setenv("BATCHINFER_WORKER_MODEL", "small")
+    settings = Settings()
+    assert (settings.served_model_name, settings.model, settings.quantization) == ("mini", "/m/tiny", "int8")
+    monkeypatch.setenv("BATCHINFER_WORKER_MODEL", "gpt-4o")
+    with pytest.raises(ValidationError, match=r"no model 'gpt-4o' is configured.*chat, mini"):
+        Settings()
+
+
+@pytest.mark.parametrize(
+    "models",
+    [
+        {"a": "x", "b": {"source": "y", "aliases": ["a"]}},
+        {"a": {"source": "x", "aliases": ["a"]}},
+        {"a": {"source": "x", "kind": "classify"}},
+        {"a": {"source": "x", "quantization": "q4"}},
+    ],
+)
+def test_bad_model_lists_are_refused(monkeypatch: pytest.MonkeyPatch, models: dict[str, object]) -> None:
+    monkeypatch.setenv("BATCHINFER_MODELS", json.dumps(models))
+    with pytest.raises(ValidationError):
+        Settings()
 
 
 def test_a_worker_is_judged_dead_only_after_missing_two_heartbeats(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from jobs.config import Settings
 from jobs.db import session_scope
 from jobs.files import file_chunks, get_file, write_file
 from jobs.models import BatchShard
-from jobs.queue import RUN_SHARD
+from jobs.queue import RUN_SHARD, work_queue
 from jobs.reaper import reap
 from jobs.repository import apply_validation, cancel_batch, create_batch, get_batch, pending_requests, record_result
 from jobs.shards import (
@@ -35,7 +35,12 @@ LEASE_S = 60.0
 
 
 def _batch(
-    settings: Settings, num_lines: int, *, metadata: dict[str, str] | None = None, now: int | None = None
+    settings: Settings,
+    num_lines: int,
+    *,
+    metadata: dict[str, str] | None = None,
+    now: int | None = None,
+    model: str = "m",
 ) -> str:
     """An in-progress batch of ``num_lines`` completion lines, one shard per line (a tiny token target)."""
     now = now_s() if now is None else now
@@ -51,13 +56,13 @@ def _batch(
         )
         batch = create_batch(session, input_file_id=file.id, endpoint=COMPLETIONS, metadata=metadata, now=now)
         validated = [ValidatedLine(i + 1, line["custom_id"], line["body"]) for i, line in enumerate(lines)]
-        apply_validation(session, batch_id=batch.id, lines=validated, errors=[], model="m", now=now)
+        apply_validation(session, batch_id=batch.id, lines=validated, errors=[], model=model, now=now)
         return batch.id
 
 
-def _claim(owner: str = "w:1", now: float | None = None):
+def _claim(owner: str = "w:1", now: float | None = None, model: str | None = None):
     with session_scope() as session:
-        return claim_next_shard(session, owner=owner, now=now_s() if now is None else now, lease_s=LEASE_S)
+        return claim_next_shard(session, owner=owner, now=now_s() if now is None else now, lease_s=LEASE_S, model=model)
 
 
 def _record_all(lease) -> None:
@@ -231,9 +236,28 @@ def test_the_reaper_tops_the_queue_up_to_one_message_per_queued_shard(service_se
     assert queued_tasks(service_settings.broker_url) == []
     assert reap(settings=service_settings).messages_sent == 3
     assert reap(settings=service_settings).messages_sent == 0  # three are waiting already
-    assert queued_tasks(service_settings.broker_url) == [(RUN_SHARD, [])] * 3
+    assert queued_tasks(service_settings.broker_url, work_queue("m")) == [(RUN_SHARD, [])] * 3
     _claim()
     assert reap(settings=service_settings).messages_sent == 2
+
+
+def test_a_batch_is_claimed_only_by_a_worker_of_its_model(service_settings: Settings) -> None:
+    chat_id = _batch(service_settings, 2, model="chat")
+    mini_id = _batch(service_settings, 1, model="mini")
+    assert _claim("w:embed", model="embedder") is None
+    first, second = _claim("w:mini", model="mini"), _claim("w:mini", model="mini")
+    assert first is not None and first.batch_id == mini_id and second is None
+    assert {_claim("w:chat", model="chat").batch_id for _ in range(2)} == {chat_id}
+    assert _claim("w:chat", model="chat") is None
+
+
+def test_the_reaper_tops_up_each_models_queue_with_that_models_shards(service_settings: Settings) -> None:
+    _batch(service_settings, 2, model="chat")
+    _batch(service_settings, 1, model="mini")
+    assert reap(settings=service_settings).messages_sent == 3
+    broker_url = service_settings.broker_url
+    assert queued_tasks(broker_url, work_queue("chat")) == [(RUN_SHARD, [])] * 2
+    assert queued_tasks(broker_url, work_queue("mini")) == [(RUN_SHARD, [])]
 
 
 def test_the_reaper_survives_an_unreachable_broker(service_settings: Settings) -> None:

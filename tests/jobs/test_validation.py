@@ -69,7 +69,7 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
         {**chat_line("get"), "method": "GET"},  # 5 invalid_method
         {**chat_line("wrong-url"), "url": COMPLETIONS},  # 6 invalid_url
         _with_body("streaming", stream=True),  # 7 body rejected later, per line
-        _with_body("other-model", model="gpt-4o"),  # 8 model_not_found
+        _with_body("other-model", model="gpt-4o"),  # 8 model not served: rejected alone, per line
         bad_body,  # 9 body rejected later, per line
         "",  # 10 blank: skipped, still counted
         chat_line("ok-2"),  # 11
@@ -88,7 +88,6 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
         (4, "duplicate_custom_id"),
         (5, "invalid_method"),
         (6, "invalid_url"),
-        (8, "model_not_found"),
         (12, "invalid_body"),
         (13, "invalid_json"),
         (14, "invalid_line"),
@@ -98,7 +97,6 @@ def test_file_mixing_good_lines_with_each_kind_of_bad_line_fails_with_one_error_
     by_line = {error.line: error for error in result.errors}
     assert "line 1" in by_line[4].message and by_line[4].param == "custom_id"
     assert by_line[6].param == "url" and COMPLETIONS in by_line[6].message
-    assert by_line[8].param == "body.model" and "gpt-4o" in by_line[8].message
     assert by_line[12].param == "body"
     assert by_line[14].param == "priority"
     for error in result.errors:
@@ -234,6 +232,40 @@ def test_bodies_the_endpoint_rejects_pass_structural_validation() -> None:
     result = _validate(jsonl(lines))
     assert result.ok, result.errors
     assert [line.custom_id for line in _lines(jsonl(lines))] == ["a", "b", "c", "d", "e"]
+
+
+_MODELS = {"chat": "chat", "chat-latest": "chat", "mini": "mini", "embedder": "embedder"}
+
+
+def _validate_models(lines: list[dict[str, Any]]):
+    return validate_batch_file([jsonl(lines)], endpoint=CHAT, model_names=_MODELS, max_lines=100, max_bytes=1 << 20)
+
+
+def test_a_file_naming_two_models_fails_naming_the_first_line_of_the_other() -> None:
+    result = _validate_models(
+        [_with_body("a", model="chat"), _with_body("b", model="chat-latest"), _with_body("c", model="mini")]
+    )
+    assert [(e.line, e.code, e.param) for e in result.errors] == [(3, "mismatched_model", "body.model")]
+    assert "line 1 names model 'chat'" in result.errors[0].message and "'mini'" in result.errors[0].message
+
+
+def test_aliases_resolve_to_their_model_which_routes_the_file() -> None:
+    data = jsonl([_with_body("a", model="chat-latest"), _with_body("b", model="chat")])
+    result = validate_batch_file([data], endpoint=CHAT, model_names=_MODELS, max_lines=100, max_bytes=1 << 20)
+    assert result.ok and result.model == "chat"
+    assert [line.model for line in validated_lines([data], endpoint=CHAT, model_names=_MODELS)] == ["chat", "chat"]
+
+
+def test_an_unknown_model_is_a_400_for_its_line_alone_naming_the_served_models() -> None:
+    data = jsonl([_with_body("a", model="gpt-4o"), _with_body("b", model="mini")])
+    result = validate_batch_file([data], endpoint=CHAT, model_names=_MODELS, max_lines=100, max_bytes=1 << 20)
+    assert result.ok and result.model == "mini"
+    bad, good = validated_lines([data], endpoint=CHAT, model_names=_MODELS)
+    assert good.rejection is None and good.model == "mini"
+    assert bad.model is None and bad.rejection is not None
+    assert (bad.rejection.code, bad.rejection.param, bad.rejection.line) == ("model_not_found", "body.model", 1)
+    assert "gpt-4o" in bad.rejection.message
+    assert "served: 'chat', 'embedder', 'mini'" in bad.rejection.message
 
 
 def test_missing_model_is_invalid_body() -> None:

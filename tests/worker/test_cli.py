@@ -420,7 +420,7 @@ def test_status_says_when_no_worker_is_ready(live_api, tmp_path, capsys):
         assert cli.main(["status", batch_id, "--base-url", live_api]) == 0
         return capsys.readouterr().out
 
-    assert "workers: waiting: no worker is ready (none running)\n" in status()
+    assert f"workers: waiting: no worker serves model {BUILTIN_MODEL}\n" in status()
     _worker_row(4242, None)
     assert "workers: waiting: no worker is ready (1 starting)\n" in status()
     _worker_row(4242, 7.5)

@@ -1,0 +1,68 @@
+"""``/v1/models``: every configured model with its kind, aliases and the live workers serving it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobs import workers
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, ModelEntry, Settings
+from jobs.db import session_scope
+from jobs.status import now_s
+
+
+def _beat(settings: Settings, pid: int, model: str, *, ready_s: float | None = 3.0, age_s: int = 0) -> None:
+    with session_scope(settings.database_url) as session:
+        workers.record_heartbeat(
+            session,
+            worker_id=f"box:{pid}",
+            host="box",
+            pid=pid,
+            model=model,
+            device="cpu",
+            current_batch_id=None,
+            num_running_requests=0,
+            tokens_per_s=0.0,
+            metrics_port=None,
+            started_at=now_s() - age_s,
+            now=now_s() - age_s,
+            ready_s=ready_s,
+        )
+
+
+def _counts(client: Any) -> dict[str, tuple[str, int, int]]:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    return {m["id"]: (m["kind"], m["num_workers"], m["num_ready_workers"]) for m in body["data"]}
+
+
+def test_live_worker_counts_follow_the_heartbeats(client: Any, service_settings: Settings) -> None:
+    service_settings.models = [*service_settings.models, ModelEntry(name="tiny", source="/m/tiny", aliases=["t"])]
+    assert _counts(client) == {
+        BUILTIN_MODEL: ("generate", 0, 0),
+        BUILTIN_EMBEDDING_MODEL: ("embed", 0, 0),
+        "tiny": ("generate", 0, 0),
+    }
+    _beat(service_settings, 1, BUILTIN_MODEL)
+    _beat(service_settings, 2, BUILTIN_MODEL, ready_s=None)  # still loading its model
+    _beat(service_settings, 3, "tiny")
+    _beat(service_settings, 4, BUILTIN_EMBEDDING_MODEL, age_s=int(service_settings.worker_live_s) + 5)  # stopped
+    assert _counts(client) == {
+        BUILTIN_MODEL: ("generate", 2, 1),
+        BUILTIN_EMBEDDING_MODEL: ("embed", 0, 0),
+        "tiny": ("generate", 1, 1),
+    }
+    _beat(service_settings, 4, BUILTIN_EMBEDDING_MODEL)  # beats again
+    with session_scope(service_settings.database_url) as session:
+        workers.remove_worker(session, worker_id="box:3")  # stopped cleanly
+    assert _counts(client)["tiny"] == ("generate", 0, 0)
+    assert _counts(client)[BUILTIN_EMBEDDING_MODEL] == ("embed", 1, 1)
+
+    by_alias = client.get("/v1/models/t").json()
+    assert (by_alias["id"], by_alias["object"], by_alias["aliases"], by_alias["num_workers"]) == (
+        "tiny",
+        "model",
+        ["t"],
+        0,
+    )
+    missing = client.get("/v1/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
