@@ -15,7 +15,9 @@ messages it cannot run; a surplus message finds nothing to claim and ends at onc
 Beat (``batchinfer beat``: a light worker with an embedded beat, no engine) sends ``TICK_SCHEDULES``
 every ``SCHEDULE_TICK_S`` seconds and ``REAP`` every ``Settings.reaper_interval_s`` on its own
 ``SCHEDULES_QUEUE``, so neither waits behind a shard on an engine worker (those consume only the
-default queue). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
+default queue). ``GRADE_EVAL_SHARD`` messages (an eval run's shard to grade, `jobs.evals.dispatch`) carry
+``(run_id, shard_id)`` and go to the default queue: model graders need a worker with an engine
+(`worker.tasks`). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
 ticks are dropped, not replayed.
 """
 
@@ -31,6 +33,7 @@ from jobs.config import Settings, get_settings
 RUN_SHARD = "batchinfer.run_shard"
 TICK_SCHEDULES = "batchinfer.tick_schedules"
 REAP = "batchinfer.reap"
+GRADE_EVAL_SHARD = "batchinfer.grade_eval_shard"
 SCHEDULE_TICK_S = 30
 SCHEDULES_QUEUE = "schedules"
 WORK_QUEUE = "celery"
@@ -100,6 +103,21 @@ def enqueue_shards(count: int, *, broker_url: str | None = None) -> int:
         for _ in range(count):
             celery_app.send_task(RUN_SHARD, connection=connection)
     return count
+
+
+def enqueue_grading(run_id: str, shard_ids: list[str | None], *, broker_url: str | None = None) -> int:
+    """Send one ``GRADE_EVAL_SHARD`` message ``(run_id, shard_id)`` per grading unit of an eval run
+    (`jobs.evals.dispatch`; ``shard_id`` None: the items that carry their own sample); returns the count.
+
+    Raises:
+        kombu.exceptions.OperationalError: the broker is unreachable.
+    """
+    broker_url = broker_url or get_settings().broker_url
+    ensure_broker_dir(broker_url)
+    with celery_app.connection_for_write(broker_url) as connection:
+        for shard_id in shard_ids:
+            celery_app.send_task(GRADE_EVAL_SHARD, args=[run_id, shard_id], connection=connection)
+    return len(shard_ids)
 
 
 def num_waiting_messages(*, broker_url: str | None = None, queue: str = WORK_QUEUE) -> int:
