@@ -251,10 +251,13 @@ def create_run(
             "created_at": now,
         }
         items.append(item)
-        problem = next(iter(validator.iter_errors(source_row.item)), None)
-        if problem is not None:
-            where = "/".join(str(part) for part in problem.absolute_path) or "the item"
-            item["status"], item["error"] = ERROR, {"code": "invalid_item", "message": f"{where}: {problem.message}"}
+        problems = [
+            f"{'/'.join(str(part) for part in problem.absolute_path) or 'item'}: {problem.message}"
+            for problem in validator.iter_errors(source_row.item)
+        ]
+        if problems:
+            message = f"the item does not match the eval's item_schema: {'; '.join(sorted(problems))}"
+            item["status"], item["error"] = ERROR, {"code": "invalid_item", "message": message}
             continue
         if parsed.endpoint is None:
             if source_row.sample is None:
