@@ -20,6 +20,7 @@ from jobs.db import session_scope
 from jobs.evals.dispatch import dispatch_after_shard
 from jobs.models import BatchShard, EvalRun
 from jobs.queue import GRADE_EVAL_SHARD
+from jobs.reaper import reap
 from jobs.repository import finalize_batch, get_batch, pending_requests, record_result
 from jobs.shards import claim_next_shard
 from tests.helpers.service import openai_client, queued_tasks
@@ -299,3 +300,18 @@ def test_unknown_ids_are_404(client: Any) -> None:
         json={"data_source_config": {"type": "custom", "item_schema": ITEM_SCHEMA}, "testing_criteria": [EXACT]},
     ).json()["id"]
     assert client.get(f"/v1/evals/{eval_id}/runs/evalrun_nope").status_code == 404
+
+
+def test_a_run_whose_batch_expires_fails_and_its_items_are_errors(
+    sdk: openai.OpenAI, service_settings: Settings
+) -> None:
+    created = sdk.evals.create(
+        data_source_config={"type": "custom", "item_schema": ITEM_SCHEMA}, testing_criteria=[EXACT]
+    )
+    run = sdk.evals.runs.create(created.id, data_source=_completions_source(ITEMS[:2]))
+    report = reap(now=time.time() + 2 * 24 * 3600)  # no worker came within the completion window
+    assert report.finalized == {_batch_id(run.id): "expired"}
+    assert len(_grade_queued(service_settings)) == 1
+    done = sdk.evals.runs.retrieve(run.id, eval_id=created.id)
+    assert done.status == "failed" and done.error.code == "batch_expired"
+    assert (done.result_counts.errored, done.result_counts.passed) == (2, 0)
