@@ -12,6 +12,7 @@ from celery.signals import worker_ready
 from jobs.evals.dispatch import dispatch_after_shard
 from jobs.queue import GRADE_EVAL_SHARD, RUN_SHARD, celery_app
 from worker import eval_grading, runner, shutdown
+from worker.model_grader import EngineModelGrader
 from worker.runner import ShardEnd
 
 __all__ = ["celery_app", "grade_eval_shard", "run_shard"]
@@ -35,9 +36,9 @@ def run_shard() -> dict[str, Any] | None:
 
 @celery_app.task(name=GRADE_EVAL_SHARD)
 def grade_eval_shard(run_id: str, shard_id: str | None) -> dict[str, Any]:
-    """Grade one shard of an eval run (`worker.eval_grading.grade_shard`); returns the items graded and
-    the run's status afterwards."""
-    graded = eval_grading.grade_shard(run_id, shard_id)
+    """Grade one shard of an eval run (`worker.eval_grading.grade_shard`; model graders ask this worker's
+    engine, loaded only if one does); returns the items graded and the run's status afterwards."""
+    graded = eval_grading.grade_shard(run_id, shard_id, model_grader=EngineModelGrader())
     return {"run_id": run_id, "shard_id": shard_id, "graded": graded.num_graded, "run": graded.run_status}
 
 
