@@ -15,6 +15,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
+from jobs.api_keys import create_key
 from jobs.config import BUILTIN_MODEL, Settings
 from jobs.db import session_scope
 from jobs.evals.dispatch import dispatch_after_shard
@@ -315,3 +316,30 @@ def test_a_run_whose_batch_expires_fails_and_its_items_are_errors(
     done = sdk.evals.runs.retrieve(run.id, eval_id=created.id)
     assert done.status == "failed" and done.error.code == "batch_expired"
     assert (done.result_counts.errored, done.result_counts.passed) == (2, 0)
+
+
+def test_each_key_sees_only_its_own_evals_runs_and_items(client: Any, service_settings: Settings) -> None:
+    with session_scope() as session:
+        alice, bob = (create_key(session, name=name).secret for name in ("alice", "bob"))
+    as_alice, as_bob = openai_client(client, api_key=alice), openai_client(client, api_key=bob)
+    created = as_alice.evals.create(
+        data_source_config={"type": "custom", "item_schema": ITEM_SCHEMA}, testing_criteria=[EXACT]
+    )
+    run = as_alice.evals.runs.create(created.id, data_source=_completions_source(ITEMS[:1]))
+    item_id = next(iter(as_alice.evals.runs.output_items.list(run.id, eval_id=created.id))).id
+    assert [e.id for e in as_bob.evals.list()] == []
+    for call in (
+        lambda: as_bob.evals.retrieve(created.id),
+        lambda: as_bob.evals.update(created.id, name="mine"),
+        lambda: as_bob.evals.delete(created.id),
+        lambda: as_bob.evals.runs.create(created.id, data_source=_completions_source(ITEMS[:1])),
+        lambda: as_bob.evals.runs.list(created.id),
+        lambda: as_bob.evals.runs.retrieve(run.id, eval_id=created.id),
+        lambda: as_bob.evals.runs.cancel(run.id, eval_id=created.id),
+        lambda: as_bob.evals.runs.delete(run.id, eval_id=created.id),
+        lambda: as_bob.evals.runs.output_items.list(run.id, eval_id=created.id),
+        lambda: as_bob.evals.runs.output_items.retrieve(item_id, eval_id=created.id, run_id=run.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert as_alice.evals.runs.retrieve(run.id, eval_id=created.id).status == "in_progress"
