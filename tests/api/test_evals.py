@@ -70,11 +70,15 @@ def _completions_source(items: list[dict[str, Any]], **sampling: Any) -> dict[st
     }
 
 
-def _answer_every_line(batch_id: str, answers: dict[str, str]) -> None:
+def _answer_every_line(batch_id: str, answers: dict[str, str], *, responses: bool = False) -> None:
     """Record ``answers[custom_id]`` as each line's completion (a worker's part), then finalize."""
     with session_scope() as session:
         assert claim_next_shard(session, owner="test:1", now=time.time(), lease_s=60)
         for row in pending_requests(session, batch_id=batch_id):
+            if responses:
+                ok = {"status_code": 200, "request_id": f"r-{row.id}", "body": _responses_body(answers[row.custom_id])}
+                record_result(session, request_id=row.id, response=ok, error=None, prompt_tokens=5, completion_tokens=1)
+                continue
             body = {
                 "object": "chat.completion",
                 "model": BUILTIN_MODEL,
@@ -92,6 +96,12 @@ def _answer_every_line(batch_id: str, answers: dict[str, str]) -> None:
                 session, request_id=row.id, response=response, error=None, prompt_tokens=5, completion_tokens=1
             )
         finalize_batch(session, batch_id=batch_id)
+
+
+def _responses_body(text: str) -> dict[str, Any]:
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+    usage = {"input_tokens": 5, "output_tokens": 1, "total_tokens": 6}
+    return {"object": "response", "model": BUILTIN_MODEL, "status": "completed", "output": [message], "usage": usage}
 
 
 def _grade_queued(settings: Settings) -> list[Any]:
@@ -343,3 +353,33 @@ def test_each_key_sees_only_its_own_evals_runs_and_items(client: Any, service_se
         with pytest.raises(openai.NotFoundError):
             call()
     assert as_alice.evals.runs.retrieve(run.id, eval_id=created.id).status == "in_progress"
+
+
+def test_a_responses_run_sends_responses_lines_and_grades_their_output_text(
+    sdk: openai.OpenAI, service_settings: Settings
+) -> None:
+    data_source = {
+        **_completions_source(ITEMS[:2], max_completion_tokens=6),
+        "type": "responses",
+        "input_messages": {"type": "item_reference", "item_reference": "item.messages"},
+    }
+    data_source["sampling_params"].pop("seed")
+    items = [{"item": {**ITEMS[i]["item"], "messages": [{"role": "user", "content": f"q{i}"}]}} for i in range(2)]
+    data_source["source"] = {"type": "file_content", "content": items}
+    schema = {**ITEM_SCHEMA, "properties": {**ITEM_SCHEMA["properties"], "messages": {"type": "array"}}}
+    created = sdk.evals.create(
+        data_source_config={"type": "custom", "item_schema": schema}, testing_criteria=[CONTAINS]
+    )
+    run = sdk.evals.runs.create(created.id, data_source=data_source)
+    batch_id = _batch_id(run.id)
+    with session_scope() as session:
+        assert get_batch(session, batch_id=batch_id).endpoint == "/v1/responses"
+        bodies = {row.custom_id: row.body for row in pending_requests(session, batch_id=batch_id)}
+    assert bodies["1"]["input"] == [{"role": "user", "content": "q1"}] and bodies["1"]["max_output_tokens"] == 6
+    _answer_every_line(batch_id, {"0": "four: 4", "1": "green"}, responses=True)
+    dispatch_after_shard(batch_id, None)
+    _grade_queued(service_settings)
+    done = sdk.evals.runs.retrieve(run.id, eval_id=created.id)
+    assert (done.status, done.result_counts.passed, done.result_counts.failed) == ("completed", 1, 1)
+    outputs = [item.sample.output[0].content for item in sdk.evals.runs.output_items.list(run.id, eval_id=created.id)]
+    assert outputs == ["four: 4", "green"]
