@@ -3,6 +3,7 @@ grades stored once, the run settled only when its batch ended and nothing is pen
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -22,12 +23,14 @@ from jobs.evals.repository import (
     get_run,
     list_output_items,
     list_runs,
+    mark_run_started,
     record_grades,
     settle_run,
     units_to_grade,
 )
 from jobs.models import EvalOutputItem, EvalRun
 from jobs.paging import UnknownCursor
+from jobs.status import BatchStatus
 from jobs.storage import storage_from_settings
 from tests.helpers.service import postgres_url, service_settings  # noqa: F401  (fixtures)
 
@@ -141,3 +144,38 @@ def test_delete_eval_removes_its_runs_and_items(service_settings: Settings) -> N
     with session_scope() as session:
         assert [run.id for run in session.query(EvalRun)] == [kept.id]
         assert {item.run_id for item in session.query(EvalOutputItem)} == {kept.id}
+
+
+def test_concurrent_grading_tasks_add_up(service_settings: Settings) -> None:
+    eval_id = _eval_id()
+    rows = [{"item": {"q": str(i), "a": "x"}, "sample": {"output_text": "x"}} for i in range(5)]
+    run = _run(service_settings, eval_id, _jsonl(rows))
+    with session_scope() as session:
+        ids = [item.id for item in list_output_items(session, eval_id=eval_id, run_id=run.id)[0]]
+
+    def grade(item_ids: list[str]) -> int:
+        with session_scope() as session:
+            grades = [Grade(item_id, PASS, [], {}, None, [True]) for item_id in item_ids]
+            return record_grades(session, run_id=run.id, grades=grades)
+
+    # Two tasks share half their items (a duplicated message): each item counts once.
+    with ThreadPoolExecutor(2) as pool:
+        stored = list(pool.map(grade, [ids[:4], ids[1:]]))
+    assert sum(stored) == 5
+    with session_scope() as session:
+        done = get_run(session, eval_id=eval_id, run_id=run.id)
+        assert done.num_passed == 5 and done.per_testing_criteria_results[0]["passed"] == 5
+
+
+def test_a_run_whose_batch_input_is_refused_fails_with_its_items_errored(service_settings: Settings) -> None:
+    eval_id = _eval_id()
+    rows = [{"item": {"q": str(i), "a": "x"}, "sample": {"output_text": "x"}} for i in range(2)]
+    run = _run(service_settings, eval_id, _jsonl(rows))
+    with session_scope() as session:
+        errors = [{"code": "too_many_lines", "message": "the file has too many lines"}]
+        mark_run_started(session, run_id=run.id, batch_status=BatchStatus.FAILED, errors=errors)
+    with session_scope() as session:
+        failed = get_run(session, eval_id=eval_id, run_id=run.id)
+        assert (failed.status, failed.num_errored, failed.error) == ("failed", 2, errors[0])
+        assert settle_run(session, run_id=run.id) == "failed"
+        assert {item.status for item in list_output_items(session, eval_id=eval_id, run_id=run.id)[0]} == {ERROR}
