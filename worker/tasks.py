@@ -38,7 +38,7 @@ def run_shard() -> dict[str, Any] | None:
 def grade_eval_shard(run_id: str, shard_id: str | None) -> dict[str, Any]:
     """Grade one shard of an eval run (`worker.eval_grading.grade_shard`; model graders ask this worker's
     engine, loaded only if one does); returns the items graded and the run's status afterwards."""
-    graded = eval_grading.grade_shard(run_id, shard_id, model_grader=EngineModelGrader())
+    graded = eval_grading.grade_shard(run_id, shard_id, model_grader=EngineModelGrader)
     return {"run_id": run_id, "shard_id": shard_id, "graded": graded.num_graded, "run": graded.run_status}
 
 

@@ -1,11 +1,12 @@
 """Grade one data item's samples with one testing criterion (`jobs.evals.criteria`).
 
-``grade_item`` is the entry point the grading task calls; a grader that fails on an item returns an
+``grade_items`` (``grade_item`` over a shard's items) is the entry point the grading task calls; a grader that fails on an item returns an
 error for that item instead of raising.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,3 +57,13 @@ def grade_item(
     else:
         passed = reference.lower() in given.lower()
     return GradeResult(score=1.0 if passed else 0.0, passed=passed)
+
+
+def grade_items(
+    criterion: TestingCriterion,
+    items: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]],
+    *,
+    model_grader: ModelGrader | None = None,
+) -> list[GradeResult]:
+    """`grade_item` over ``(item, samples)`` pairs, results in the same order."""
+    return [grade_item(criterion, item=item, samples=samples, model_grader=model_grader) for item, samples in items]
