@@ -23,7 +23,7 @@ from api.admission import Admission, admission_slots
 from api.errors import install_error_handlers
 from api.limits import RequestBodies
 from api.rate_limits import RequestRate, check_request_rate
-from api.routes import batches, files, health, jobs, models, schedules, workers
+from api.routes import batches, evals, files, health, jobs, models, schedules, workers
 from api.routes.metrics import install_metrics
 from api.routes.ui import install_ui
 from jobs.api_keys import keys_required
@@ -87,7 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.request_rate = RequestRate(settings.max_requests_per_minute)
     install_error_handlers(app)
-    for module in (files, batches, jobs, schedules, workers, models):
+    for module in (files, batches, jobs, schedules, evals, workers, models):
         app.include_router(module.router, dependencies=[Depends(check_request_rate)])
     app.include_router(health.router)
     install_ui(app, dependencies=[Depends(check_request_rate)])

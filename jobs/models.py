@@ -1,7 +1,8 @@
 """SQLAlchemy 2.0 tables: ``files``, ``batches``, ``batch_requests`` (one row per input line),
 ``batch_shards`` (a batch's lines in leased units of work), ``schedules``, ``workers`` (one heartbeat row
-per worker process), ``api_keys`` and ``file_chunks`` (file bytes kept in the database,
-`jobs.storage.DatabaseStorage`).
+per worker process), ``api_keys``, ``file_chunks`` (file bytes kept in the database,
+`jobs.storage.DatabaseStorage`), and the evaluations: ``evals``, ``eval_runs``, ``eval_output_items``
+(`jobs.evals`).
 
 ``owner_key_id`` on files, batches and schedules is the API key that created the row (None: created
 while the deployment had no key); see `jobs.api_keys`.
@@ -29,6 +30,9 @@ REQUEST_ID_PREFIX = "batch_req_"
 SCHEDULE_ID_PREFIX = "sched_"
 API_KEY_ID_PREFIX = "key_"
 SHARD_ID_PREFIX = "shard_"
+EVAL_ID_PREFIX = "eval_"
+EVAL_RUN_ID_PREFIX = "evalrun_"
+EVAL_OUTPUT_ITEM_ID_PREFIX = "outputitem_"
 
 
 def new_id(prefix: str) -> str:
@@ -280,3 +284,92 @@ class Worker(Base):
     ready_s: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (Index("ix_workers_last_heartbeat_at", "last_heartbeat_at"),)
+
+
+class Eval(Base):
+    """An evaluation (OpenAI's Evals API ``eval`` object): the schema of its items and its graders.
+
+    ``data_source_config`` is the API's ``{type: "custom", item_schema, include_sample_schema}``;
+    ``testing_criteria`` the graders as the API returns them (`jobs.evals.criteria`).
+    """
+
+    __tablename__ = "evals"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(512))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    data_source_config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    testing_criteria: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    owner_key_id: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (
+        Index("ix_evals_created_at_id", "created_at", "id"),
+        Index("ix_evals_owner_key_id_created_at", "owner_key_id", "created_at"),
+    )
+
+
+class EvalRun(Base):
+    """One run of an eval over a data source: its batch (None when nothing is generated) and its scores.
+
+    ``status`` is `jobs.evals.runs.RunStatus`; ``num_*`` are the API's ``result_counts``;
+    ``per_testing_criteria_results`` is ``[{testing_criteria, passed, failed}]`` in the eval's order;
+    ``error`` is ``{code, message}`` or None; ``completed_at`` (Unix s) is set when grading ends.
+    """
+
+    __tablename__ = "eval_runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    eval_id: Mapped[str] = mapped_column(ForeignKey("evals.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(512))
+    model: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    data_source: Mapped[dict[str, Any]] = mapped_column(JSON)
+    batch_id: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    num_total: Mapped[int] = mapped_column(Integer, default=0)
+    num_passed: Mapped[int] = mapped_column(Integer, default=0)
+    num_failed: Mapped[int] = mapped_column(Integer, default=0)
+    num_errored: Mapped[int] = mapped_column(Integer, default=0)
+    per_testing_criteria_results: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger)
+    owner_key_id: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (
+        Index("ix_eval_runs_eval_id_created_at", "eval_id", "created_at"),
+        Index("ix_eval_runs_batch_id", "batch_id"),
+        Index("ix_eval_runs_status", "status"),
+    )
+
+
+class EvalOutputItem(Base):
+    """One data item of a run and, once graded, its sample and grader results.
+
+    ``custom_id`` is the item's batch line ``custom_id`` (its index as text; None when the item made no
+    line: it failed ``item_schema`` or its templates, or the data source generates nothing).
+    ``status`` is ``pending`` until graded, then ``pass``, ``fail`` or ``error``; ``results`` is the API's
+    ``[{name, type, score, passed, sample, ...}]``, ``sample`` the API's sample object.
+    """
+
+    __tablename__ = "eval_output_items"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("eval_runs.id", ondelete="CASCADE"))
+    eval_id: Mapped[str] = mapped_column(String(64))
+    datasource_item_id: Mapped[int] = mapped_column(Integer)
+    datasource_item: Mapped[dict[str, Any]] = mapped_column(JSON)
+    given_sample: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    custom_id: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    results: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    sample: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        UniqueConstraint("run_id", "datasource_item_id", name="uq_eval_output_items_run_id_item_id"),
+        Index("ix_eval_output_items_run_id_status", "run_id", "status"),
+        Index("ix_eval_output_items_run_id_custom_id", "run_id", "custom_id"),
+    )

@@ -17,7 +17,9 @@ messages it cannot run; a surplus message finds nothing to claim and ends at onc
 Beat (``batchinfer beat``: a light worker with an embedded beat, no engine) sends ``TICK_SCHEDULES``
 every ``SCHEDULE_TICK_S`` seconds and ``REAP`` every ``Settings.reaper_interval_s`` on its own
 ``SCHEDULES_QUEUE``, so neither waits behind a shard on an engine worker (those consume only the
-model queues). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
+model queues). ``GRADE_EVAL_SHARD`` messages (an eval run's shard to grade, `jobs.evals.dispatch`) carry
+``(run_id, shard_id)`` and go to the work queue of the run's model: model graders need a worker with an
+engine (`worker.tasks`). The tasks live in `jobs.tasks`; a tick message expires after one interval, so missed
 ticks are dropped, not replayed.
 """
 
@@ -33,6 +35,7 @@ from jobs.config import Settings, get_settings
 RUN_SHARD = "batchinfer.run_shard"
 TICK_SCHEDULES = "batchinfer.tick_schedules"
 REAP = "batchinfer.reap"
+GRADE_EVAL_SHARD = "batchinfer.grade_eval_shard"
 SCHEDULE_TICK_S = 30
 SCHEDULES_QUEUE = "schedules"
 WORK_QUEUE_PREFIX = "batchinfer.model."
@@ -114,6 +117,26 @@ def enqueue_shards(count: int, *, model: str | None = None, broker_url: str | No
         for _ in range(count):
             celery_app.send_task(RUN_SHARD, connection=connection, queue=queue)
     return count
+
+
+def enqueue_grading(
+    run_id: str, shard_ids: list[str | None], *, model: str | None = None, broker_url: str | None = None
+) -> int:
+    """Send one ``GRADE_EVAL_SHARD`` message ``(run_id, shard_id)`` per grading unit of an eval run
+    (`jobs.evals.dispatch`; ``shard_id`` None: the items that carry their own sample) to ``model``'s work
+    queue (default: this process's model), whose workers have the engine model graders ask; returns the count.
+
+    Raises:
+        kombu.exceptions.OperationalError: the broker is unreachable.
+    """
+    settings = get_settings()
+    broker_url = broker_url or settings.broker_url
+    queue = work_queue(model or settings.served_model_name)
+    ensure_broker_dir(broker_url)
+    with celery_app.connection_for_write(broker_url) as connection:
+        for shard_id in shard_ids:
+            celery_app.send_task(GRADE_EVAL_SHARD, args=[run_id, shard_id], connection=connection, queue=queue)
+    return len(shard_ids)
 
 
 def num_waiting_messages(*, broker_url: str | None = None, queue: str | None = None) -> int:

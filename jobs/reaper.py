@@ -14,7 +14,8 @@ from two beat processes at once:
    took it (finished lines stay in the output file, the rest go to the error file as
    ``batch_expired``); a ``cancelling`` batch nobody holds a live lease on is finalized
    ``cancelled``; an ``in_progress`` batch with nothing left to run is finalized ``completed``
-   (`jobs.shards.settle_batch`).
+   (`jobs.shards.settle_batch`). A batch of an eval run finalized here gets its grading messages
+   (`jobs.evals.dispatch`), as a worker sends them after the shards it ends.
 3. **Messages.** Each model's work queue (`jobs.queue.work_queue`) is topped up to one message per
    claimable shard of that model's batches: shards whose message
    never reached the broker (it was down when the batch was validated), or was lost with a killed
@@ -37,6 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.config import Settings, get_settings
 from jobs.db import session_scope
+from jobs.evals.dispatch import dispatch_after_shard
 from jobs.queue import enqueue_shards, num_waiting_messages, work_queue
 from jobs.shards import batches_to_settle, lapsed_shards, num_queued_shards, reclaim_lapsed_shard, settle_batch
 from jobs.status import BatchStatus
@@ -112,6 +114,7 @@ def _settle(settings: Settings, now: float, report: ReapReport) -> None:
         if status.is_terminal:
             report.finalized[batch_id] = status.value
             logger.info("reaper: batch %s finalized %s", batch_id, status.value)
+            dispatch_after_shard(batch_id, None, settings=settings)
         elif status == BatchStatus.IN_PROGRESS:
             logger.debug("reaper: batch %s still has lines to run", batch_id)
 

@@ -9,10 +9,14 @@ from typing import Any
 
 from celery.signals import worker_ready
 
-from jobs.queue import RUN_SHARD, celery_app
-from worker import runner, shutdown
+from jobs.config import get_settings
+from jobs.evals.dispatch import dispatch_after_shard
+from jobs.queue import GRADE_EVAL_SHARD, RUN_SHARD, celery_app
+from worker import eval_grading, runner, shutdown
+from worker.grading.engine_grader import EngineModelGrader
+from worker.runner import ShardEnd
 
-__all__ = ["celery_app", "run_shard"]
+__all__ = ["celery_app", "grade_eval_shard", "run_shard"]
 
 
 @celery_app.task(name=RUN_SHARD)
@@ -26,7 +30,24 @@ def run_shard() -> dict[str, Any] | None:
         run = runner.run_next_shard(stop=stop)
     if run is None:
         return None
+    # An eval run's batch: grade the shard just finished (or all that is left, once the batch ended).
+    dispatch_after_shard(run.batch_id, run.shard_id if run.end == ShardEnd.FINISHED else None)
     return {"shard_id": run.shard_id, "batch_id": run.batch_id, "end": run.end.value, "batch": run.batch_status.value}
+
+
+@celery_app.task(name=GRADE_EVAL_SHARD)
+def grade_eval_shard(run_id: str, shard_id: str | None) -> dict[str, Any]:
+    """Grade one shard of an eval run (`worker.eval_grading.grade_shard`; model graders ask this worker's
+    engine, loaded only if one does); returns the items graded and the run's status afterwards."""
+    graded = eval_grading.grade_shard(run_id, shard_id, model_grader=_engine_grader)
+    return {"run_id": run_id, "shard_id": shard_id, "graded": graded.num_graded, "run": graded.run_status}
+
+
+def _engine_grader() -> EngineModelGrader:
+    """This worker's engine (built on first use) as the judge of model graders."""
+    from worker.bootstrap import get_engine
+
+    return EngineModelGrader(get_engine(), model=get_settings().served_model_name)
 
 
 @worker_ready.connect

@@ -140,7 +140,10 @@ def service_settings(
         database_url = request.getfixturevalue("postgres_url")
         with get_engine(database_url).begin() as connection:
             connection.execute(
-                text("TRUNCATE batch_requests, batch_shards, batches, files, file_chunks, schedules, workers, api_keys")
+                text(
+                    "TRUNCATE batch_requests, batch_shards, batches, files, file_chunks, schedules, workers, api_keys, "
+                    "eval_output_items, eval_runs, evals"
+                )
             )
     yield configure_service(monkeypatch, tmp_path / "data", database_url=database_url)
     _teardown()
