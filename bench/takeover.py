@@ -16,8 +16,9 @@ database), with the real model (SmolLM2) and the default lease, heartbeat and re
    commit group: so the figure measures the takeover, not a first wave of 256 lines through a loaded
    CPU). Once the shard has stored some results, the worker holding it is SIGKILLed; the figure is the
    seconds from the kill to the next result of that shard stored by the other worker (a killed
-   worker's lease is reclaimed when its heartbeat is ``worker_dead_s`` old, the shard's message is
-   sent in the same reaper pass, and the idle worker claims it at once). ``reclaimed_after_kill_s`` is
+   worker's lease is reclaimed when its heartbeat is ``worker_dead_s`` old, by the extra reaper pass
+   scheduled for that moment; the shard's message is sent in the same pass, and the idle worker
+   claims it at once). ``reclaimed_after_kill_s`` is
    when the shard was seen back in the hands of the other worker.
 """
 

@@ -223,6 +223,21 @@ def lapsed_shards(session: Session, *, now: float, dead_before: float | None = N
     return [(shard_id, batch_id) for shard_id, batch_id in session.execute(query.order_by(BatchShard.id))]
 
 
+def next_lapse_at(session: Session, *, worker_dead_s: float) -> float | None:
+    """The earliest moment (Unix seconds) a ``running`` shard would lapse if nothing changed: its lease
+    expires, or its holder's last heartbeat becomes ``worker_dead_s`` old. None when no shard runs."""
+    expires = session.scalar(
+        select(func.min(BatchShard.lease_expires_at)).where(BatchShard.state == ShardState.RUNNING.value)
+    )
+    last_beat = session.scalar(
+        select(func.min(Worker.last_heartbeat_at))
+        .join(BatchShard, BatchShard.lease_owner == Worker.id)
+        .where(BatchShard.state == ShardState.RUNNING.value)
+    )
+    moments = [float(t) for t in (expires, None if last_beat is None else last_beat + worker_dead_s) if t is not None]
+    return min(moments, default=None)
+
+
 def reclaim_lapsed_shard(
     session: Session,
     *,

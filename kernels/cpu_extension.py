@@ -48,9 +48,10 @@ _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 _loaded: bool | None = None  # None: not tried yet; False: the build failed
 
 
-def _build_tag() -> str:
+def build_tag() -> str:
     """Short digest of the machine type, the CPU feature flags (``/proc/cpuinfo``), the compiler flags, the
-    Python and torch versions and the sources."""
+    Python and torch versions and the sources: names the build and
+    anything laid out for it (a cache of weights packed by it)."""
     import torch
 
     flags = ""
@@ -74,7 +75,7 @@ def load_cpu_kernels() -> bool:
     global _loaded
     if _loaded is None:
         try:
-            name = f"batchinfer_cpu_{_build_tag()}"
+            name = f"batchinfer_cpu_{build_tag()}"
             build_dir = build_directory(name)
             if not _load_built(build_dir / f"{name}.so"):
                 from torch.utils.cpp_extension import load

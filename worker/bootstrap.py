@@ -75,6 +75,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
         quantization=settings.quantization,
+        prepared_weights_dir=str(settings.model_cache_dir / "prepared"),
     )
 
 

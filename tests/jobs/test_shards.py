@@ -200,6 +200,32 @@ def test_a_killed_workers_shard_is_taken_back_when_its_heartbeat_stops_not_when_
     assert _claim("h:2", now).shard_id in {killed.shard_id, rowless.shard_id}
 
 
+def test_a_late_heartbeat_asks_for_a_pass_when_its_shard_will_lapse(service_settings: Settings, monkeypatch) -> None:
+    """A pass that sees a holder's heartbeat late reports when its shard lapses, if sooner than the next
+    scheduled pass; the task sends that pass (so a killed worker's shard does not wait out the interval)."""
+    import jobs.tasks
+
+    _batch(service_settings, 1)
+    start = now_s()
+    lease = _claim("h:1", start)
+    _heartbeat("h:1", start)
+    dead_s, interval_s = service_settings.worker_dead_s, service_settings.reaper_interval_s
+    assert reap(settings=service_settings, now=start + 1).next_pass_in_s is None  # fresh: the schedule will do
+    late = reap(settings=service_settings, now=start + dead_s - 3)
+    assert late.requeued_shards == [] and late.next_pass_in_s == 3.5
+    assert reap(settings=service_settings, now=start + dead_s + 0.5).requeued_shards == [lease.shard_id]
+    assert reap(settings=service_settings, now=start + dead_s + 1).next_pass_in_s is None  # nothing runs
+    assert interval_s > 3.5
+
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(jobs.tasks.reap_stranded_work, "apply_async", lambda **kwargs: sent.append(kwargs))
+    lease = _claim("h:1", now_s())
+    _heartbeat("h:1", now_s() - dead_s + 2)
+    assert jobs.tasks.reap_stranded_work.run()["next_pass_in_s"] is not None
+    (kwargs,) = sent
+    assert 0 < kwargs["countdown"] <= 3.5
+
+
 def test_cancel_with_a_dead_worker_ends_cancelled_once_the_lease_lapses(service_settings: Settings) -> None:
     batch_id = _batch(service_settings, 3)
     now = now_s()

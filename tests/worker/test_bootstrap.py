@@ -76,6 +76,7 @@ def test_get_engine_starts_a_warm_engine(tiny_model_dir, tmp_path, monkeypatch, 
     import logging
 
     from jobs.config import get_settings
+    from kernels.cpu_extension import cpu_kernels_available
     from worker import bootstrap
 
     for name, value in {
@@ -84,6 +85,7 @@ def test_get_engine_starts_a_warm_engine(tiny_model_dir, tmp_path, monkeypatch, 
         "BATCHINFER_DEVICE": "cpu",
         "BATCHINFER_KV_CACHE_MEMORY_BYTES": str(1 << 22),
         "BATCHINFER_TORCH_NUM_THREADS": "1",
+        "BATCHINFER_MODEL_CACHE_DIR": str(tmp_path / "models"),
     }.items():
         monkeypatch.setenv(name, value)
     get_settings.cache_clear()
@@ -94,5 +96,7 @@ def test_get_engine_starts_a_warm_engine(tiny_model_dir, tmp_path, monkeypatch, 
         assert any("warmed up" in record.getMessage() for record in caplog.records)
         assert bootstrap.get_engine() is engine
         assert engine.make_stats().num_steps == 0
+        if engine.config.prepared_weights_dir is not None and cpu_kernels_available():
+            assert list((tmp_path / "models" / "prepared").glob("*.safetensors"))  # the next start maps them
     finally:
         get_settings.cache_clear()

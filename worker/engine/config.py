@@ -38,7 +38,9 @@ class EngineConfig:
     ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
     without a forward pass each (jump-forward decoding); the model computes them in one extend.
     ``quantization`` is ``"none"`` or ``"int8"`` (weight-only int8 linear layers on CPU float32; docs/engine.md,
-    "Quantized weights"); ``"q4"`` is refused as not yet served.
+    "Quantized weights"); ``"q4"`` is refused as not yet served. ``prepared_weights_dir``, when set, caches a
+    float32 CPU model's packed weights there and memory-maps them on later starts (docs/operations.md,
+    "Worker start").
 
     Raises:
         ValueError: on a non-positive size, or a quantization not served.
@@ -66,6 +68,7 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float = 10.0
     enable_jump_forward: bool = True
     quantization: str = "none"
+    prepared_weights_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)

@@ -2,11 +2,14 @@
 
 Weights stream tensor by tensor from memory-mapped safetensors files, one shard after another, so a
 checkpoint never sits in memory twice; each tensor is converted to the engine dtype as it is copied.
+A float32 CPU model, once packed, can be cached whole and memory-mapped on later loads
+(:mod:`worker.engine.executor.prepared_weights`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,12 +17,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.executor.layers.linear import pack_linear_layers
 from worker.engine.executor.layers.quantization import check_quantization
 from worker.engine.executor.layers.quantization.int8 import quantize_linear_layers
 from worker.engine.executor.models.llama import LlamaForCausalLM, enable_cpu_kernels
 from worker.engine.executor.models.registry import resolve_model_class
+from worker.engine.executor.prepared_weights import load_prepared, prepared_path, save_prepared
 
+logger = logging.getLogger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -59,7 +65,11 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, quantization: str = "none"
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str = "none",
+    prepared_dir: str | Path | None = None,
 ) -> LlamaForCausalLM:
     """Build the model ``model_dir/config.json``'s ``architectures`` names and load its safetensors weights.
 
@@ -70,6 +80,11 @@ def load_model(
     (:func:`worker.engine.executor.models.llama.enable_cpu_kernels`). ``quantization="int8"`` first swaps
     every linear layer but the LM head for a weight-only int8 one
     (:func:`worker.engine.executor.layers.quantization.int8.quantize_linear_layers`).
+
+    With ``prepared_dir``, a packed float32 CPU model (no quantization) is cached there after its first
+    load and memory-mapped from there on later ones (:mod:`worker.engine.executor.prepared_weights`;
+    the same values, without initialising, copying or packing anything); a cache file that does not
+    load is logged and replaced.
 
     Raises:
         FileNotFoundError: if the folder has no safetensors weights.
@@ -84,7 +99,27 @@ def load_model(
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     model_class = resolve_model_class(config)
-    safetensors_files(model_dir)  # NOTE: raises before the (possibly large) model is allocated
+    files = safetensors_files(model_dir)  # NOTE: raises before the (possibly large) model is allocated
+    cache = None
+    if (
+        prepared_dir is not None
+        and torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and quantization == "none"
+        and cpu_kernels_available()
+    ):
+        cache = prepared_path(Path(prepared_dir), model_dir, files, dtype)
+    if cache is not None and cache.is_file():
+        with torch.device("meta"):
+            model = model_class(config)
+        try:
+            load_prepared(model, cache)
+        except Exception as exc:  # NOTE: a cache is never a reason not to start; load from the checkpoint
+            logger.warning("prepared weights at %s did not load (%s); preparing them again", cache, exc)
+        else:
+            model.eval()
+            enable_cpu_kernels(model)
+            return model
     with torch.device(device):
         model = model_class(config)
     model.to(device=device, dtype=dtype)
@@ -95,4 +130,6 @@ def load_model(
         quantize_linear_layers(model)
     if pack_linear_layers(model):  # float32 on CPU, kernels built
         enable_cpu_kernels(model)
+        if cache is not None:
+            save_prepared(model, cache)
     return model

@@ -186,7 +186,9 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
-        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
+        self.model = load_model(
+            config.model, self.dtype, self.device, config.quantization, prepared_dir=config.prepared_weights_dir
+        )
         model_config = self.model.config
         num_layers = int(model_config.num_hidden_layers)
         num_kv_heads = num_kv_heads_of(model_config)

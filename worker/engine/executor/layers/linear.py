@@ -20,15 +20,19 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` inference twin holding its weight packed: ``[..., in_features] -> [..., out_features]``.
 
     Built from a float32 CPU ``nn.Linear`` (its weight is copied into the packed layout; the bias is
-    shared). Outputs match ``nn.Linear`` up to float32 rounding and are batch invariant (see
-    :func:`kernels.cpu_gemm.linear_packed`).
+    shared), or over ``packed_weight`` packed before (a cached copy,
+    :mod:`worker.engine.executor.prepared_weights`; ``linear`` then only gives the sizes and the bias, and
+    may be on the meta device). Outputs match ``nn.Linear`` up to float32 rounding and are batch invariant
+    (see :func:`kernels.cpu_gemm.linear_packed`).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.packed_weight = nn.Buffer(pack_linear_weight(linear.weight.detach()), persistent=False)
+        if packed_weight is None:
+            packed_weight = pack_linear_weight(linear.weight.detach())
+        self.packed_weight = nn.Buffer(packed_weight, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""The prepared-weights cache: a second load memory-maps the first one's packed model, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.cpu_extension import cpu_kernels_available
+from tests.helpers.tiny_llama import save_tiny_llama
+from worker.engine.executor.layers.linear import PackedLinear
+from worker.engine.executor.model_loader import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+
+def test_second_load_maps_the_cached_packed_model(tmp_path):
+    path = save_tiny_llama(tmp_path / "model")
+    prepared = tmp_path / "prepared"
+
+    fresh = load_model(path, torch.float32, "cpu", prepared_dir=prepared)
+    (cache,) = prepared.glob("*.safetensors")
+    cached = load_model(path, torch.float32, "cpu", prepared_dir=prepared)
+
+    assert [type(m) for m in cached.modules()] == [type(m) for m in fresh.modules()]
+    assert any(isinstance(m, PackedLinear) for m in cached.modules())
+    expected, got = _tensors(fresh), _tensors(cached)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+        assert not got[name].requires_grad
+    x = torch.randn(3, fresh.config.hidden_size)
+    assert torch.equal(cached.compute_logits(x), fresh.compute_logits(x))
+    assert list(prepared.glob("*.safetensors")) == [cache]
+
+
+def test_unreadable_cache_is_replaced(tmp_path, caplog):
+    path = save_tiny_llama(tmp_path / "model")
+    prepared = tmp_path / "prepared"
+    fresh = load_model(path, torch.float32, "cpu", prepared_dir=prepared)
+    (cache,) = prepared.glob("*.safetensors")
+    cache.write_bytes(b"not a safetensors file")
+
+    reloaded = load_model(path, torch.float32, "cpu", prepared_dir=prepared)
+
+    assert "did not load" in caplog.text
+    x = torch.randn(3, fresh.config.hidden_size)
+    assert torch.equal(reloaded.compute_logits(x), fresh.compute_logits(x))
+    assert cache.stat().st_size > 1000  # written again
+
+
+def test_other_dtypes_and_quantization_are_not_cached(tmp_path):
+    path = save_tiny_llama(tmp_path / "model")
+    prepared = tmp_path / "prepared"
+    load_model(path, torch.bfloat16, "cpu", prepared_dir=prepared)
+    load_model(path, torch.float32, "cpu", quantization="int8", prepared_dir=prepared)
+    assert not prepared.exists()
