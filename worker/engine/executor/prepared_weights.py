@@ -12,9 +12,11 @@ machine share them through the page cache.
 The digest (:func:`prepared_path`) names what the tensors depend on: this format, the model folder's
 path, its ``config.json`` and weight files (size and modification time), the dtype, and the kernels'
 build tag (:func:`kernels.cpu_extension.build_tag`: CPU flags, sources, torch version; the panel width
-follows the CPU). A changed checkpoint or kernel build therefore gets a new file; stale files stay
-until the folder is cleared. Files are written to a temporary name and renamed, so a reader never sees
-half a file. The values are bit-identical to a fresh load (``tests/worker/engine/executor/test_prepared_weights.py``).
+follows the CPU). A changed checkpoint or kernel build therefore gets a new file; the file name starts
+with a short hash of the model folder and dtype alone, so writing it removes that folder's stale files
+(each about the size of the float32 model) and other models' files stay. Files are written to a
+temporary name and renamed, so a reader never sees half a file. The values are bit-identical to a fresh
+load (``tests/worker/engine/executor/test_prepared_weights.py``).
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ _ALIASES_KEY = "aliases"  # metadata: JSON {name: name of the tensor it shares}
 
 
 def prepared_path(cache_dir: Path, model_dir: Path, weight_files: list[Path], dtype: torch.dtype) -> Path:
-    """``cache_dir/<digest>.safetensors`` for this checkpoint, dtype and kernel build (see the module
-    docstring). Call only when the C++ kernels are loaded (the build tag names them)."""
+    """``cache_dir/<model key>-<digest>.safetensors`` for this checkpoint, dtype and kernel build (see the
+    module docstring). Call only when the C++ kernels are loaded (the build tag names them)."""
+    model_key = hashlib.sha256(f"{model_dir.resolve()} {dtype}".encode()).hexdigest()[:8]
     digest = hashlib.sha256(f"{FORMAT_VERSION} {model_dir.resolve()} {dtype} {build_tag()}".encode())
     digest.update((model_dir / "config.json").read_bytes())
     for path in weight_files:
         stat = path.stat()
         digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
-    return cache_dir / f"{digest.hexdigest()[:24]}.safetensors"
+    return cache_dir / f"{model_key}-{digest.hexdigest()[:24]}.safetensors"
 
 
 def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,6 +81,10 @@ def save_prepared(model: nn.Module, path: Path) -> None:
             save_file(tensors, staging, metadata={_ALIASES_KEY: json.dumps(aliases)})
             os.chmod(staging, 0o644)
             os.replace(staging, path)
+            model_key = path.name.split("-", 1)[0]
+            for stale in path.parent.glob(f"{model_key}-*.safetensors"):
+                if stale != path:
+                    stale.unlink(missing_ok=True)
         finally:
             if os.path.exists(staging):
                 os.unlink(staging)

@@ -59,3 +59,19 @@ def test_other_dtypes_and_quantization_are_not_cached(tmp_path):
     load_model(path, torch.bfloat16, "cpu", prepared_dir=prepared)
     load_model(path, torch.float32, "cpu", quantization="int8", prepared_dir=prepared)
     assert not prepared.exists()
+
+
+def test_a_changed_checkpoint_replaces_its_stale_file_and_keeps_other_models(tmp_path):
+    prepared = tmp_path / "prepared"
+    path, other = save_tiny_llama(tmp_path / "model"), save_tiny_llama(tmp_path / "other")
+    load_model(other, torch.float32, "cpu", prepared_dir=prepared)
+    (other_cache,) = prepared.glob("*.safetensors")
+    load_model(path, torch.float32, "cpu", prepared_dir=prepared)
+    (stale,) = set(prepared.glob("*.safetensors")) - {other_cache}
+
+    config = path / "config.json"
+    config.write_text(config.read_text() + "\n")  # a new checkpoint: a new digest
+    load_model(path, torch.float32, "cpu", prepared_dir=prepared)
+
+    files = set(prepared.glob("*.safetensors"))
+    assert other_cache in files and stale not in files and len(files) == 2
