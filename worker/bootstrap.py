@@ -71,6 +71,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
         quantization=settings.quantization,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
 
 
