@@ -24,6 +24,10 @@
 // each K/V row to float32 as it streams in and applies its scale to the row's dot products (K) or to the
 // softmax weight (V), so the blocks are read in place and never dequantized into a copy.
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -75,9 +79,16 @@ inline float to_float(Fp8 x) { return kFp8Table.value[x.bits]; }
 typedef int8_t i8vec8 __attribute__((vector_size(8)));
 inline vec8 load8_float(const float* p) { return load8(p); }
 inline vec8 load8_float(const int8_t* p) {
+#if defined(__AVX2__)
+  // NOTE: GCC lowers the generic conversion of an 8-byte vector lane by lane (kernels/cpu_gemm.cpp has the
+  // same); the intrinsics give one vpmovsxbd and one vcvtdq2ps per eight elements.
+  return reinterpret_cast<vec8>(
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
   i8vec8 raw;
   std::memcpy(&raw, p, sizeof(raw));
   return __builtin_convertvector(raw, vec8);
+#endif
 }
 inline vec8 load8_float(const Fp8* p) {
   const float* t = kFp8Table.value;
@@ -261,8 +272,12 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
         const float p = scores[h * row_stride + pos - context_start] * v_scale;
         float* __restrict o = out + h * head_size;
+        int64_t d = 0;
+        if constexpr (kQuantized) {
+          for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8_float(v + d));
+        }
 #pragma omp simd
-        for (int64_t d = 0; d < head_size; ++d) o[d] += p * to_float(v[d]);
+        for (int64_t e = d; e < head_size; ++e) o[e] += p * to_float(v[e]);
       }
     }
   });
