@@ -100,6 +100,10 @@ class Settings(BaseSettings):
     torch_num_threads: int | None = None
     # Weight quantization (docs/engine.md, "Quantized weights"): "none" or "int8"; "q4" is not yet served.
     quantization: str = "none"
+    # KV cache element type (docs/engine.md, "Quantized KV cache"): "auto" (the compute dtype), "int8" or
+    # "fp8_e4m3" (alias "fp8"): one byte per element and a float32 scale per (token, KV head), so
+    # kv_cache_memory_bytes holds about 3.8x the blocks of a float32 cache.
+    kv_cache_dtype: str = "auto"
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
     max_file_bytes: int = 200_000_000
@@ -166,6 +170,13 @@ class Settings(BaseSettings):
                 {"name": name, "source": entry} if isinstance(entry, str) else {"name": name, **entry}
                 for name, entry in value.items()
             ]
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _served_kv_cache_dtype(cls, value: str) -> str:
+        if value not in ("auto", "int8", "fp8_e4m3", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8', 'fp8_e4m3' or 'fp8', got {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -18,6 +18,15 @@
 // A sliding window limits each token to its last `sliding_window` positions (itself included), and only
 // those are read: blocks before the window may have been returned to the pool. A soft-cap replaces each
 // scaled score s by cap * tanh(s / cap) (Gemma 2); without one the softmax pass is unchanged.
+//
+// A quantized cache (int8 or fp8 e4m3 elements, docs/engine.md "Quantized KV cache") comes with float32
+// scales [2, num_blocks, block_size, num_kv_heads], one per stored (token, KV head): the kernel converts
+// each K/V row to float32 as it streams in and applies its scale to the row's dot products (K) or to the
+// softmax weight (V), so the blocks are read in place and never dequantized into a copy.
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +38,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_exp.h"
@@ -43,21 +53,64 @@ using batchinfer_kernels::vec8;
 
 constexpr int64_t kTile = 8;  // positions scored together
 
+// float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities) to float32, by table.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+      float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                      : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 0xF && mantissa == 0x7) magnitude = std::numeric_limits<float>::quiet_NaN();
+      value[bits] = (bits & 0x80) ? -magnitude : magnitude;
+    }
+  }
+};
+const Fp8Table kFp8Table;
+
+// A cache element type: float, int8_t, or Fp8 (the byte of a float8_e4m3fn).
+struct Fp8 {
+  uint8_t bits;
+};
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(Fp8 x) { return kFp8Table.value[x.bits]; }
+
+typedef int8_t i8vec8 __attribute__((vector_size(8)));
+inline vec8 load8_float(const float* p) { return load8(p); }
+inline vec8 load8_float(const int8_t* p) {
+#if defined(__AVX2__)
+  // NOTE: GCC lowers the generic conversion of an 8-byte vector lane by lane (kernels/cpu_gemm.cpp has the
+  // same); the intrinsics give one vpmovsxbd and one vcvtdq2ps per eight elements.
+  return reinterpret_cast<vec8>(
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  i8vec8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, vec8);
+#endif
+}
+inline vec8 load8_float(const Fp8* p) {
+  const float* t = kFp8Table.value;
+  return vec8{t[p[0].bits], t[p[1].bits], t[p[2].bits], t[p[3].bits],
+              t[p[4].bits], t[p[5].bits], t[p[6].bits], t[p[7].bits]};
+}
+
 // q . k folded to eight lanes: lane l sums q[d] k[d] over the d = l and d = l + 8 (mod 16), each a fused
 // multiply-add chain in d order, and then adds the two (16 lanes folded once). A tail of head_size % 16
 // elements (test-sized heads only) is added lane by lane.
-template <int64_t kHeadSize>
-inline vec8 dot_lanes(const float* __restrict q, const float* __restrict k, int64_t head_size) {
+template <int64_t kHeadSize, typename T>
+inline vec8 dot_lanes(const float* __restrict q, const T* __restrict k, int64_t head_size) {
   const int64_t n = kHeadSize > 0 ? kHeadSize : head_size;
   vec8 lo = {}, hi = {};
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    lo += load8(q + d) * load8(k + d);
-    hi += load8(q + d + 8) * load8(k + d + 8);
+    lo += load8(q + d) * load8_float(k + d);
+    hi += load8(q + d + 8) * load8_float(k + d + 8);
   }
   if (kHeadSize == 0 && d < n) {
     float tail[16] = {};
-    for (int64_t i = 0; d + i < n; ++i) tail[i] = q[d + i] * k[d + i];
+    for (int64_t i = 0; d + i < n; ++i) tail[i] = q[d + i] * to_float(k[d + i]);
     lo += load8(tail);
     hi += load8(tail + 8);
   }
@@ -107,25 +160,27 @@ inline int64_t aligned_row(int64_t n) { return (n + kAlignFloats - 1) / kAlignFl
 struct Shapes {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_queries_per_kv;
   int64_t query_stride_token, query_stride_head, max_num_blocks_per_seq;
-  int64_t cache_stride_kv;  // elements between the K and the V half of the cache
+  int64_t cache_stride_kv;   // elements between the K and the V half of the cache
+  int64_t scales_stride_kv;  // floats between the K and the V half of the scales (quantized caches)
 };
 
-// Calls visit(position, row) for positions context_start .. context_end - 1 of one half of the cache (K or V), where
-// `row` holds that position's num_kv_heads * head_size floats (`token_stride`). Blocks are walked in order
-// while the same row of the next block is prefetched (block ids are random, so the hardware prefetcher
-// cannot guess them).
-template <typename Visit>
-inline void for_each_position(const float* cache_half, const int32_t* block_table, int64_t context_start,
+// Calls visit(position, row, slot) for positions context_start .. context_end - 1 of one half of the cache (K or
+// V), where `row` holds that position's num_kv_heads * head_size elements (`token_stride`) and `slot` is its
+// block_id * block_size + offset (where its scales are). Blocks are walked in order while the same row of the
+// next block is prefetched (block ids are random, so the hardware prefetcher cannot guess them).
+template <typename T, typename Visit>
+inline void for_each_position(const T* cache_half, const int32_t* block_table, int64_t context_start,
                               int64_t context_end, int64_t block_size, int64_t token_stride, Visit&& visit) {
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (context_end + block_size - 1) / block_size;
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int64_t b = context_start / block_size; b < num_blocks; ++b) {
-    const float* block = cache_half + block_table[b] * block_stride;
-    const float* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const T* block = cache_half + block_table[b] * block_stride;
+    const T* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
     const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
     for (int64_t j = std::max<int64_t>(0, context_start - pos); j < n; ++j) {
-      for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(next_block + j * token_stride + line);
-      visit(pos + j, block + j * token_stride);
+      for (int64_t line = 0; line < token_stride; line += kLine) __builtin_prefetch(next_block + j * token_stride + line);
+      visit(pos + j, block + j * token_stride, block_table[b] * block_size + j);
     }
   }
 }
@@ -135,8 +190,10 @@ inline void for_each_position(const float* cache_half, const int32_t* block_tabl
 // (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
 // 64-byte aligned; `q_scaled` num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads
 // it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
-template <int64_t kHeadSize>
-void attend_token(const Shapes& s, const float* query, const float* cache, const int32_t* block_table,
+// T is the cache element type; for a quantized cache (T not float) `scales` holds the K half's scales then,
+// `scales_stride_kv` floats on, the V half's, num_kv_heads per slot; for float it is null.
+template <int64_t kHeadSize, typename T>
+void attend_token(const Shapes& s, const float* query, const T* cache, const float* scales, const int32_t* block_table,
                   int64_t context_start, int64_t context_end, float scale, float soft_cap, float* out, float* lse,
                   float* scores, float* q_scaled) {
   const int64_t context_len = context_end - context_start;
@@ -169,12 +226,15 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
     tile_start += kTile;
     tile_len = 0;
   };
+  constexpr bool kQuantized = !std::is_same_v<T, float>;
   for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
-                    [&](int64_t, const float* row) {
+                    [&](int64_t, const T* row, int64_t slot) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const float* k = row + g * head_size;
+      const T* k = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        dots[h * kTile + tile_len] = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
+        vec8 dot = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
+        if constexpr (kQuantized) dot *= scales[slot * num_kv_heads + g];
+        dots[h * kTile + tile_len] = dot;
       }
     }
     if (++tile_len == kTile) reduce_tile();
@@ -201,16 +261,23 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
   }
 
   std::fill(out, out + num_heads * head_size, 0.0f);
-  const float* value_cache = cache + s.cache_stride_kv;
+  const T* value_cache = cache + s.cache_stride_kv;
+  const float* value_scales = kQuantized ? scales + s.scales_stride_kv : nullptr;
   for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
-                    [&](int64_t pos, const float* row) {
+                    [&](int64_t pos, const T* row, int64_t slot) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const float* __restrict v = row + g * head_size;
+      const T* __restrict v = row + g * head_size;
+      float v_scale = 1.0f;
+      if constexpr (kQuantized) v_scale = value_scales[slot * num_kv_heads + g];
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        const float p = scores[h * row_stride + pos - context_start];
+        const float p = scores[h * row_stride + pos - context_start] * v_scale;
         float* __restrict o = out + h * head_size;
+        int64_t d = 0;
+        if constexpr (kQuantized) {
+          for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8_float(v + d));
+        }
 #pragma omp simd
-        for (int64_t d = 0; d < head_size; ++d) o[d] += p * v[d];
+        for (int64_t e = d; e < head_size; ++e) o[e] += p * to_float(v[e]);
       }
     }
   });
@@ -225,12 +292,23 @@ void attend_token(const Shapes& s, const float* query, const float* cache, const
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables, double scale, const std::optional<at::Tensor>& lse,
-                     std::optional<int64_t> sliding_window, std::optional<double> logits_soft_cap) {
+                     std::optional<int64_t> sliding_window, std::optional<double> logits_soft_cap,
+                     const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_attention_: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
-              "paged_attention_: float32 query, kv_cache and out only");
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  const bool quantized = cache_type != at::kFloat;
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  (cache_type == at::kFloat || cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn),
+              "paged_attention_: float32 query and out, float32, int8 or float8_e4m3fn kv_cache only");
+  const bool with_scales = kv_scales.has_value() && kv_scales->defined();
+  TORCH_CHECK(with_scales == quantized, "paged_attention_: kv_scales are required with (only with) a quantized kv_cache");
+  if (with_scales) {
+    TORCH_CHECK(kv_scales->device().is_cpu() && kv_scales->scalar_type() == at::kFloat && kv_scales->is_contiguous() &&
+                    kv_scales->dim() == 4 && kv_scales->size(0) == 2 && kv_scales->size(1) == kv_cache.size(1) &&
+                    kv_scales->size(2) == kv_cache.size(2) && kv_scales->size(3) == kv_cache.size(3),
+                "kv_scales must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads]");
+  }
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_tokens, num_heads, head_size] with unit last stride");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_size]");
@@ -265,6 +343,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   s.query_stride_head = query.stride(1);
   s.max_num_blocks_per_seq = block_tables.size(1);
   s.cache_stride_kv = kv_cache.stride(0);
+  s.scales_stride_kv = with_scales ? kv_scales->stride(0) : 0;
 
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs,
@@ -309,23 +388,36 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   }
 
   const float* q_ptr = query.data_ptr<float>();
-  const float* cache_ptr = kv_cache.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   float* lse_ptr = with_lse ? lse->data_ptr<float>() : nullptr;
+  const float* scales_ptr = with_scales ? kv_scales->data_ptr<float>() : nullptr;
   const float scale_f = static_cast<float>(scale);
   const float soft_cap = static_cast<float>(logits_soft_cap.value_or(0.0));
-  const auto attend = s.head_size == 64 ? attend_token<64> : s.head_size == 128 ? attend_token<128> : attend_token<0>;
-  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> scores_buffer(s.num_heads * aligned_row(max_context) + kAlignFloats);
-    float* scores = scores_buffer.data();
-    scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
-    std::vector<float> q_scaled(s.num_heads * s.head_size);
-    for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
-      attend(s, q_ptr + t * s.query_stride_token, cache_ptr, tables + token_seq[t] * s.max_num_blocks_per_seq,
-             token_start[t], token_context[t], scale_f, soft_cap, out_ptr + t * s.num_heads * s.head_size,
-             lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores, q_scaled.data());
-    }
-  });
+  const auto run = [&](auto cache_ptr) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
+    const auto attend = s.head_size == 64    ? attend_token<64, T>
+                        : s.head_size == 128 ? attend_token<128, T>
+                                             : attend_token<0, T>;
+    at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+      std::vector<float> scores_buffer(s.num_heads * aligned_row(max_context) + kAlignFloats);
+      float* scores = scores_buffer.data();
+      scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
+      std::vector<float> q_scaled(s.num_heads * s.head_size);
+      for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
+        attend(s, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
+               tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t], token_context[t], scale_f, soft_cap,
+               out_ptr + t * s.num_heads * s.head_size, lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads,
+               scores, q_scaled.data());
+      }
+    });
+  };
+  if (cache_type == at::kFloat) {
+    run(static_cast<const float*>(kv_cache.const_data_ptr()));
+  } else if (cache_type == at::kChar) {
+    run(static_cast<const int8_t*>(kv_cache.const_data_ptr()));
+  } else {
+    run(static_cast<const Fp8*>(kv_cache.const_data_ptr()));
+  }
 }
 
 }  // namespace
@@ -334,7 +426,7 @@ TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, float scale, Tensor(b!)? lse=None, int? sliding_window=None, "
-      "float? logits_soft_cap=None) -> ()");
+      "float? logits_soft_cap=None, Tensor? kv_scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("paged_attention_", paged_attention); }

@@ -24,6 +24,7 @@ def paged_attention_cpu(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query token over its sequence's cached context (no K/V gather).
 
@@ -40,7 +41,9 @@ def paged_attention_cpu(
     Args:
         query: float32 ``[num_tokens, num_heads, head_size]`` on CPU, unit stride in the last dim
             (a strided view of a fused QKV projection is fine).
-        kv_cache: float32 contiguous ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_size]``: float32, or a quantized
+            cache (int8 or float8_e4m3fn, :func:`kernels.reference.quantize_kv`) read in place and converted
+            to float32 row by row.
         query_start_loc: int32 ``[num_seqs + 1]`` prefix sums of the query lengths (from 0 to num_tokens).
         seq_lens: int32 ``[num_seqs]`` context lengths including this step's tokens.
         block_tables: int32 contiguous ``[num_seqs, max_num_blocks_per_seq]``.
@@ -49,6 +52,8 @@ def paged_attention_cpu(
             log-sum-exp (natural log) of its scaled scores, for merging partial attention states.
         sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
         logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
+        kv_scales: float32 contiguous ``[2, num_blocks, block_size, num_kv_heads]``, the scale of every stored
+            (token, KV head) of a quantized ``kv_cache`` (its value is ``element * scale``); None for float32.
 
     Returns:
         float32 contiguous ``[num_tokens, num_heads, head_size]``.
@@ -60,6 +65,16 @@ def paged_attention_cpu(
     require_cpu_kernels()
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.batchinfer_cpu.paged_attention_(
-        out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, lse_out, sliding_window, logits_soft_cap
+        out,
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        lse_out,
+        sliding_window,
+        logits_soft_cap,
+        kv_scales,
     )
     return out

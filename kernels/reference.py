@@ -13,6 +13,42 @@ from __future__ import annotations
 
 import torch
 
+# Largest magnitude each quantized KV element type stores, and its torch storage dtype.
+KV_QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+KV_STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization of K or V rows, one scale per (token, KV head) (KIVI-style per-token
+    scales; vLLM's fp8 cache uses one per-tensor scale instead).
+
+    ``scale = max|x| / q_max`` over the head's ``head_size`` values (``q_max`` 127 for int8, 448 for float8
+    e4m3, its largest finite value); an all-zero row gets scale 1. int8 rounds half away from zero
+    (``floor(|y| + 0.5)``, as the Triton store does), fp8 rounds to nearest even (torch's cast).
+    ``dequantize_kv`` gives back ``element * scale``.
+
+    Args:
+        x: ``[..., head_size]`` floating point.
+        kv_cache_dtype: ``"int8"`` or ``"fp8_e4m3"``.
+
+    Returns:
+        ``(data, scales)``: ``data`` like ``x`` in ``KV_STORAGE_DTYPES[kv_cache_dtype]``; float32 ``scales``
+        ``x.shape[:-1]``.
+    """
+    q_max = KV_QUANT_MAX[kv_cache_dtype]
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / q_max, torch.ones_like(amax))
+    y = (x / scales.unsqueeze(-1)).clamp(-q_max, q_max)
+    if kv_cache_dtype == "int8":
+        y = torch.floor(y.abs() + 0.5).copysign(y)
+    return y.to(KV_STORAGE_DTYPES[kv_cache_dtype]), scales
+
+
+def dequantize_kv(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``data * scales[..., None]``: the values a quantized ``[..., head_size]`` row stands for."""
+    return data.float() * scales.unsqueeze(-1)
+
 
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -56,6 +92,7 @@ def paged_attention_reference(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context, one sequence at a time.
 
@@ -81,6 +118,8 @@ def paged_attention_reference(
             its scaled (masked) scores.
         sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
         logits_soft_cap: the soft-cap ``cap > 0``, or None for none.
+        kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads]`` when ``kv_cache`` is quantized
+            (:func:`quantize_kv`): each element stands for ``element * scale``; None for a float cache.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -100,6 +139,9 @@ def paged_attention_reference(
         offsets = positions % block_size
         keys = kv_cache[0][block_ids, offsets].float()  # [seq_len - first, num_kv_heads, head_size]
         values = kv_cache[1][block_ids, offsets].float()
+        if kv_scales is not None:
+            keys = keys * kv_scales[0][block_ids, offsets].unsqueeze(-1)
+            values = values * kv_scales[1][block_ids, offsets].unsqueeze(-1)
         keys = keys.repeat_interleave(num_queries_per_kv, dim=1)
         values = values.repeat_interleave(num_queries_per_kv, dim=1)
         q = query[start:end].float()

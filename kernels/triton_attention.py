@@ -14,6 +14,10 @@ same contract; CUDA runs these, CPU runs the twins (tests compare the two under 
   position (blocks before it are never read) and masks per row; a soft-cap maps each scaled score ``s`` to
   ``cap * tanh(s / cap)`` (Gemma 2). Both are compile-time switches: off, the kernel is unchanged.
 - :func:`reshape_and_cache_triton`: store new K/V through ``slot_mapping`` (vLLM's ``reshape_and_cache``).
+- A quantized cache (int8 or float8 e4m3 elements with float32 ``kv_scales: [2, num_blocks, block_size,
+  num_kv_heads]``, :func:`kernels.reference.quantize_kv`): the store quantizes each (token, KV head) row
+  by its absmax; attention converts each K/V tile as it is loaded, applies the K scales to the scores and
+  the V scales to the softmax weights, so the blocks are read in place.
 - :func:`copy_blocks_triton`: copy-on-write block copies, all pairs in one launch.
 
 Every load and store is masked; block ids and token offsets are widened to int64 before they are
@@ -32,6 +36,7 @@ import triton.language as tl
 def _paged_attention_kernel(
     query_ptr,
     cache_ptr,
+    scales_ptr,
     out_ptr,
     lse_ptr,
     query_start_loc_ptr,
@@ -47,6 +52,9 @@ def _paged_attention_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_skv,
+    stride_sb,
+    stride_ss,
     stride_bt,
     stride_ls,
     stride_lt,
@@ -64,6 +72,7 @@ def _paged_attention_kernel(
     HAS_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
@@ -113,7 +122,13 @@ def _paged_attention_kernel(
         slot_offsets = block_ids * stride_cb + (positions % block_size).to(tl.int64) * stride_cs + head_offset
         kv_mask = pos_valid[None, :] & dim_valid[:, None]
         k = tl.load(cache_ptr + slot_offsets[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        if QUANTIZED:
+            # int8 and e4m3 values are exact in every compute dtype; each position's scale multiplies its column.
+            scale_offsets = block_ids * stride_sb + (positions % block_size).to(tl.int64) * stride_ss + kv_head
+            k_scales = tl.load(scales_ptr + scale_offsets, mask=pos_valid, other=0.0)
+            scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * (k_scales * scale)[None, :]
+        else:
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if HAS_SOFT_CAP:
             # cap * tanh(s / cap), tanh from one exp of a non-positive argument (no overflow).
             capped = scores / soft_cap
@@ -134,7 +149,12 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = pos_valid[:, None] & dim_valid[None, :]
         v = tl.load(cache_ptr + stride_ckv + slot_offsets[:, None] + dims[None, :], mask=v_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            v_scales = tl.load(scales_ptr + stride_skv + scale_offsets, mask=pos_valid, other=0.0)
+            pv = tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     # A split that saw no key of a row leaves it out = 0, lse = -inf: zero weight in the merge.
@@ -157,6 +177,16 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
         )
 
 
+def _check_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    quantized = kv_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    if (kv_scales is not None) != quantized:
+        raise ValueError(f"kv_scales are required with (only with) an int8 or float8 cache, got {kv_cache.dtype}")
+    if kv_scales is not None and (
+        kv_scales.dtype != torch.float32 or kv_scales.shape != kv_cache.shape[:4] or not kv_scales.is_contiguous()
+    ):
+        raise ValueError(f"kv_scales must be contiguous float32 {tuple(kv_cache.shape[:4])}")
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -171,6 +201,7 @@ def paged_attention_triton(
     num_kv_splits: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch (decode, extend and prefill rows) over a block table.
 
@@ -184,8 +215,8 @@ def paged_attention_triton(
 
     Args:
         query: float32/float16/bfloat16 ``[num_tokens, num_heads, head_size]``, unit stride in the last dim.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` in ``query.dtype``, unit stride in
-            the last dim; ``block_size`` a power of two.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` in ``query.dtype`` (or int8 /
+            float8_e4m3fn with ``kv_scales``), unit stride in the last dim; ``block_size`` a power of two.
         query_start_loc: integer ``[num_seqs + 1]`` prefix sums of the query lengths.
         seq_lens: integer ``[num_seqs]`` context lengths including this step's tokens.
         block_tables: integer ``[num_seqs, max_num_blocks_per_seq]`` physical block ids (padding ignored).
@@ -200,12 +231,14 @@ def paged_attention_triton(
             their log-sum-exps (split-KV, "flash-decoding": fills the GPU when few sequences have long contexts).
         sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
         logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
+        kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads]`` of a quantized cache (an
+            element stands for ``element * scale``); None for a cache in ``query.dtype``.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
 
     Raises:
-        ValueError: on a cache of the wrong layout, a dtype mismatch, a block size not a power of two, or a
+        ValueError: on a cache of the wrong layout, a dtype mismatch, scales missing or misshaped, a block size not a power of two, or a
             window below 1 or soft-cap not above 0.
     """
     _check_cache(kv_cache)
@@ -215,7 +248,8 @@ def paged_attention_triton(
         raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    if query.dtype != kv_cache.dtype or query.stride(2) != 1:
+    _check_scales(kv_cache, kv_scales)
+    if (kv_scales is None and query.dtype != kv_cache.dtype) or query.stride(2) != 1:
         raise ValueError(f"query ({query.dtype}, strides {query.stride()}) must match the cache dtype {kv_cache.dtype}")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -255,9 +289,12 @@ def paged_attention_triton(
         stride_os, stride_ot, stride_oh = out_arg.stride(0), out_arg.stride(1), out_arg.stride(2)
         stride_ls, stride_lt = lse_arg.stride(0), lse_arg.stride(1)
     grid = (num_seqs, num_kv_heads, num_q_tiles * num_kv_splits)
+    scales_arg = kv_scales if kv_scales is not None else kv_cache
+    scale_strides = kv_scales.stride()[:3] if kv_scales is not None else (0, 0, 0)
     _paged_attention_kernel[grid](
         query,
         kv_cache,
+        scales_arg,
         out_arg,
         lse_arg,
         query_start_loc,
@@ -273,6 +310,7 @@ def paged_attention_triton(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        *scale_strides,
         block_tables.stride(0),
         stride_ls,
         stride_lt,
@@ -290,6 +328,7 @@ def paged_attention_triton(
         HAS_LSE=lse_out is not None or num_kv_splits > 1,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
+        QUANTIZED=kv_scales is not None,
         # NOTE: float32 products in IEEE precision, not TF32 (Triton's CUDA default), to match the twin;
         # the setting only matters for float32 operands.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -313,10 +352,24 @@ def choose_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int, min_
 
 
 @triton.jit
+def _quantize_and_store(x, dst_ptrs, scale_ptrs, mask, q_max, ROUND_TO_INT: tl.constexpr):
+    """The twin's quantize_kv on a [heads, dims] tile: scale = absmax / q_max per head (1 for all zeros)."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+    scales = tl.where(amax > 0, amax / q_max, 1.0)
+    y = tl.minimum(tl.maximum(x / scales[:, None], -q_max), q_max)
+    if ROUND_TO_INT:
+        y = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))
+    tl.store(dst_ptrs, y.to(dst_ptrs.dtype.element_ty), mask=mask)
+    tl.store(scale_ptrs, scales, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
     cache_ptr,
+    scales_ptr,
     slot_mapping_ptr,
     stride_kt,
     stride_kh,
@@ -326,11 +379,15 @@ def _reshape_and_cache_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_skv,
     num_kv_heads,
     head_size,
     block_size,
+    q_max,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    ROUND_TO_INT: tl.constexpr,
 ):
     token_idx = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
@@ -342,26 +399,41 @@ def _reshape_and_cache_kernel(
     )
     key = tl.load(key_ptr + token_idx * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     value = tl.load(value_ptr + token_idx * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(cache_ptr + dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(cache_ptr + stride_ckv + dst, value.to(cache_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZED:
+        scale_ptrs = scales_ptr + slot * num_kv_heads + heads  # scales: contiguous [2, num_slots, num_kv_heads]
+        _quantize_and_store(key, cache_ptr + dst, scale_ptrs, mask, q_max, ROUND_TO_INT)
+        _quantize_and_store(value, cache_ptr + stride_ckv + dst, scale_ptrs + stride_skv, mask, q_max, ROUND_TO_INT)
+    else:
+        tl.store(cache_ptr + dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + stride_ckv + dst, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache_triton(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store each new token's K and V at its slot (twin: :func:`kernels.reference.reshape_and_cache`).
+    """Store each new token's K and V at its slot (twin: :func:`kernels.reference.reshape_and_cache`; quantized,
+    :func:`kernels.reference.quantize_kv` then the store).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``, unit stride in the last dim (views of a
             fused QKV projection are fine); cast to the cache dtype on store.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, unit stride in the last dim;
-            mutated in place.
+            mutated in place; int8 or float8_e4m3fn with ``kv_scales`` to quantize on store.
         slot_mapping: integer ``[num_tokens]`` distinct slots, each in ``[0, num_blocks * block_size)``.
+        kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads]`` of a quantized cache
+            (mutated: each stored row's scale), or None.
 
     Raises:
-        ValueError: on a cache of the wrong layout or K/V without unit stride in the last dim.
+        ValueError: on a cache of the wrong layout, scales missing or misshaped, or K/V without unit stride
+            in the last dim.
     """
     _check_cache(kv_cache)
+    _check_scales(kv_cache, kv_scales)
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key and value need unit stride in head_size")
     num_tokens, num_kv_heads, head_size = key.shape
@@ -371,6 +443,7 @@ def reshape_and_cache_triton(
         key,
         value,
         kv_cache,
+        kv_scales if kv_scales is not None else kv_cache,
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -380,11 +453,15 @@ def reshape_and_cache_triton(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        kv_scales.stride(0) if kv_scales is not None else 0,
         num_kv_heads,
         head_size,
         kv_cache.shape[2],
+        127.0 if kv_cache.dtype == torch.int8 else 448.0,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
+        QUANTIZED=kv_scales is not None,
+        ROUND_TO_INT=kv_cache.dtype == torch.int8,
     )
 
 

@@ -76,6 +76,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
         quantization=settings.quantization,
         prepared_weights_dir=str(settings.model_cache_dir / "prepared"),
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
 
 

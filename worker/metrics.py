@@ -8,6 +8,7 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 |---|---|---|
 | ``batchinfer:num_requests_running`` / ``num_requests_waiting`` | gauge | sequences in the batch / queued |
 | ``batchinfer:kv_cache_usage_perc`` | gauge | fraction of KV blocks in use (0..1) |
+| ``batchinfer:kv_cache_num_blocks`` / ``kv_cache_bytes`` | gauge | (ours) the KV cache's size: blocks, and bytes (scales included) |
 | ``batchinfer:prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | prompt tokens looked up / found |
 | ``batchinfer:num_preemptions_total`` | counter | running sequences sent back to recompute |
 | ``batchinfer:prompt_tokens_total`` / ``generation_tokens_total`` | counter | prefill tokens (per request) / sampled tokens |
@@ -102,6 +103,10 @@ class EngineMetrics:
             "num_requests_waiting", "Number of requests waiting to be processed.", "livesum"
         )
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "livemax")
+        self.kv_cache_num_blocks = gauge("kv_cache_num_blocks", "KV-cache size in blocks.", "livesum")
+        self.kv_cache_bytes = gauge(
+            "kv_cache_bytes", "KV-cache size in bytes (all layers, K and V, scales included).", "livesum"
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
@@ -174,6 +179,9 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         if stats.num_steps:
             self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_kv_blocks:
+            self.kv_cache_num_blocks.set(stats.num_kv_blocks)
+            self.kv_cache_bytes.set(stats.kv_cache_bytes)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)

@@ -8,7 +8,7 @@ import torch
 from kernels import cpu_extension
 from kernels.cpu_attention import paged_attention_cpu
 from kernels.cpu_extension import cpu_kernels_available
-from kernels.reference import paged_attention_reference, reshape_and_cache
+from kernels.reference import paged_attention_reference, quantize_kv, reshape_and_cache
 
 NUM_BLOCKS = 400
 HEAD_SIZE = 64
@@ -200,3 +200,34 @@ def test_logits_soft_cap_matches_reference(window):
     assert not torch.allclose(expected, uncapped, atol=1e-2)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 4), (6, 1, 16)])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_quantized_cache_matches_reference(kind, num_heads, num_kv_heads, block_size, kv_cache_dtype):
+    """int8 / fp8 blocks read in place with their per-(token, head) scales: the reference over the same
+    quantized blocks, to float32 rounding; and close to the unquantized attention."""
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(BATCHES[kind], num_heads, num_kv_heads, block_size)
+    data, scales = quantize_kv(kv_cache / 1e2, kv_cache_dtype)  # the garbage slots stay large but finite
+    scale = HEAD_SIZE**-0.5
+    lse, expected_lse = torch.empty(query.shape[:2]), torch.empty(query.shape[:2])
+
+    out = paged_attention_cpu(query, data, query_start_loc, seq_lens, tables, scale, lse, kv_scales=scales)
+
+    expected = paged_attention_reference(
+        query, data, query_start_loc, seq_lens, tables, scale, expected_lse, kv_scales=scales
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=1e-5)
+    exact = paged_attention_reference(query, kv_cache / 1e2, query_start_loc, seq_lens, tables, scale)
+    torch.testing.assert_close(out, exact, atol=0.15 if kv_cache_dtype == "fp8_e4m3" else 0.02, rtol=0)
+
+
+def test_quantized_cache_needs_its_scales():
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(DECODE, 4, 4, 4)
+    data, scales = quantize_kv(kv_cache, "int8")
+    with pytest.raises(RuntimeError, match="kv_scales"):
+        paged_attention_cpu(query, data, query_start_loc, seq_lens, tables, 0.125)
+    with pytest.raises(RuntimeError, match="kv_scales"):
+        paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, 0.125, kv_scales=scales)

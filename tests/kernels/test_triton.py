@@ -288,3 +288,48 @@ def test_paged_attention_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="power of two"):
         bad = torch.zeros(2, 2, 6, 1, 16)
         triton_attention.paged_attention_triton(query, bad, query_start_loc, seq_lens, block_tables, 0.25)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_store_and_attention_match_twin(kv_cache_dtype: str) -> None:
+    """The quantizing store gives the twin's elements and scales; attention over those blocks (read in place,
+    scales applied in the kernel) gives the twin's output; block copies carry the scales."""
+    generator = torch.Generator().manual_seed(4)
+    query_lens, seq_lens = [1, 5, 1, 9], [13, 5, 24, 20]
+    num_kv_heads, num_queries_per_kv, head_size, block_size = 2, 3, 16, 8
+    query, float_cache, query_start_loc, seq_lens_t, block_tables = _make_batch(
+        query_lens, seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
+        num_queries_per_kv=num_queries_per_kv, head_size=head_size, dtype=torch.float32,
+    )  # fmt: skip
+    float_cache = torch.nan_to_num(float_cache, nan=0.0)
+    num_slots = float_cache.shape[1] * block_size
+    fused = float_cache.view(2, num_slots, num_kv_heads, head_size)
+    slot_mapping = torch.randperm(num_slots, generator=generator)
+    twin_data, twin_scales = reference.quantize_kv(float_cache, kv_cache_dtype)
+    storage = reference.KV_STORAGE_DTYPES[kv_cache_dtype]
+    data = torch.zeros(float_cache.shape, dtype=storage, device=DEVICE)
+    scales = torch.zeros(float_cache.shape[:4], device=DEVICE)
+    triton_attention.reshape_and_cache_triton(
+        fused[0, slot_mapping].to(DEVICE), fused[1, slot_mapping].to(DEVICE), data, slot_mapping.to(DEVICE),
+        kv_scales=scales,
+    )  # fmt: skip
+    torch.testing.assert_close(scales.cpu(), twin_scales, atol=0, rtol=0)
+    if kv_cache_dtype == "int8" or DEVICE == "cuda":
+        assert torch.equal(data.cpu().view(torch.uint8), twin_data.view(torch.uint8))
+    else:
+        # NOTE: the interpreter's float32 -> float8 cast drops the carry of a mantissa that rounds up to the
+        # next power of two (31.7 -> 16, not 32); the GPU's conversion instruction rounds to nearest even.
+        data = twin_data.to(DEVICE)
+
+    scale = head_size**-0.5
+    args = (query_start_loc, seq_lens_t, block_tables, scale)
+    twin = reference.paged_attention_reference(query, twin_data, *args, kv_scales=twin_scales)
+    device_args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in args]
+    out = triton_attention.paged_attention_triton(query.to(DEVICE), data, *device_args, kv_scales=scales)
+    torch.testing.assert_close(out.cpu(), twin, atol=2e-5, rtol=2e-5)
+
+    src, dst = torch.tensor([0, 1]), torch.tensor([2, 3])
+    triton_attention.copy_blocks_triton(scales.unsqueeze(-1), src.to(DEVICE), dst.to(DEVICE))
+    assert torch.equal(scales[:, dst].cpu(), twin_scales[:, src])
+    with pytest.raises(ValueError, match="kv_scales"):
+        triton_attention.paged_attention_triton(query.to(DEVICE), data, *device_args)

@@ -28,12 +28,22 @@ def test_engine_config_follows_settings(tmp_path, served_model_dir):
         max_num_seqs=7,
         max_num_batched_tokens=512,
         enable_prefix_caching=False,
+        kv_cache_dtype="fp8",
     )
     config = engine_config(settings)
     assert Path(config.model) == served_model_dir
     assert (config.device, config.dtype) == ("cpu", "float32")
     assert (config.kv_cache_memory_bytes, config.max_num_seqs, config.max_num_batched_tokens) == (1 << 24, 7, 512)
     assert config.enable_prefix_caching is False
+    assert config.kv_cache_dtype == "fp8_e4m3"  # vLLM's alias, canonical in the engine
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_by_the_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        Settings(data_dir=tmp_path)
+    monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int8")
+    assert Settings(data_dir=tmp_path).kv_cache_dtype == "int8"
 
 
 def test_engine_config_rejects_an_unknown_model(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.executor.layers.attention.kv_cache import check_kv_cache_dtype
 from worker.engine.executor.layers.quantization import check_quantization
 
 
@@ -38,12 +39,14 @@ class EngineConfig:
     ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
     without a forward pass each (jump-forward decoding); the model computes them in one extend.
     ``quantization`` is ``"none"`` or ``"int8"`` (weight-only int8 linear layers on CPU float32; docs/engine.md,
-    "Quantized weights"); ``"q4"`` is refused as not yet served. ``prepared_weights_dir``, when set, caches a
-    float32 CPU model's packed weights there and memory-maps them on later starts (docs/operations.md,
-    "Worker start").
+    "Quantized weights"); ``"q4"`` is refused as not yet served. ``kv_cache_dtype`` is ``"auto"`` (the KV cache
+    in ``dtype``), ``"int8"`` or ``"fp8_e4m3"`` (vLLM's ``"fp8"`` is an alias, stored canonical): one byte per
+    element plus a float32 scale per (token, KV head), so ``kv_cache_memory_bytes`` holds more blocks
+    (docs/engine.md, "Quantized KV cache"). ``prepared_weights_dir``, when set, caches a float32 CPU model's
+    packed weights there and memory-maps them on later starts (docs/operations.md, "Worker start").
 
     Raises:
-        ValueError: on a non-positive size, or a quantization not served.
+        ValueError: on a non-positive size, or a quantization or KV cache dtype not served.
     """
 
     model: str
@@ -69,9 +72,11 @@ class EngineConfig:
     enable_jump_forward: bool = True
     quantization: str = "none"
     prepared_weights_dir: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -372,6 +372,8 @@ class LLMEngine:
         stats.prefix_cache_queries = prefix_cache_stats.queries
         stats.prefix_cache_hits = prefix_cache_stats.hits
         stats.num_kv_blocks_peak = self.kv_cache_manager.block_pool.take_num_used_peak()
+        stats.num_kv_blocks = self.model_runner.num_blocks
+        stats.kv_cache_bytes = self.model_runner.num_blocks * self.model_runner.bytes_per_block
         compile_stats = self.structured_output.make_stats()
         stats.grammar_compile_times_s = compile_stats.compile_times_s
         stats.grammar_cache_hits = compile_stats.num_cache_hits

@@ -20,6 +20,8 @@ class EngineStats:
         num_preemptions, num_prefix_holds: the scheduler's counters (``SchedulerStats``).
         prefix_cache_queries, prefix_cache_hits: vLLM's prefix-cache counters in tokens (``PrefixCacheStats``).
         kv_cache_usage: fraction of KV blocks in use after the last step (vLLM's ``kv_cache_usage``).
+        num_kv_blocks, kv_cache_bytes: the KV cache's size, in blocks and in bytes (all layers, K and V,
+            scales of a quantized cache included): ``kv_cache_usage`` is a fraction of these.
         num_kv_blocks_peak: most KV blocks referenced at once at any moment of the window (within steps too,
             before finished sequences free theirs).
         num_running_reqs, num_waiting_reqs: sequences in the running batch and in the waiting queue
@@ -51,6 +53,8 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_cache_usage: float = 0.0
+    num_kv_blocks: int = 0
+    kv_cache_bytes: int = 0
     num_kv_blocks_peak: int = 0
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0

@@ -168,9 +168,10 @@ def test_beams_with_forks_disabled_are_the_same_and_hold_more_blocks(tmp_path):
     assert copied_stats.num_kv_blocks_peak > forked_stats.num_kv_blocks_peak
 
 
-def test_beams_survive_preemption_and_match_the_unpreempted_run(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_beams_survive_preemption_and_match_the_unpreempted_run(tmp_path, kv_cache_dtype):
     """A KV cache too small for every line's beams at once preempts beams; the search still ends (no
-    beam waits forever for a preempted sibling) with the beams of a roomy cache."""
+    beam waits forever for a preempted sibling) with the beams of a roomy cache (on the int8 cache too)."""
     from tests.helpers.tiny_llama import save_tiny_llama
 
     model_dir = str(save_tiny_llama(tmp_path))
@@ -179,7 +180,7 @@ def test_beams_survive_preemption_and_match_the_unpreempted_run(tmp_path):
 
     def run(**overrides):
         fields = {"model": model_dir, "block_size": 4, "max_model_len": 32, "enable_prefix_caching": False}
-        engine = LLMEngine(EngineConfig(**{**fields, **overrides}))
+        engine = LLMEngine(EngineConfig(**{**fields, **overrides}, kv_cache_dtype=kv_cache_dtype))
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         outputs = {}

@@ -81,13 +81,17 @@ def test_forked_branches_prefill_once_and_each_equals_sampling_it_alone(model_di
     assert samples(out) == [reference_sample(hf_model, prompts[0], SAMPLED, k) for k in range(4)]
 
 
-def test_forked_samples_are_unchanged_by_rerun_neighbours_and_preemption(model_dir, prompts):
-    [alone], _ = run_checked(make_engine(model_dir), prompts[:1], SAMPLED)
-    [again], _ = run_checked(make_engine(model_dir), prompts[:1], SAMPLED)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_forked_samples_are_unchanged_by_rerun_neighbours_and_preemption(model_dir, prompts, kv_cache_dtype):
+    dtype = {"kv_cache_dtype": kv_cache_dtype}
+    [alone], _ = run_checked(make_engine(model_dir, **dtype), prompts[:1], SAMPLED)
+    [again], _ = run_checked(make_engine(model_dir, **dtype), prompts[:1], SAMPLED)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    crowded, _ = run_checked(make_engine(model_dir), [prompts[1], prompts[0], prompts[2]], [greedy, SAMPLED, SAMPLED])
+    crowded, _ = run_checked(
+        make_engine(model_dir, **dtype), [prompts[1], prompts[0], prompts[2]], [greedy, SAMPLED, SAMPLED]
+    )
     # 12 blocks of 4 slots: the branches (23 tokens = 6 blocks each) cannot all stay resident.
-    tight = make_engine(model_dir, num_gpu_blocks_override=12, max_model_len=32)
+    tight = make_engine(model_dir, num_gpu_blocks_override=12, max_model_len=32, **dtype)
     preempted, _ = run_checked(tight, [prompts[0], prompts[2]], SAMPLED)
     assert tight.make_stats().num_preemptions > 0
     assert samples(again) == samples(crowded[1]) == samples(preempted[0]) == samples(alone)
@@ -163,10 +167,13 @@ def test_abort_before_the_fork_frees_everything(model_dir, prompts):
     assert engine.kv_cache_manager.num_free_blocks == engine.model_runner.num_blocks
 
 
-def test_disabled_forks_sample_the_same_tokens_with_every_branch_its_own_blocks(model_dir, prompts):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_disabled_forks_sample_the_same_tokens_with_every_branch_its_own_blocks(model_dir, prompts, kv_cache_dtype):
     """``enable_forks=False`` (bench/forks.py's baseline): each branch prefills on its own, the prefix cache
-    (on here) does not share the prompt between branches either, and the seeded samples are unchanged."""
-    forked_engine, copied_engine = make_engine(model_dir), make_engine(model_dir, enable_forks=False)
+    (on here) does not share the prompt between branches either, and the seeded samples are unchanged. On the
+    int8 cache too: a copy-on-write copy that lost its scales would part the forked branches from the copied."""
+    forked_engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype)
+    copied_engine = make_engine(model_dir, enable_forks=False, kv_cache_dtype=kv_cache_dtype)
     [forked], peak_forked = run_checked(forked_engine, prompts[:1], SAMPLED)
     [copied], peak_copied = run_checked(copied_engine, prompts[:1], SAMPLED)
     forked_stats, copied_stats = forked_engine.make_stats(), copied_engine.make_stats()

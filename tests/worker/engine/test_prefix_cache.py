@@ -218,14 +218,23 @@ def token_ids(outputs):
     return [[sample.token_ids for sample in out.outputs] for out in outputs]
 
 
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def kv_cache_dtype(request):
+    """The engine tests below run on the default and on the int8 cache: every path reads the same stored values,
+    so caching stays invisible on quantized blocks too."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def uncached(model_dir, job):
-    engine = make_engine(model_dir, enable_prefix_caching=False)
+def uncached(model_dir, job, kv_cache_dtype):
+    engine = make_engine(model_dir, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     return token_ids(run(engine, job, GREEDY)), token_ids(run(engine, job, SEEDED))
 
 
-def test_cache_on_cold_and_warm_equals_cache_off_and_computes_each_prefix_once(model_dir, job, uncached):
-    engine = make_engine(model_dir)
+def test_cache_on_cold_and_warm_equals_cache_off_and_computes_each_prefix_once(
+    model_dir, job, uncached, kv_cache_dtype
+):
+    engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype)
     cold = run(engine, job, GREEDY)
     stats = engine.make_stats()
     assert token_ids(cold) == uncached[0]
@@ -243,26 +252,26 @@ def test_cache_on_cold_and_warm_equals_cache_off_and_computes_each_prefix_once(m
     assert token_ids(run(engine, job, SEEDED)) == uncached[1]
 
 
-def test_cache_under_eviction_pressure_changes_nothing(model_dir, job, uncached):
+def test_cache_under_eviction_pressure_changes_nothing(model_dir, job, uncached, kv_cache_dtype):
     # 20 blocks for 10 lines of up to 43 tokens: preemption and eviction of cached blocks are constant.
-    engine = make_engine(model_dir, num_gpu_blocks_override=20, max_model_len=48)
+    engine = make_engine(model_dir, num_gpu_blocks_override=20, max_model_len=48, kv_cache_dtype=kv_cache_dtype)
     assert token_ids(run(engine, job, GREEDY)) == uncached[0]
     assert token_ids(run(engine, job, SEEDED)) == uncached[1]
     assert engine.kv_cache_manager.block_pool.num_evictions > 0
 
 
-def test_cascade_attention_over_a_shared_preamble_changes_nothing(model_dir, job, monkeypatch):
+def test_cascade_attention_over_a_shared_preamble_changes_nothing(model_dir, job, monkeypatch, kv_cache_dtype):
     """All running lines share one preamble: with the cascade thresholds lowered, attention splits into the
     shared prefix (once per step) and each line's tail, and greedy and seeded outputs stay those of no cache."""
     lines = [line for line in job if line[0] == job[0][0]]
-    plain = make_engine(model_dir, enable_prefix_caching=False)
+    plain = make_engine(model_dir, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     expected = token_ids(run(plain, lines, GREEDY)), token_ids(run(plain, lines, SEEDED))
     monkeypatch.setattr(cascade_attention, "MIN_SEQS", 2)
     monkeypatch.setattr(cascade_attention, "MIN_SHARED_TOKENS", BLOCK_SIZE)
     calls = []
     original = cascade_attention.prefix_attention
     monkeypatch.setattr(cascade_attention, "prefix_attention", lambda *args: calls.append(1) or original(*args))
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype)
 
     assert token_ids(run(engine, lines, GREEDY)) == expected[0]
     assert token_ids(run(engine, lines, SEEDED)) == expected[1]

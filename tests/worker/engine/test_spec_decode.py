@@ -154,17 +154,24 @@ def test_penalties_and_logit_bias_apply_at_every_verified_position(model_dir, pl
             assert_same_completion(plain.generate([prompt], params)[0], run_checked(engine, [prompt], params)[0])
 
 
-@pytest.mark.parametrize("method", ["ngram", "self-draft-all-layers"])
-def test_greedy_unchanged_in_a_batch_mixing_sampled_lines_and_under_preemption(model_dir, plain, method):
+@pytest.mark.parametrize(
+    ("method", "kv_cache_dtype"), [("ngram", "auto"), ("self-draft-all-layers", "auto"), ("ngram", "int8")]
+)
+def test_greedy_unchanged_in_a_batch_mixing_sampled_lines_and_under_preemption(
+    model_dir, plain, method, kv_cache_dtype
+):
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.9, max_tokens=48, ignore_eos=True, seed=s) for s in range(3)]
     sampled.append(SamplingParams(temperature=1.0, top_p=0.9, max_tokens=48, ignore_eos=True, n=2))
     prompts = PROMPTS + [VARIED[5:], CYCLE[2:], REPEAT[:20], VARIED[:9]]
     params = [greedy] * 3 + sampled
+    if kv_cache_dtype != "auto":
+        plain = make_engine(model_dir, mode="off", kv_cache_dtype=kv_cache_dtype)
     expected = [plain.generate([prompt], greedy)[0] for prompt in PROMPTS]
     # 14 blocks of 8 tokens cannot hold every line: the youngest are preempted and recomputed.
     small = dict(num_gpu_blocks_override=14, max_model_len=96)
-    for engine in (make_engine(model_dir, **METHODS[method]), make_engine(model_dir, **METHODS[method], **small)):
+    options = {**METHODS[method], "kv_cache_dtype": kv_cache_dtype}
+    for engine in (make_engine(model_dir, **options), make_engine(model_dir, **options, **small)):
         outputs = run_checked(engine, prompts, params)
         for ref, out in zip(expected, outputs[:3]):
             assert_same_completion(ref, out)

@@ -23,7 +23,14 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence
 from worker.engine.core.scheduler import SchedulerOutput
-from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply, triton_kernels_apply
+from worker.engine.executor.layers.attention import (
+    KVCache,
+    QuantizedKVCache,
+    build_attention_metadata,
+    cpu_kernels_apply,
+    triton_kernels_apply,
+)
+from worker.engine.executor.layers.attention.kv_cache import kv_cache_bytes_per_token_head
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, long_rope_positions, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
@@ -68,19 +75,27 @@ class ModelRunnerOutput:
 
 
 def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes one block takes across all layers, K and V: ``2 * layers * block_size * kv_heads * head_size * itemsize``."""
-    return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
+    """Bytes one block takes across all layers, K and V: ``2 * layers * block_size * kv_heads * head_size * itemsize``
+    in the compute ``dtype``; quantized, one byte per element plus a float32 scale per (token, KV head)."""
+    per_token_head = kv_cache_bytes_per_token_head(kv_cache_dtype, head_size, dtype)
+    return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
 
 def copy_blocks(
-    kv_caches: list[torch.Tensor], blocks_to_copy: SequenceT[tuple[int, int]], *, use_triton_kernels: bool = False
+    kv_caches: SequenceT[KVCache], blocks_to_copy: SequenceT[tuple[int, int]], *, use_triton_kernels: bool = False
 ) -> None:
     """Execute copy-on-write block copies in every layer's cache: block ``dst`` becomes block ``src``.
 
     Args:
-        kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor per layer (mutated).
+        kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor per layer, or one
+            :class:`QuantizedKVCache` (its scales are copied with its elements); mutated.
         blocks_to_copy: ``(src, dst)`` physical block ids; every ``dst`` distinct. All copies read the
             caches as they were before the call (one gather, then one ``index_copy_`` per layer), as
             vLLM's ``copy_blocks`` (Kwon et al. 2023, section 4.4).
@@ -89,7 +104,7 @@ def copy_blocks(
     """
     if not blocks_to_copy:
         return
-    device = kv_caches[0].device
+    device = kv_caches[0].data.device if isinstance(kv_caches[0], QuantizedKVCache) else kv_caches[0].device
     src_ids = [s for s, _ in blocks_to_copy]
     dst_ids = [d for _, d in blocks_to_copy]
     src = torch.tensor(src_ids, dtype=torch.long, device=device)
@@ -98,10 +113,17 @@ def copy_blocks(
         from kernels.triton_attention import copy_blocks_triton  # NOTE: here so CPU engines never import triton
 
         for kv_cache in kv_caches:
-            copy_blocks_triton(kv_cache, src, dst)
+            if isinstance(kv_cache, QuantizedKVCache):
+                copy_blocks_triton(kv_cache.data, src, dst)
+                copy_blocks_triton(kv_cache.scales.unsqueeze(-1), src, dst)
+            else:
+                copy_blocks_triton(kv_cache, src, dst)
         return
     for kv_cache in kv_caches:
-        kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
+        if isinstance(kv_cache, QuantizedKVCache):
+            kv_cache.copy_blocks(src, dst)
+        else:
+            kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
 
 
 def _top_candidates(
@@ -198,16 +220,24 @@ class ModelRunner:
         self.use_triton_kernels = triton_kernels_apply(self.device)
         self.sliding_window = self.model.sliding_window
         self.long_rope_original_max = self.model.long_rope_original_max
-        bytes_per_block = kv_cache_bytes_per_block(num_layers, self.block_size, num_kv_heads, head_size, self.dtype)
+        self.kv_cache_dtype = config.kv_cache_dtype
+        bytes_per_block = kv_cache_bytes_per_block(
+            num_layers, self.block_size, num_kv_heads, head_size, self.dtype, self.kv_cache_dtype
+        )
+        self.bytes_per_block = bytes_per_block
         self.num_blocks = config.num_gpu_blocks_override or config.kv_cache_memory_bytes // bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than one KV block ({bytes_per_block} bytes)"
             )
         # NOTE: zeros, not empty: attention gathers whole blocks and masks, and 0 * NaN would poison a row.
-        self.kv_caches = [
+        self.kv_caches: list[KVCache] = [
             torch.zeros(
                 2, self.num_blocks, self.block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device
+            )
+            if self.kv_cache_dtype == "auto"
+            else QuantizedKVCache.zeros(
+                self.kv_cache_dtype, self.num_blocks, self.block_size, num_kv_heads, head_size, self.device
             )
             for _ in range(num_layers)
         ]

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PretrainedConfig
 
-from worker.engine.executor.layers.attention import AttentionMetadata
+from worker.engine.executor.layers.attention import AttentionMetadata, KVCache
 from worker.engine.executor.models.llama import (
     DecoderOptions,
     LlamaAttention,
@@ -76,7 +76,7 @@ class GemmaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.cpu_elementwise import add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu_, silu_and_mul_cpu
-from worker.engine.executor.layers.attention import AttentionMetadata, paged_attention_forward
+from worker.engine.executor.layers.attention import AttentionMetadata, KVCache, paged_attention_forward
 
 
 class RMSNorm(nn.Module):
@@ -225,7 +225,7 @@ class LlamaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -290,7 +290,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
@@ -382,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Run the decoder over one step's tokens.
@@ -390,7 +390,7 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: ``LongTensor[num_tokens]``, sequence by sequence (as ``attn_metadata`` orders them).
             positions: ``LongTensor[num_tokens]`` position of each token in its sequence.
-            kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor per layer;
+            kv_caches: one cache per layer (``[2, num_blocks, block_size, num_kv_heads, head_size]`` or quantized);
                 this step's K/V are written into them.
             attn_metadata: the step's :class:`AttentionMetadata`.
 

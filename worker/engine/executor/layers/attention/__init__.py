@@ -1,5 +1,6 @@
 """Attention over the paged KV cache: per-step metadata and plan, the paged path, cascade (shared-prefix) attention."""
 
+from worker.engine.executor.layers.attention.kv_cache import KVCache, QuantizedKVCache, check_kv_cache_dtype
 from worker.engine.executor.layers.attention.metadata import (
     AttentionMetadata,
     build_attention_metadata,
@@ -10,7 +11,10 @@ from worker.engine.executor.layers.attention.paged import paged_attention_forwar
 
 __all__ = [
     "AttentionMetadata",
+    "KVCache",
+    "QuantizedKVCache",
     "build_attention_metadata",
+    "check_kv_cache_dtype",
     "cpu_kernels_apply",
     "paged_attention_forward",
     "triton_kernels_apply",

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine.executor.layers.attention.kv_cache import KVCache, gather_kv_blocks
+
 # vLLM's thresholds (use_cascade_attention): below them the extra calls cost more than they save.
 MIN_SHARED_TOKENS = 256
 MIN_SEQS = 8
@@ -83,7 +85,7 @@ def shared_prefix_groups(
 
 def prefix_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     prefix_block_ids: torch.Tensor,
     scale: float,
     logits_soft_cap: float | None = None,
@@ -95,7 +97,8 @@ def prefix_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` or a quantized cache (the prefix's
+            blocks are dequantized as they are gathered).
         prefix_block_ids: ``LongTensor[num_prefix_blocks]``, the prefix's blocks in order.
         scale: multiplier of ``q . k``.
         logits_soft_cap: the soft-cap (``> 0``), or None.
@@ -107,7 +110,7 @@ def prefix_attention(
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
     r = num_heads // num_kv_heads
-    kv = kv_cache.index_select(1, prefix_block_ids).view(2, -1, num_kv_heads, head_size).transpose(1, 2)
+    kv = gather_kv_blocks(kv_cache, prefix_block_ids, query.dtype).view(2, -1, num_kv_heads, head_size).transpose(1, 2)
     # The r query heads of a KV head become query rows: [1, num_kv_heads, num_tokens * r, head_size].
     q = query.view(num_tokens, num_kv_heads, r, head_size).transpose(0, 1).reshape(1, num_kv_heads, -1, head_size)
     if logits_soft_cap is None:

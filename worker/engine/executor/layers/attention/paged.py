@@ -13,6 +13,12 @@ import torch.nn.functional as F
 
 from kernels.cpu_attention import paged_attention_cpu
 from worker.engine.executor.layers.attention import cascade as cascade_attention
+from worker.engine.executor.layers.attention.kv_cache import (
+    KVCache,
+    QuantizedKVCache,
+    gather_kv_blocks,
+    kv_cache_data_and_scales,
+)
 from worker.engine.executor.layers.attention.metadata import AttentionMetadata
 from worker.engine.executor.layers.attention.plan import AttentionPlan, CascadePlan, GroupPlan, TritonPlan
 
@@ -51,7 +57,7 @@ def soft_capped_attention(
 
 def _attend_group(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     group: GroupPlan,
     block_size: int,
     scale: float,
@@ -70,7 +76,9 @@ def _attend_group(
     )
     q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, num_queries_per_kv * max_query_len, head_size)
 
-    kv = kv_cache.index_select(1, group.flat_block_ids).view(2, num_seqs, context_len, num_kv_heads, head_size)
+    kv = gather_kv_blocks(kv_cache, group.flat_block_ids, query.dtype).view(
+        2, num_seqs, context_len, num_kv_heads, head_size
+    )
     if logits_soft_cap is None:
         out = F.scaled_dot_product_attention(
             q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=group.mask, scale=scale
@@ -103,19 +111,21 @@ def _attend_fresh(
 
 
 def _attend_cascade(
-    query: torch.Tensor, kv_cache: torch.Tensor, cascade: CascadePlan, scale: float, logits_soft_cap: float | None
+    query: torch.Tensor, kv_cache: KVCache, cascade: CascadePlan, scale: float, logits_soft_cap: float | None
 ) -> torch.Tensor:
     suffix = cascade.suffix
     suffix_lse = torch.empty(query.shape[:2], dtype=torch.float32)
+    kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
     out = paged_attention_cpu(
         query,
-        kv_cache,
+        kv_data,
         suffix.query_start_loc,
         suffix.seq_lens,
         suffix.block_tables,
         scale,
         lse_out=suffix_lse,
         logits_soft_cap=logits_soft_cap,
+        kv_scales=kv_scales,
     )
     for group in cascade.groups:
         rows = group.token_idx
@@ -138,7 +148,7 @@ def _attend_triton(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     attn_metadata: AttentionMetadata,
     triton_plan: TritonPlan,
     scale: float,
@@ -148,10 +158,11 @@ def _attend_triton(
     # NOTE: imported here so that CPU engines never import triton (it is an optional dependency).
     from kernels.triton_attention import paged_attention_triton, reshape_and_cache_triton
 
-    reshape_and_cache_triton(key, value, kv_cache, attn_metadata.slot_mapping)
+    kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
+    reshape_and_cache_triton(key, value, kv_data, attn_metadata.slot_mapping, kv_scales=kv_scales)
     return paged_attention_triton(
         query,
-        kv_cache,
+        kv_data,
         attn_metadata.query_start_loc,
         attn_metadata.seq_lens,
         attn_metadata.block_tables,
@@ -160,29 +171,39 @@ def _attend_triton(
         max_seq_len=triton_plan.max_seq_len,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        kv_scales=kv_scales,
     )
 
 
 def write_to_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store new K/V at their slots in one indexed copy each (vectorised ``reshape_and_cache``).
+    key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store new K/V at their slots in one indexed copy each (vectorised ``reshape_and_cache``; a quantized
+    cache quantizes them on the way, :meth:`QuantizedKVCache.write`).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous; mutated.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous, or a
+            :class:`QuantizedKVCache`; mutated.
         slot_mapping: ``LongTensor[num_tokens]`` of distinct valid slots.
+
+    Returns:
+        ``(key, value)`` as later reads will see them: the arguments themselves for a float cache, their
+        dequantized stored values for a quantized one.
     """
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.write(key, value, slot_mapping)
     flat_cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    return key, value
 
 
 def paged_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     attn_metadata: AttentionMetadata,
     scale: float,
     *,
@@ -201,9 +222,10 @@ def paged_attention_forward(
     Args:
         query: ``[num_tokens, num_heads, head_size]``.
         key, value: ``[num_tokens, num_kv_heads, head_size]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``; mutated (new K/V stored).
-            Slots never written must hold finite numbers (allocate with ``torch.zeros``): whole blocks are
-            gathered and masked, and ``0 * NaN`` would poison a row.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, or a :class:`QuantizedKVCache`
+            (every path then attends the dequantized stored values, the step's own K/V included); mutated
+            (new K/V stored). Slots never written must hold finite numbers (allocate with ``torch.zeros``):
+            whole blocks are gathered and masked, and ``0 * NaN`` would poison a row.
         attn_metadata: the step's :class:`AttentionMetadata`, its plan built for this model's shapes.
         scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
         sliding_window: this layer's window, None for a global layer; must be the metadata's
@@ -223,7 +245,7 @@ def paged_attention_forward(
         return _attend_triton(
             query, key, value, kv_cache, attn_metadata, plan.triton, scale, plan.sliding_window, soft_cap
         )
-    write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+    key, value = write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
     block_size = plan.block_size
     assert kv_cache.shape[2] == block_size and query.shape[1] == plan.num_queries_per_kv * kv_cache.shape[3]
     if plan.cascade is not None:
@@ -231,18 +253,20 @@ def paged_attention_forward(
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale, soft_cap)
     kernel = plan.kernel
+    kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
 
     def attend_kernel(rows: torch.Tensor) -> torch.Tensor:
         assert kernel is not None
         return paged_attention_cpu(
             rows,
-            kv_cache,
+            kv_data,
             kernel.query_start_loc,
             kernel.seq_lens,
             kernel.block_tables,
             scale,
             sliding_window=plan.sliding_window,
             logits_soft_cap=soft_cap,
+            kv_scales=kv_scales,
         )
 
     if kernel is not None and kernel.token_idx is None:

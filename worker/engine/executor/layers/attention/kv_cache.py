@@ -1,0 +1,131 @@
+"""The per-layer paged KV cache: the compute dtype (``kv_cache_dtype="auto"``) or quantized blocks.
+
+A quantized cache (``"int8"``, ``"fp8_e4m3"``; vLLM's ``kv_cache_dtype``, its ``"fp8"`` an alias) keeps the
+elements in one byte each, ``data: [2, num_blocks, block_size, num_kv_heads, head_size]`` (the layout of a
+float cache, so block tables, slots and copy-on-write are unchanged), and beside it one float32 scale per
+stored (token, KV head), ``scales: [2, num_blocks, block_size, num_kv_heads]``: a slot's scales belong to
+the slot, so every operation on block ids (prefix caching, forks, preemption) carries them along.
+Writes quantize (:func:`kernels.reference.quantize_kv`); the C++ kernel reads the blocks in place; the
+PyTorch paths dequantize the blocks they gather (docs/engine.md, "Quantized KV cache").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.reference import KV_STORAGE_DTYPES, dequantize_kv, quantize_kv
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """The canonical name of ``kv_cache_dtype`` (``"fp8"`` -> ``"fp8_e4m3"``).
+
+    Raises:
+        ValueError: on a name not served; the message lists the served ones.
+    """
+    name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name not in KV_CACHE_DTYPES:
+        served = ", ".join(repr(n) for n in (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))
+        raise ValueError(f"kv_cache_dtype must be one of {served}, got {kv_cache_dtype!r}")
+    return name
+
+
+def kv_cache_bytes_per_token_head(kv_cache_dtype: str, head_size: int, dtype: torch.dtype) -> int:
+    """Bytes one (token, KV head) takes in K or V: ``head_size`` elements, plus a float32 scale when quantized."""
+    if kv_cache_dtype == "auto":
+        return head_size * dtype.itemsize
+    return head_size * KV_STORAGE_DTYPES[kv_cache_dtype].itemsize + 4
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedKVCache:
+    """One layer's quantized blocks and their scales.
+
+    Attributes:
+        data: int8 or float8_e4m3fn ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        scales: float32 ``[2, num_blocks, block_size, num_kv_heads]``; a value is ``element * scale``.
+        kv_cache_dtype: ``"int8"`` or ``"fp8_e4m3"``.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    kv_cache_dtype: str
+
+    @classmethod
+    def zeros(
+        cls,
+        kv_cache_dtype: str,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        device: torch.device,
+    ) -> QuantizedKVCache:
+        """A cache of zeros (never-written slots read as 0, as in a float cache)."""
+        shape = (2, num_blocks, block_size, num_kv_heads)
+        data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
+        return cls(data, torch.zeros(shape, dtype=torch.float32, device=device), kv_cache_dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of ``data`` (that of a float cache)."""
+        return self.data.shape
+
+    @property
+    def _bytes(self) -> torch.Tensor:
+        # NOTE: indexed copies are not implemented for float8 on CPU; the bytes are the same, so move bytes.
+        return self.data.view(torch.uint8)
+
+    def write(
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize and store ``key``, ``value`` (``[num_tokens, num_kv_heads, head_size]``) at their slots.
+
+        Returns:
+            the stored values dequantized, in ``key.dtype``: what every later read of these slots sees, so a
+            fresh prompt attending its own K/V sees the same numbers as a cached prefix or a decode does.
+        """
+        num_kv_heads, head_size = self.data.shape[3], self.data.shape[4]
+        flat_data = self._bytes.view(2, -1, num_kv_heads, head_size)
+        flat_scales = self.scales.view(2, -1, num_kv_heads)
+        stored = []
+        for half, x in enumerate((key, value)):
+            data, scales = quantize_kv(x, self.kv_cache_dtype)
+            flat_data[half].index_copy_(0, slot_mapping, data.view(torch.uint8))
+            flat_scales[half].index_copy_(0, slot_mapping, scales)
+            stored.append(dequantize_kv(data, scales).to(x.dtype))
+        return stored[0], stored[1]
+
+    def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks ``block_ids`` dequantized: ``[2, len(block_ids), block_size, num_kv_heads, head_size]`` in ``dtype``."""
+        data = self._bytes.index_select(1, block_ids).view(self.data.dtype)
+        return dequantize_kv(data, self.scales.index_select(1, block_ids)).to(dtype)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block ``dst[i]`` becomes block ``src[i]``, elements and scales, reading both as before the call."""
+        self._bytes.index_copy_(1, dst, self._bytes.index_select(1, src))
+        self.scales.index_copy_(1, dst, self.scales.index_select(1, src))
+
+
+KVCache = torch.Tensor | QuantizedKVCache
+"""One layer's cache: a ``[2, num_blocks, block_size, num_kv_heads, head_size]`` tensor in the compute dtype, or
+a :class:`QuantizedKVCache`."""
+
+
+def gather_kv_blocks(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kv_cache``'s blocks ``block_ids`` as ``[2, n, block_size, num_kv_heads, head_size]`` (dequantized in
+    ``dtype`` when quantized; a float cache's own dtype otherwise)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.gather(block_ids, dtype)
+    return kv_cache.index_select(1, block_ids)
+
+
+def kv_cache_data_and_scales(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The arguments of the attention kernels: the element tensor and its scales (None for a float cache)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.data, kv_cache.scales
+    return kv_cache, None
