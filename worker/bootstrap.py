@@ -1,7 +1,8 @@
 """One engine per worker process, built lazily from the service settings.
 
 The first task a worker process runs pays for model preparation and engine start-up; every later
-task reuses the same `LLMEngine` (weights and KV cache stay resident). The engine is warmed up once
+task reuses the same `LLMEngine` (weights and KV cache stay resident). An embedding model (an encoder:
+`worker.engine.executor.models.registry.model_kind_of`) gets a `PoolingEngine` instead. The engine is warmed up once
 at start (:func:`warm_up_engine`), so a job's first batch runs at the warm speed. Celery runs the worker with
 ``--pool=solo`` so the process that builds the engine is the one that runs the tasks (forking after
 torch has started threads hangs the prefork pool).
@@ -18,20 +19,25 @@ from jobs.config import Settings, get_settings
 from worker.cpu_threads import available_cpus, use_passive_wait
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from worker.engine.config import EngineConfig
     from worker.engine.llm_engine import LLMEngine
+    from worker.engine.pooling_engine import PoolingEngine
 
 logger = logging.getLogger(__name__)
 
-_engine: LLMEngine | None = None
+_engine: LLMEngine | PoolingEngine | None = None
 _lock = threading.Lock()
 
-SERVED_KINDS = frozenset({"generate"})
+SERVED_KINDS = frozenset({"generate", "embed"})
 """Model kinds (`jobs.config.ModelEntry.kind`) this build has an engine for; ``batchinfer serve`` starts
-workers for these only. The embedding engine adds ``"embed"``."""
+workers for these only."""
 
 WARMUP_PROMPT_LENS = (16, 128)  # one short and one longer prompt, prefilled together, then decoded as a batch
 WARMUP_MAX_TOKENS = 4
+# NOTE: an embedding forward packs whole inputs; a budget of a few thousand tokens keeps MKL's GEMMs efficient.
+EMBEDDING_MIN_BATCHED_TOKENS = 8192
 
 
 def resolve_device(device: str) -> str:
@@ -94,8 +100,8 @@ def check_served_kind(settings: Settings) -> None:
         )
 
 
-def get_engine() -> LLMEngine:
-    """This process's engine, built on first use (thread-safe).
+def get_engine() -> LLMEngine | PoolingEngine:
+    """This process's engine, built on first use (thread-safe): a `PoolingEngine` for an embedding model.
 
     Raises:
         KindNotServed: the served model's kind has no engine yet (`check_served_kind`).
@@ -111,12 +117,56 @@ def get_engine() -> LLMEngine:
             settings = get_settings()
             check_served_kind(settings)
             torch.set_num_threads(num_torch_threads(settings))
+            embedding_engine = _embedding_engine(settings)
+            if embedding_engine is not None:
+                _engine = embedding_engine
+                return _engine
             config = engine_config(settings)
             logger.info("starting engine: %s (torch threads: %d)", config, torch.get_num_threads())
             engine = LLMEngine(config)
             warm_up_engine(engine)
             _engine = engine
         return _engine
+
+
+def _embedding_engine(settings: Settings) -> PoolingEngine | None:
+    """A warmed-up `PoolingEngine` when the served model is an embedding model, else None."""
+    from worker.engine.pooling_engine import PoolingEngine
+
+    model_dir = _prepared_model(settings)
+    if _model_kind(model_dir) != "embed":
+        return None
+    from worker.engine.pooling_engine import EmbeddingEngineConfig
+
+    config = EmbeddingEngineConfig(
+        str(model_dir),
+        dtype=settings.dtype,
+        device=resolve_device(settings.device),
+        max_num_batched_tokens=max(settings.max_num_batched_tokens, EMBEDDING_MIN_BATCHED_TOKENS),
+    )
+    logger.info("starting embedding engine: %s", config)
+    start_s = time.perf_counter()
+    engine = PoolingEngine(config)
+    vocab_size = int(engine.model_config.vocab_size)
+    engine.embed(
+        [[(i * 7 + 1) % vocab_size for i in range(min(length, engine.max_model_len))] for length in WARMUP_PROMPT_LENS]
+    )
+    logger.info("embedding engine warmed up in %.2f s", time.perf_counter() - start_s)
+    return engine
+
+
+def _prepared_model(settings: Settings) -> Path:
+    from worker.model_prepare import prepare_model
+
+    return prepare_model(settings.model, settings.model_cache_dir)
+
+
+def _model_kind(model_dir: Path) -> str:
+    from transformers import AutoConfig
+
+    from worker.engine.executor.models.registry import model_kind_of
+
+    return model_kind_of(AutoConfig.from_pretrained(model_dir))
 
 
 def warm_up_engine(engine: LLMEngine) -> None:

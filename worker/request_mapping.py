@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jobs.errors import InvalidRequest
 from jobs.line_body import parse_body
-from jobs.schemas import ChatCompletionBody, ResponsesBody
+from jobs.schemas import ChatCompletionBody, EmbeddingBody, ResponsesBody
 from worker.engine import SamplingParams
 from worker.engine.sampling_params import StructuredOutputsParams
 
@@ -57,9 +58,12 @@ def map_request(endpoint: str, body: Mapping[str, Any], tokenizer: Tokenizer) ->
         tokenizer: the served model's tokenizer (chat template included).
 
     Raises:
-        jobs.errors.InvalidRequest: the endpoint rejects the body; ``param`` names the field.
+        jobs.errors.InvalidRequest: the endpoint rejects the body; ``param`` names the field. An embeddings
+            body is refused: it is not generated from (`worker.embeddings` maps it).
     """
     parsed = parse_body(endpoint, body)
+    if isinstance(parsed, EmbeddingBody):
+        raise InvalidRequest(f"{endpoint} is not a text generation endpoint", param="url")
     constraint = parsed.constraint
     params = SamplingParams(
         **parsed.sampling_kwargs(),

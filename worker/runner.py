@@ -30,6 +30,11 @@ reset) and the requests that finished to a `StepObserver`: by default this proce
 `worker.telemetry.WorkerTelemetry`, which feeds the Prometheus metrics and the heartbeat
 (docs/architecture.md, "Observability").
 
+``/v1/embeddings`` lines take their own path (`_embed_stream`): no engine steps, the lines are embedded in
+chunks of about `EMBED_CHUNK_TOKENS` tokens by the engine's ``embed`` (`worker.embeddings`), with the same
+stop and cancel checks between chunks. A line whose endpoint the served model does not serve (an embedding
+line to a generating model, a chat line to an embedding model) gets a 400 naming the model.
+
 A failure confined to one line (its mapping, its response body) fails that line only. An exception
 out of ``engine.step()`` cannot be pinned on one line: the lines in flight get a 500 ``server_error``
 response and the shard still ends, with everything finished before kept. Stopping the process is
@@ -54,10 +59,11 @@ from jobs.db import session_scope
 from jobs.errors import InvalidRequest, error_envelope
 from jobs.line_body import new_request_id, rejected_response
 from jobs.queue import enqueue_shards
-from jobs.schemas import CHAT_COMPLETIONS, RESPONSES
+from jobs.schemas import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from jobs.status import BatchStatus
 from jobs.storage import storage_from_settings
 from worker.checkpointer import Checkpointer
+from worker.embeddings import EmbeddingEngine, EmbeddingRequest, embedding_body, map_embedding_request
 from worker.engine.errors import InvalidParameterError, PromptTooLongError, ResumeError
 from worker.engine.outputs import RequestOutput, RequestProgress
 from worker.engine.sampling_params import SamplingParams
@@ -73,6 +79,9 @@ COMMIT_EVERY = 16
 CHECK_EVERY_STEPS = 8
 # NOTE: a CPU step over a large batch can take seconds; cancel must not wait for 8 of them.
 CHECK_INTERVAL_S = 1.0
+# NOTE: one embed call sorts its inputs by length and packs them by the engine's token budget; bigger calls
+# pack better, smaller ones let cancel and stop checks come sooner (about a second of CPU work each).
+EMBED_CHUNK_TOKENS = 32768
 
 
 class Engine(Protocol):
@@ -204,7 +213,7 @@ class _ResultSink:
 
 def run_next_shard(
     *,
-    engine: Engine | None = None,
+    engine: Engine | EmbeddingEngine | None = None,
     owner: str | None = None,
     model_name: str | None = None,
     database_url: str | None = None,
@@ -302,7 +311,7 @@ def _run_lines(
     pending: list[PendingLine],
     sink: _ResultSink,
     *,
-    engine: Engine | None,
+    engine: Engine | EmbeddingEngine | None,
     model_name: str,
     database_url: str | None,
     check_every_steps: int,
@@ -323,6 +332,18 @@ def _run_lines(
         observer = get_telemetry(model_name, getattr(engine, "max_model_len", 8192))
     observer.batch_started(lease.batch_id)
     try:
+        if lease.endpoint == EMBEDDINGS or isinstance(engine, EmbeddingEngine):
+            return _embed_stream(
+                engine,
+                lease,
+                pending,
+                sink,
+                model_name=model_name,
+                database_url=database_url,
+                clock=clock,
+                observer=observer,
+                should_stop=should_stop,
+            )
         return _stream(
             engine,
             lease,
@@ -458,6 +479,99 @@ def _stream(
     finally:
         # NOTE: the engine outlives this batch; nothing of ours may linger in it after an error.
         _abort(engine, in_flight)
+
+
+def _embed_stream(
+    engine: Engine | EmbeddingEngine,
+    lease: shards.Lease,
+    pending: list[PendingLine],
+    sink: _ResultSink,
+    *,
+    model_name: str,
+    database_url: str | None,
+    clock: Callable[[], float],
+    observer: StepObserver,
+    should_stop: Callable[[], ShardEnd | None],
+) -> ShardEnd:
+    """Embed the lines chunk by chunk (`EMBED_CHUNK_TOKENS`), recording each chunk's results; between chunks,
+    stop when told to or when the batch stopped (the lines not embedded are handed back: nothing is in flight).
+
+    The engine must be an embedding one for a ``/v1/embeddings`` batch, and only then: every line of a
+    mismatched pair is a 400 naming the model. An ``embed`` call that raises fails its chunk's lines with a
+    500; the other chunks run.
+    """
+    if lease.endpoint != EMBEDDINGS or not isinstance(engine, EmbeddingEngine):
+        message = (
+            f"model {model_name!r} generates text; {EMBEDDINGS} needs an embedding model"
+            if lease.endpoint == EMBEDDINGS
+            else f"model {model_name!r} is an embedding model; it serves {EMBEDDINGS} only, not {lease.endpoint}"
+        )
+        for line in pending:
+            sink.add(_rejected(line.request_id, line.line_number, message, param="model", code="model_not_supported"))
+        return ShardEnd.FINISHED
+    mapped: list[tuple[PendingLine, EmbeddingRequest]] = []
+    for line in pending:
+        try:
+            mapped.append((line, map_embedding_request(line.body, engine)))
+        except InvalidRequest as exc:
+            sink.add(_rejected(line.request_id, line.line_number, exc.message, param=exc.param, code=exc.code))
+    start = 0
+    while start < len(mapped):
+        end, num_tokens = start, 0
+        while end < len(mapped) and (end == start or num_tokens + mapped[end][1].num_tokens <= EMBED_CHUNK_TOKENS):
+            num_tokens += mapped[end][1].num_tokens
+            end += 1
+        started_s = time.perf_counter()
+        for result in _embed_chunk(engine, mapped[start:end], model_name):
+            sink.add(result)
+        stats = EngineStats(
+            num_steps=1,
+            num_prompt_tokens_computed=num_tokens,
+            num_prompt_tokens=num_tokens,
+            forward_s=time.perf_counter() - started_s,
+        )
+        observer.step_done(stats, [])
+        start = end
+        stop = should_stop()
+        if stop is None and start < len(mapped):
+            sink.flush()
+            stop = _batch_stopped(lease, database_url, clock)
+        if stop is not None and start < len(mapped):
+            logger.info("batch %s: %s with %d lines not embedded", lease.batch_id, stop.value, len(mapped) - start)
+            return stop
+    return ShardEnd.FINISHED
+
+
+def _embed_chunk(
+    engine: EmbeddingEngine, chunk: list[tuple[PendingLine, EmbeddingRequest]], model_name: str
+) -> list[LineResult]:
+    """The results of one chunk of lines: one ``embed`` call per distinct ``dimensions`` among them."""
+    results: list[LineResult] = []
+    for dimensions in dict.fromkeys(request.dimensions for _, request in chunk):
+        group = [(line, request) for line, request in chunk if request.dimensions == dimensions]
+        try:
+            embeddings = engine.embed(
+                [ids for _, request in group for ids in request.prompt_token_ids], dimensions=dimensions
+            )
+        except Exception as exc:
+            logger.exception("embedding %d lines failed", len(group))
+            results += [
+                _server_error(line.request_id, f"the engine failed while embedding: {exc}") for line, _ in group
+            ]
+            continue
+        offset = 0
+        for line, request in group:
+            rows = embeddings[offset : offset + len(request.prompt_token_ids)]
+            offset += len(request.prompt_token_ids)
+            body = embedding_body(rows, request, model=model_name)
+            results.append(
+                LineResult(
+                    request_id=line.request_id,
+                    response={"status_code": 200, "request_id": new_request_id(), "body": body},
+                    prompt_tokens=request.num_tokens,
+                )
+            )
+    return results
 
 
 def _resume(

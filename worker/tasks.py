@@ -44,10 +44,18 @@ def grade_eval_shard(run_id: str, shard_id: str | None) -> dict[str, Any]:
 
 
 def _engine_grader() -> EngineModelGrader:
-    """This worker's engine (built on first use) as the judge of model graders."""
-    from worker.bootstrap import get_engine
+    """This worker's engine (built on first use) as the judge of model graders.
 
-    return EngineModelGrader(get_engine(), model=get_settings().served_model_name)
+    Raises:
+        RuntimeError: this worker serves an embedding model, which cannot answer a grader.
+    """
+    from worker.bootstrap import get_engine
+    from worker.engine.llm_engine import LLMEngine
+
+    engine, model = get_engine(), get_settings().served_model_name
+    if not isinstance(engine, LLMEngine):
+        raise RuntimeError(f"model graders need a generate model; this worker serves the embedding model {model!r}")
+    return EngineModelGrader(engine, model=model)
 
 
 @worker_ready.connect

@@ -180,7 +180,7 @@ def test_create_rejects_bad_parameters_with_openai_errors(client: Any) -> None:
     file_id = _upload(client, [chat_line("a")])
     cases = [
         ({"input_file_id": "file-missing", "endpoint": CHAT}, "input_file_id"),
-        ({"input_file_id": file_id, "endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"input_file_id": file_id, "endpoint": "/v1/moderations"}, "endpoint"),
         ({"input_file_id": file_id, "endpoint": CHAT, "completion_window": "1h"}, "completion_window"),
         ({"input_file_id": file_id, "endpoint": CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
         ({"input_file_id": file_id, "endpoint": CHAT, "metadata": {"k": 1}}, "metadata.k"),

@@ -40,7 +40,7 @@ def test_job_bad_parameters_are_400_and_store_nothing(client: Any) -> None:
         (_post_job(client, data, metadata="{not json"), "metadata"),
         (_post_job(client, data, metadata='["a"]'), "metadata"),
         (_post_job(client, data, metadata='{"a": ' + "[" * 5000 + "]" * 5000 + "}"), "metadata"),
-        (client.post("/v1/jobs", files={"file": ("j.jsonl", data)}, data={"endpoint": "/v1/embeddings"}), "endpoint"),
+        (client.post("/v1/jobs", files={"file": ("j.jsonl", data)}, data={"endpoint": "/v1/moderations"}), "endpoint"),
         (_post_job(client, data, completion_window="2h"), "completion_window"),
         (client.post("/v1/jobs", files={"file": ("j.jsonl", data)}), "endpoint"),
     ]

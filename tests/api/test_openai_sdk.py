@@ -89,7 +89,7 @@ def test_sdk_sees_openai_errors(sdk: openai.OpenAI) -> None:
         sdk.batches.create(input_file_id="file-missing", endpoint=CHAT, completion_window="24h")
     assert bad.value.param == "input_file_id"
     with pytest.raises(openai.BadRequestError) as bad_endpoint:
-        sdk.batches.create(input_file_id="file-x", endpoint="/v1/embeddings", completion_window="24h")
+        sdk.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")
     assert bad_endpoint.value.param == "endpoint"
     uploaded = sdk.files.create(file=("bad.jsonl", b"nope\n"), purpose="batch")
     failed = sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")

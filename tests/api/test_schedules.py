@@ -83,7 +83,7 @@ def test_list_pages_newest_first(client: Any) -> None:
         ({"cron": "0 3 * *"}, "cron"),
         ({"cron": "0 25 * * *"}, "cron"),
         ({"input_file_id": "file-nope"}, "input_file_id"),
-        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"endpoint": "/v1/moderations"}, "endpoint"),
         ({"completion_window": "48h"}, "completion_window"),
         ({"cron_expression": "0 3 * * *"}, "cron_expression"),
         ({"metadata": {"schedule_id": "mine"}}, "metadata"),

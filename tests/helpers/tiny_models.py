@@ -3,6 +3,7 @@ classes and saved with ``save_pretrained`` (plus the byte tokenizer of :mod:`tes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,4 +91,31 @@ def save_tiny_model(
     kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
     build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def save_tiny_bert(path: str | Path, *, pooling: str = "pooling_mode_mean_tokens", seed: int = 0) -> Path:
+    """Save a randomly initialised 2-layer, hidden-64 BERT (128 positions, the byte tokenizer) at ``path`` as a
+    sentence-transformers folder: the Pooling module asks for ``pooling``, a Normalize module follows."""
+    path = Path(path)
+    config = transformers.BertConfig(
+        vocab_size=TINY_DECODER_FIELDS["vocab_size"],
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    transformers.BertModel(config).eval().save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({pooling: True}))
     return path

@@ -147,7 +147,7 @@ def test_missing_model_and_unknown_endpoint() -> None:
     body = _chat()
     del body["model"]
     assert _rejection(CHAT_COMPLETIONS, body).param == "model"
-    assert _rejection("/v1/embeddings", {"input": "x"}).param == "url"
+    assert _rejection("/v1/moderations", {"input": "x"}).param == "url"
 
 
 def test_chat_body_accepts_every_contract_field_and_vllm_extension() -> None:

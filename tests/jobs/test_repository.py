@@ -101,7 +101,7 @@ def test_create_batch_rejects_bad_parameters(service_settings: Settings) -> None
         file = write_file(session, chunks=[b"{}\n"], filename="in.jsonl", purpose="batch")
         cases = [
             ({"input_file_id": "file-nope", "endpoint": CHAT}, "input_file_id"),
-            ({"input_file_id": file.id, "endpoint": "/v1/embeddings"}, "endpoint"),
+            ({"input_file_id": file.id, "endpoint": "/v1/moderations"}, "endpoint"),
             ({"input_file_id": file.id, "endpoint": CHAT, "completion_window": "48h"}, "completion_window"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
             ({"input_file_id": file.id, "endpoint": CHAT, "metadata": {"k" * 65: "v"}}, "metadata"),

@@ -101,7 +101,7 @@ def test_create_schedule_checks_what_each_batch_will_need(settings: Settings) ->
             ({"cron": "0 * * *"}, "cron"),
             ({"input_file_id": "file-nope"}, "input_file_id"),
             ({"input_file_id": output.id}, "input_file_id"),
-            ({"endpoint": "/v1/embeddings"}, "endpoint"),
+            ({"endpoint": "/v1/moderations"}, "endpoint"),
             ({"completion_window": "1h"}, "completion_window"),
             # 16 pairs is OpenAI's limit; the batches need one more for schedule_id.
             ({"metadata": {f"k{idx}": "v" for idx in range(16)}}, "metadata"),

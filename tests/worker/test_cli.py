@@ -69,7 +69,7 @@ def test_a_port_out_of_range_is_refused_at_parsing(capsys):
 
 def test_submit_rejects_an_unknown_endpoint(capsys):
     with pytest.raises(SystemExit):
-        cli._parser().parse_args(["submit", "f.jsonl", "--endpoint", "/v1/embeddings"])
+        cli._parser().parse_args(["submit", "f.jsonl", "--endpoint", "/v1/moderations"])
     assert "invalid choice" in capsys.readouterr().err
 
 

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from jobs.config import BUILTIN_MODEL, get_settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, get_settings
 from worker.model_prepare import ModelNotFoundError, builtin_gguf_path, check_model, prepare_model
 
 
@@ -27,6 +27,16 @@ def test_unknown_model_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
+def test_builtin_embedding_model_is_unzipped_into_the_cache_once(tmp_path):
+    folder = prepare_model(BUILTIN_EMBEDDING_MODEL, tmp_path)
+
+    assert folder == tmp_path / BUILTIN_EMBEDDING_MODEL
+    assert {"config.json", "model.safetensors", "modules.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    assert (folder / "1_Pooling" / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [BUILTIN_EMBEDDING_MODEL]  # no staging folder left behind
+    assert prepare_model(BUILTIN_EMBEDDING_MODEL, tmp_path) == folder
+
+
 def test_builtin_model_converts_and_answers(served_model_dir):
     config = json.loads((served_model_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and config["num_key_value_heads"] == 3

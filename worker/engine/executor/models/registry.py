@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from worker.engine.executor.models.bert import BertModel
 from worker.engine.executor.models.gemma2 import Gemma2ForCausalLM
 from worker.engine.executor.models.gemma3 import Gemma3ForCausalLM
 from worker.engine.executor.models.llama import LlamaForCausalLM
@@ -60,3 +61,19 @@ def resolve_model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
             f"unsupported model architecture {named}; supported: {', '.join(sorted(MODEL_ARCHITECTURES))}"
         )
     return model_class
+
+
+# Encoders served for embeddings (worker/engine/pooling_engine.py), by ``model_type``: the heads a checkpoint
+# may carry (``BertForMaskedLM`` ...) are dropped, the encoder under them is the same.
+ENCODER_ARCHITECTURES: dict[str, type[BertModel]] = {"bert": BertModel}
+
+
+def is_encoder_config(config: PretrainedConfig) -> bool:
+    """Whether ``config`` is an encoder the engine serves (:data:`ENCODER_ARCHITECTURES`): an embedding model."""
+    return str(getattr(config, "model_type", "")) in ENCODER_ARCHITECTURES
+
+
+def model_kind_of(config: PretrainedConfig) -> str:
+    """``"embed"`` for an encoder, else ``"generate"``: the kind a model has when the settings name none
+    (a decoder embedder, such as Qwen3-Embedding, is a decoder checkpoint the settings mark ``embed``)."""
+    return "embed" if is_encoder_config(config) else "generate"

@@ -1,0 +1,190 @@
+"""BERT encoder (Devlin et al. 2019) over packed variable-length sequences, for embeddings.
+
+Same mathematics as Hugging Face's ``BertModel`` (absolute position and token-type embeddings, post-norm
+layers, exact-erf GELU), laid out as the decoders are (:mod:`worker.engine.executor.models.llama`): no batch
+dimension and no padding (``[num_tokens, hidden_size]``, sequence by sequence), q/k/v fused into one
+``qkv_proj``. Attention is bidirectional within each sequence: :func:`packed_bidirectional_attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PretrainedConfig
+
+# Checkpoint tensors an encoder for embeddings has no use for: the position-id buffer and the pooler head
+# (the NSP/classification ``tanh`` layer; sentence-transformers pools the last hidden state itself).
+_IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.")
+# Wrappers (``BertForMaskedLM``, ``BertForSequenceClassification``) store the encoder under ``bert.``.
+_WRAPPER_PREFIX = "bert."
+
+
+def packed_bidirectional_attention(
+    qkv: torch.Tensor, seq_lens: list[int], num_heads: int, head_size: int, scale: float
+) -> torch.Tensor:
+    """Full (non-causal) attention of each packed sequence over its own tokens.
+
+    Consecutive sequences of the same length go to one ``scaled_dot_product_attention`` call as a batch
+    (the engine sorts its inputs by length, so a batch holds long runs of equal lengths); no padding and no
+    mask are ever built, so no FLOP is spent across sequences.
+
+    Args:
+        qkv: ``[num_tokens, 3 * num_heads * head_size]``, the fused projection (q, then k, then v).
+        seq_lens: tokens per sequence, in packing order; they sum to ``num_tokens``.
+        num_heads, head_size: attention shape; scale: the softmax scale (``head_size ** -0.5``).
+
+    Returns:
+        ``[num_tokens, num_heads * head_size]`` attention outputs, same dtype as ``qkv``.
+    """
+    num_tokens = qkv.shape[0]
+    out = qkv.new_empty(num_tokens, num_heads * head_size)
+    start, i = 0, 0
+    while i < len(seq_lens):
+        length = seq_lens[i]
+        run = 1
+        while i + run < len(seq_lens) and seq_lens[i + run] == length:
+            run += 1
+        end = start + run * length
+        # [run * L, 3, H, D] -> 3 x [run, H, L, D]
+        q, k, v = qkv[start:end].view(run, length, 3, num_heads, head_size).permute(2, 0, 3, 1, 4).unbind(0)
+        attended = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        out[start:end].view(run, length, num_heads, head_size).copy_(attended.transpose(1, 2))
+        start, i = end, i + run
+    return out
+
+
+class BertEmbeddings(nn.Module):
+    """Word + absolute position + token-type embeddings, then LayerNorm (type 0 for every token: one segment)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        embedded = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        embedded += self.token_type_embeddings.weight[0]
+        out: torch.Tensor = self.LayerNorm(embedded)
+        return out
+
+
+class BertLayer(nn.Module):
+    """Post-norm encoder layer: ``x = LN(x + attn(x)); x = LN(x + down(gelu(up(x))))``."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden = int(config.hidden_size)
+        self.num_heads = int(config.num_attention_heads)
+        self.head_size = hidden // self.num_heads
+        self.scale = self.head_size**-0.5
+        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        self.o_proj = nn.Linear(hidden, hidden)
+        self.attention_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.up_proj = nn.Linear(hidden, int(config.intermediate_size))
+        self.down_proj = nn.Linear(int(config.intermediate_size), hidden)
+        self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        attended = packed_bidirectional_attention(
+            self.qkv_proj(hidden_states), seq_lens, self.num_heads, self.head_size, self.scale
+        )
+        hidden_states = self.attention_norm(hidden_states + self.o_proj(attended))
+        # NOTE: exact (erf) GELU, BERT's ``hidden_act="gelu"``; the tanh form differs in the 4th decimal.
+        out: torch.Tensor = self.output_norm(hidden_states + self.down_proj(F.gelu(self.up_proj(hidden_states))))
+        return out
+
+
+class BertModel(nn.Module):
+    """BERT encoder over a packed batch: token ids -> last hidden states (no pooler head).
+
+    Build from a ``transformers.BertConfig``, then :meth:`load_weights` with Hugging Face names
+    (``encoder.layer.N.attention.self.query.weight`` ..., optionally under ``bert.``);
+    :func:`worker.engine.executor.model_loader.load_model` does both steps.
+
+    Raises:
+        UnsupportedModelError: (from the registry) a ``position_embedding_type`` other than ``absolute`` or
+            an activation other than ``gelu``.
+    """
+
+    is_encoder = True
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        from worker.engine.executor.models.registry import UnsupportedModelError
+
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(f"BERT with {config.position_embedding_type} positions is not supported")
+        if config.hidden_act != "gelu":
+            raise UnsupportedModelError(f"BERT with hidden_act {config.hidden_act!r} is not supported (gelu is)")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(int(config.num_hidden_layers)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """Encode packed sequences.
+
+        Args:
+            input_ids: ``LongTensor[num_tokens]``, sequence after sequence.
+            positions: ``LongTensor[num_tokens]``, each token's position in its sequence (``0 .. len - 1``).
+            seq_lens: tokens per sequence (host list), summing to ``num_tokens``.
+
+        Returns:
+            Last hidden states ``[num_tokens, hidden_size]`` in the model dtype (Hugging Face's
+            ``last_hidden_state`` without the padding rows).
+        """
+        hidden_states: torch.Tensor = self.embeddings(input_ids, positions)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, seq_lens)
+        return hidden_states
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this model, fusing query/key/value on the way.
+
+        Raises:
+            KeyError: on a checkpoint tensor this model has no parameter for (named).
+            ValueError: on a shape mismatch, or naming the checkpoint tensors that never came.
+        """
+        expected = self._checkpoint_layout()
+        seen: set[str] = set()
+        for raw_name, tensor in weights:
+            name = raw_name.removeprefix(_WRAPPER_PREFIX)
+            if name.startswith(_IGNORED_PREFIXES) or raw_name.startswith(("cls.", "classifier.")):
+                continue
+            if name not in expected:
+                raise KeyError(f"checkpoint tensor {raw_name!r} matches no parameter of {type(self).__name__}")
+            param, start, rows = expected[name]
+            dest = param.data if rows is None else param.data.narrow(0, start, rows)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{raw_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.add(name)
+        missing = sorted(expected.keys() - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
+
+    def _checkpoint_layout(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
+        """Hugging Face tensor name -> (our parameter, first row, rows or ``None`` for the whole parameter)."""
+        hidden = int(self.config.hidden_size)
+        layout: dict[str, tuple[nn.Parameter, int, int | None]] = {}
+        for name, param in self.embeddings.named_parameters():
+            layout[f"embeddings.{name}"] = (param, 0, None)
+        for index, layer in enumerate(self.layers):
+            prefix = f"encoder.layer.{index}."
+            for kind in ("weight", "bias"):
+                qkv = getattr(layer.qkv_proj, kind)
+                for part, projection in enumerate(("query", "key", "value")):
+                    layout[f"{prefix}attention.self.{projection}.{kind}"] = (qkv, part * hidden, hidden)
+                for ours, theirs in (
+                    (layer.o_proj, "attention.output.dense"),
+                    (layer.attention_norm, "attention.output.LayerNorm"),
+                    (layer.up_proj, "intermediate.dense"),
+                    (layer.down_proj, "output.dense"),
+                    (layer.output_norm, "output.LayerNorm"),
+                ):
+                    layout[f"{prefix}{theirs}.{kind}"] = (getattr(ours, kind), 0, None)
+        return layout
