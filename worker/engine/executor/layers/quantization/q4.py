@@ -34,6 +34,8 @@ class GGUFLinear(nn.Module):
 
     ``blocks`` uint8 ``[out_features, in_features / 32 * block_bytes]`` in ggml's layout, ``block_type`` the
     ggml type id (:data:`kernels.cpu_q4.GGUF_BLOCK_TYPES`); the bias (if any) stays float32.
+    ``quantize_activations`` (off: weight-only) switches to the kernel's int8-activation path, which
+    bench/quant.py measures against it (docs/engine.md, "Quantized weights").
     """
 
     def __init__(self, blocks: torch.Tensor, block_type: int, in_features: int, bias: nn.Parameter | None) -> None:
@@ -43,10 +45,11 @@ class GGUFLinear(nn.Module):
         self.block_type = block_type
         self.blocks = nn.Buffer(blocks.contiguous(), persistent=False)
         self.bias = bias
+        self.quantize_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
-        return linear_gguf(x, self.blocks, self.block_type, self.out_features, bias)
+        return linear_gguf(x, self.blocks, self.block_type, self.out_features, bias, self.quantize_activations)
 
 
 def find_gguf(model_dir: Path) -> Path | None:
