@@ -305,3 +305,26 @@ def linear_gguf_reference(
         q, d, _ = quantize_activations_q8(x)
         x = (q.reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape[0], -1)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """Quantize a float weight to GGUF Q8_0 blocks (llama.cpp's ``quantize_row_q8_0_ref``): int8 with one scale
+    per group of 32 weights along ``in_features``, ``d = max|x| / 127``, ``q = round(x / d)``, ``d`` float16.
+
+    Args:
+        weight: float ``[out_features, in_features]``, ``in_features`` a multiple of 32.
+
+    Returns:
+        uint8 ``[out_features, in_features / 32 * 34]`` for :func:`dequantize_gguf_blocks` (type 8).
+
+    Raises:
+        ValueError: when ``in_features`` is not a multiple of 32.
+    """
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"Q8_0 needs in_features to be a multiple of 32, got {cols}")
+    w = weight.detach().float().reshape(rows, -1, 32)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(w * inv).to(torch.int8)
+    return torch.cat((d.half().view(torch.uint8), q.view(torch.uint8)), dim=-1).reshape(rows, -1).contiguous()

@@ -17,6 +17,7 @@ from kernels.reference import (
     linear_gguf_reference,
     quantize_activations_q8,
     quantize_q4_1,
+    quantize_q8_0,
 )
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -43,6 +44,11 @@ def test_quantize_q4_1_matches_gguf():
     # rounding boundary, so compare dequantized weights within one step.
     step = dequantize_gguf_blocks(ours, 3).sub(dequantize_gguf_blocks(blocks, 3)).abs()
     assert ours.shape == blocks.shape and step.max() <= (weight.amax() - weight.amin()) / 15
+
+
+def test_quantize_q8_0_matches_gguf():
+    weight, blocks = _blocks("Q8_0", 9, 64)
+    assert torch.equal(dequantize_gguf_blocks(quantize_q8_0(weight), 8), dequantize_gguf_blocks(blocks, 8))
 
 
 @pytest.mark.parametrize("quantize_activations", [False, True], ids=["f32-activations", "q8-activations"])
