@@ -84,7 +84,7 @@ def test_worker_model_makes_the_process_serve_that_model(monkeypatch: pytest.Mon
         {"a": "x", "b": {"source": "y", "aliases": ["a"]}},
         {"a": {"source": "x", "aliases": ["a"]}},
         {"a": {"source": "x", "kind": "classify"}},
-        {"a": {"source": "x", "quantization": "q4"}},
+        {"a": {"source": "x", "quantization": "q3"}},
     ],
 )
 def test_bad_model_lists_are_refused(monkeypatch: pytest.MonkeyPatch, models: dict[str, object]) -> None:
