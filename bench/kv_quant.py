@@ -106,6 +106,7 @@ def run_quality(threads: int, num_prompts: int, num_tokens: int, kv_cache_dtypes
     from transformers import AutoTokenizer
 
     from worker.engine import SamplingParams
+    from worker.engine.quality import teacher_forced_agreement
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_model())
     prompts = [tokenizer(p)["input_ids"] for p in humaneval_prompts()[:num_prompts]]
@@ -114,21 +115,10 @@ def run_quality(threads: int, num_prompts: int, num_tokens: int, kv_cache_dtypes
     result: dict[str, Any] = {"quality_prompts": num_prompts, "quality_tokens": num_tokens}
     for kv_cache_dtype in kv_cache_dtypes:
         engine = _engine(kv_cache_dtype, 512, threads)
-        forced = engine.generate(
-            [p + c for p, c in zip(prompts, reference, strict=True)],
-            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-        )
-        agree = total = 0
-        for prompt, continuation, out in zip(prompts, reference, forced, strict=True):
-            assert out.prompt_logprobs is not None
-            for t, token in enumerate(continuation):
-                position = out.prompt_logprobs[len(prompt) + t]
-                assert position is not None
-                agree += max(position, key=lambda tid: position[tid].logprob) == token
-                total += 1
+        agreement = teacher_forced_agreement(engine, prompts, reference)
         free = [list(out.outputs[0].token_ids) for out in engine.generate(prompts, greedy)]
         divergences = [_first_divergence(ref, own) for ref, own in zip(reference, free, strict=True)]
-        result[f"{kv_cache_dtype}_top1_agreement"] = agree / total
+        result[f"{kv_cache_dtype}_top1_agreement"] = agreement.fraction
         result[f"{kv_cache_dtype}_identical_lines"] = divergences.count(None)
         result[f"{kv_cache_dtype}_first_divergences"] = sorted(d for d in divergences if d is not None)
         print(json.dumps({k: v for k, v in result.items() if k.startswith(kv_cache_dtype)}), file=sys.stderr)

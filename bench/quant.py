@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -145,23 +144,16 @@ def perplexity_text(tokenizer: Any, num_problems: int = 8) -> list[list[int]]:
 
 
 def quality(engine: Any, prompts: list[list[int]], forced: list[list[int]], text: list[list[int]]) -> dict[str, Any]:
-    """Teacher-forced top-1 agreement of ``engine`` with ``forced`` and its perplexity on ``text``."""
-    from worker.engine import SamplingParams
+    """Teacher-forced top-1 agreement of ``engine`` with ``forced`` and its perplexity on ``text``
+    (`worker.engine.quality`)."""
+    from worker.engine.quality import perplexity, teacher_forced_agreement
 
-    one = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    outs = engine.generate([p + c for p, c in zip(prompts, forced, strict=True)], one)
-    agree = total = 0
-    for prompt, continuation, out in zip(prompts, forced, outs, strict=True):
-        for t, token in enumerate(continuation):
-            position = out.prompt_logprobs[len(prompt) + t]
-            agree += max(position, key=lambda tid: position[tid].logprob) == token
-            total += 1
-    logprobs = [
-        out.prompt_logprobs[i][ids[i]].logprob
-        for ids, out in zip(text, engine.generate(text, one), strict=True)
-        for i in range(1, len(ids))
-    ]
-    return {"top1_agreement": agree / total, "positions": total, "perplexity": math.exp(-statistics.fmean(logprobs))}
+    agreement = teacher_forced_agreement(engine, prompts, forced)
+    return {
+        "top1_agreement": agreement.fraction,
+        "positions": agreement.num_positions,
+        "perplexity": perplexity(engine, text),
+    }
 
 
 def run_quality(threads: int, num_prompts: int, num_tokens: int, settings: list[str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.quality import teacher_forced_agreement
 
 FP8_BOUND = 0.98
 
@@ -36,20 +37,11 @@ def test_quantized_cache_top1_agreement_with_fp32_on_humaneval(served_model_dir,
     forced = [out.outputs[0].token_ids for out in LLMEngine(EngineConfig(**base)).generate(prompts, greedy)]
     for kv_cache_dtype, bound, max_gap in (("int8", 0.985, 0.1), ("fp8", FP8_BOUND, None)):
         engine = LLMEngine(EngineConfig(**base, kv_cache_dtype=kv_cache_dtype))
-        outs = engine.generate(
-            [p + list(c) for p, c in zip(prompts, forced, strict=True)],
-            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2),
+        agreement = teacher_forced_agreement(engine, prompts, forced)
+        assert agreement.num_positions == num_prompts * num_tokens
+        assert agreement.fraction >= bound, (
+            f"{kv_cache_dtype}: {agreement.num_agree}/{agreement.num_positions} forced positions agree"
         )
-        agree = total = 0
-        for prompt, continuation, out in zip(prompts, forced, outs, strict=True):
-            assert out.prompt_logprobs is not None
-            for t, token in enumerate(continuation):
-                position = out.prompt_logprobs[len(prompt) + t]
-                assert position is not None
-                top = max(position, key=lambda tid: position[tid].logprob)
-                agree += top == token
-                total += 1
-                if top != token and max_gap is not None:
-                    assert token in position and position[top].logprob - position[token].logprob < max_gap
-        assert total == num_prompts * num_tokens
-        assert agree / total >= bound, f"{kv_cache_dtype} agrees with fp32 on {agree}/{total} forced positions"
+        if max_gap is not None:
+            for disagreement in agreement.disagreements:
+                assert disagreement.gap_nats is not None and disagreement.gap_nats < max_gap, disagreement

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import math
 from pathlib import Path
 
 import gguf
@@ -23,6 +22,7 @@ from worker.engine.executor.layers.linear import PackedLinear
 from worker.engine.executor.layers.quantization.int8 import Int8Linear
 from worker.engine.executor.layers.quantization.q4 import GGUFLinear
 from worker.engine.executor.model_loader import load_model
+from worker.engine.quality import perplexity, teacher_forced_agreement
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -74,33 +74,7 @@ def fp32_reference(served_model_dir, served_tokenizer):
     fp32 = LLMEngine(EngineConfig(model=str(served_model_dir), **_REAL_MODEL))
     greedy = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     forced = [list(out.outputs[0].token_ids) for out in fp32.generate(prompts, greedy)]
-    return prompts, forced, text, _perplexity(fp32, text)
-
-
-def _perplexity(engine, text):
-    one = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    logprobs = [
-        out.prompt_logprobs[i][ids[i]].logprob
-        for ids, out in zip(text, engine.generate(text, one), strict=True)
-        for i in range(1, len(ids))
-    ]
-    return math.exp(-sum(logprobs) / len(logprobs))
-
-
-def _agreement(engine, prompts, forced):
-    outs = engine.generate(
-        [p + c for p, c in zip(prompts, forced, strict=True)],
-        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-    )
-    agree = total = 0
-    for prompt, continuation, out in zip(prompts, forced, outs, strict=True):
-        assert out.prompt_logprobs is not None
-        for t, token in enumerate(continuation):
-            position = out.prompt_logprobs[len(prompt) + t]
-            assert position is not None
-            agree += max(position, key=lambda tid: position[tid].logprob) == token
-            total += 1
-    return agree, total
+    return prompts, forced, text, perplexity(fp32, text)
 
 
 @pytest.mark.slow
@@ -111,11 +85,13 @@ def test_top1_agreement_and_perplexity_against_fp32_on_humaneval(served_model_di
     from bench/quant.py) and perplexity on a fixed text within 2% of fp32's."""
     prompts, forced, text, fp32_perplexity = fp32_reference
     engine = LLMEngine(EngineConfig(model=str(served_model_dir), quantization=quantization, **_REAL_MODEL))
-    agree, total = _agreement(engine, prompts, forced)
-    assert total == sum(len(c) for c in forced)
-    assert agree / total >= bar, f"{quantization} agrees with fp32 on {agree}/{total} forced positions"
-    perplexity = _perplexity(engine, text)
-    assert abs(perplexity / fp32_perplexity - 1) <= 0.02, (quantization, perplexity, fp32_perplexity)
+    agreement = teacher_forced_agreement(engine, prompts, forced)
+    assert agreement.num_positions == sum(len(c) for c in forced)
+    assert agreement.fraction >= bar, (
+        f"{quantization}: {agreement.num_agree}/{agreement.num_positions} forced positions agree"
+    )
+    measured = perplexity(engine, text)
+    assert abs(measured / fp32_perplexity - 1) <= 0.02, (quantization, measured, fp32_perplexity)
 
 
 def _permute_for_llama_cpp(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
