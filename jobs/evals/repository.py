@@ -567,6 +567,8 @@ def record_grades(session: Session, *, run_id: str, grades: list[Grade]) -> int:
     if run is None:
         return 0
     per_criterion = [dict(entry) for entry in run.per_testing_criteria_results]
+    if run.status == "queued":  # started by a process that did not record it (e.g. an API restart)
+        run.status = "in_progress"
     stored = 0
     for grade in grades:
         moved = session.execute(
