@@ -98,7 +98,7 @@ def test_grades_count_once_and_the_run_settles_when_nothing_is_pending(service_s
     ]
     with session_scope() as session:
         assert record_grades(session, run_id=run.id, grades=grades) == 2
-        assert settle_run(session, run_id=run.id) == "queued"  # one item still pending
+        assert settle_run(session, run_id=run.id) == "in_progress"  # one item still pending
     with session_scope() as session:
         # A duplicate grading of item 0 and the first grading of item 2 (the criterion errored).
         assert (
