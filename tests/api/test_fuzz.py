@@ -229,7 +229,9 @@ def test_any_id_in_any_path_is_400_or_404(client: Any) -> None:
 def test_any_list_query_is_answered_without_a_server_error(client: Any) -> None:
     @_fuzz("queries")
     @given(
-        path=st.sampled_from(["/v1/files", "/v1/batches", "/v1/schedules", "/v1/workers", "/v1/models", "/ui"]),
+        path=st.sampled_from(
+            ["/v1/files", "/v1/batches", "/v1/schedules", "/v1/evals", "/v1/workers", "/v1/models", "/ui"]
+        ),
         params=st.fixed_dictionaries(
             {}, optional=dict.fromkeys(("after", "limit", "purpose", "order", "x\x00"), URL_TEXT)
         ),
