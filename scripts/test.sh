@@ -150,5 +150,5 @@ fi
 
 # NOTE: not exec: the EXIT trap stops the servers this script started once pytest returns.
 status=0
-python -m pytest -q -m "not gpu" "$@" || status=$?
+python -m pytest -q -m "not gpu" --durations=30 "$@" || status=$?
 exit "$status"
