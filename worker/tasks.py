@@ -12,7 +12,7 @@ from celery.signals import worker_ready
 from jobs.evals.dispatch import dispatch_after_shard
 from jobs.queue import GRADE_EVAL_SHARD, RUN_SHARD, celery_app
 from worker import eval_grading, runner, shutdown
-from worker.model_grader import EngineModelGrader
+from worker.grading.engine_grader import EngineModelGrader
 from worker.runner import ShardEnd
 
 __all__ = ["celery_app", "grade_eval_shard", "run_shard"]

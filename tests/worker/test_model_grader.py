@@ -1,4 +1,5 @@
-"""`worker.model_grader.EngineModelGrader`: a judge request mapped as a chat line and run to its end."""
+"""`worker.grading.engine_grader.EngineModelGrader` on a stand-in engine: a judge request mapped as a chat
+line and run to its end; the engine and model name come from the worker when not given."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 
 from worker.engine.outputs import CompletionOutput, RequestOutput
-from worker.model_grader import EngineModelGrader
+from worker.grading.engine_grader import EngineModelGrader
 
 
 class _Tokenizer:
@@ -19,48 +20,55 @@ class _Tokenizer:
 
 
 class _Engine:
-    """Finishes each request on its second step with ``answer``; another request finishes first."""
+    """Answers every prompt with ``answer``, recording what it was given."""
 
     tokenizer = _Tokenizer()
 
-    def __init__(self, answer: str, *, drop: bool = False) -> None:
-        self.answer, self.drop = answer, drop
-        self.added: list[tuple[str, list[int], Any]] = []
-        self.num_steps = 0
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+        self.generated: list[tuple[list[Any], Any]] = []
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, **_kwargs: Any) -> None:
-        self.added.append((request_id, prompt, params))
-
-    def has_unfinished_requests(self) -> bool:
-        return not self.drop and self.num_steps < 2
-
-    def step(self) -> list[RequestOutput]:
-        self.num_steps += 1
-        request_id = self.added[-1][0]
-        done = self.num_steps == 2
-        other = RequestOutput("other", None, [], [CompletionOutput(0, "x", [1])], finished=True)
-        mine = RequestOutput(request_id, None, [], [CompletionOutput(0, self.answer if done else "", [1])], done)
-        return [other, mine]
+    def generate(self, prompts: list[Any], params: Any) -> list[RequestOutput]:
+        self.generated.append((prompts, params))
+        return [
+            RequestOutput(f"r{i}", None, [], [CompletionOutput(0, self.answer, [1])], True) for i in range(len(prompts))
+        ]
 
 
 def test_generate_runs_one_chat_request_with_the_sampling_params_and_format() -> None:
     engine = _Engine("positive")
-    grader = EngineModelGrader(engine, model_name="m")
+    grader = EngineModelGrader(engine, model="m")
     schema = {"type": "object", "properties": {"label": {"enum": ["positive", "negative"]}}, "required": ["label"]}
     answer = grader.generate(
         [{"role": "system", "content": "Label it."}, {"role": "user", "content": "great"}],
         response_format={"type": "json_schema", "json_schema": {"name": "label", "schema": schema}},
-        sampling_params={"temperature": 0, "max_completion_tokens": 5, "seed": 3, "unknown": 1},
+        sampling_params={"temperature": 0, "max_completion_tokens": 5, "seed": 3, "top_p": None},
     )
     assert answer == "positive"
-    ((_request_id, prompt, params),) = engine.added
-    assert prompt == _Tokenizer().encode("<system>Label it.<user>great")
+    ((prompts, params),) = engine.generated
+    assert prompts == [_Tokenizer().encode("<system>Label it.<user>great")]
     assert (params.temperature, params.max_tokens, params.seed) == (0, 5, 3)
     assert params.structured_outputs is not None and params.structured_outputs.json is not None
 
 
-def test_an_engine_that_drops_the_request_raises() -> None:
-    with pytest.raises(RuntimeError, match="dropped"):
-        EngineModelGrader(_Engine("x", drop=True), model_name="m").generate(
-            [{"role": "user", "content": "hi"}], response_format=None, sampling_params={}
-        )
+def test_the_engine_is_built_on_first_use_and_the_model_named_by_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import worker.bootstrap
+
+    engine = _Engine("ok")
+    built: list[_Engine] = []
+
+    def get_engine() -> _Engine:
+        built.append(engine)
+        return engine
+
+    monkeypatch.setattr(worker.bootstrap, "get_engine", get_engine)
+    grader = EngineModelGrader()
+    assert built == []  # a grader that never asks the model never loads it
+    assert grader.generate([{"role": "user", "content": "hi"}], response_format=None, sampling_params={}) == "ok"
+    assert grader.generate([{"role": "user", "content": "hi"}], response_format=None, sampling_params={}) == "ok"
+    assert built == [engine]
+    from jobs.config import get_settings
+
+    assert grader.model == get_settings().served_model_name
