@@ -66,3 +66,11 @@ def test_evals_page_plots_each_run_and_the_run_page_shows_failing_items(
     assert "Paris" in failing and "Lyon" in failing and "2+2?" not in failing
 
     assert client.get(f"/ui/evals/{eval_id}/runs/evalrun_nope").status_code == 404
+
+
+def test_metrics_give_each_criterion_s_latest_pass_rate(client: Any, service_settings: Settings) -> None:
+    eval_id, _ = scheduled_eval_fired_twice(client, service_settings)
+    text = client.get("/metrics").text
+    (line,) = [line for line in text.splitlines() if line.startswith("batchinfer_eval_latest_pass_rate{")]
+    assert f'eval_id="{eval_id}"' in line and 'criterion="exact"' in line and 'model="' in line
+    assert line.endswith(" 0.5")
