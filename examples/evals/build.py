@@ -13,7 +13,7 @@ Runs are chat completions (``completions`` data source): the model answers the w
 grader runs after the problem's prompt (``prompt + completion + test``), so the answer's own ``def``
 replaces the prompt's stub.
 
-Usage: ``python examples/evals/build.py [--num-problems N]``
+Usage, from the repository root: ``python -m examples.evals.build [--num-problems N]``
 """
 
 from __future__ import annotations
