@@ -23,7 +23,7 @@ from api.admission import Admission, admission_slots
 from api.errors import install_error_handlers
 from api.limits import RequestBodies
 from api.rate_limits import RequestRate, check_request_rate
-from api.routes import batches, evals, files, health, jobs, models, schedules, workers
+from api.routes import batches, evals, files, health, jobs, models, schedules, ui_evals, workers
 from api.routes.metrics import install_metrics
 from api.routes.ui import install_ui
 from jobs.api_keys import keys_required
@@ -91,6 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router, dependencies=[Depends(check_request_rate)])
     app.include_router(health.router)
     install_ui(app, dependencies=[Depends(check_request_rate)])
+    app.include_router(ui_evals.router, dependencies=[Depends(check_request_rate)])
     slots = admission_slots()
     app.add_middleware(Admission, slots=slots)
     # NOTE: a middleware added later runs outside the earlier ones: a body is received (or refused) before

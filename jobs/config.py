@@ -223,6 +223,11 @@ class Settings(BaseSettings):
         """Every name a line may put in ``body.model`` (names and aliases) -> the model's name."""
         return {name: entry.name for entry in self.models for name in (entry.name, *entry.aliases)}
 
+    @property
+    def generate_model_aliases(self) -> dict[str, str]:
+        """`aliases` of the ``generate`` models only: the names an eval run's data source may give."""
+        return {alias: name for alias, name in self.aliases.items() if self.model_entry(name).kind == "generate"}
+
     def model_entry(self, name: str) -> ModelEntry:
         """The configured model called ``name`` (or one of its aliases).
 

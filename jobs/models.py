@@ -230,25 +230,29 @@ class BatchShard(Base):
 
 
 class Schedule(Base):
-    """A scheduled evaluation run: a batch of ``input_file_id`` created at every tick of ``cron``.
+    """A scheduled evaluation run: at every tick of ``cron``, a batch of ``input_file_id`` (``endpoint``),
+    or a run of eval ``eval_id`` from ``run_spec`` (the ``POST /v1/evals/{eval_id}/runs`` body).
 
     ``cron`` is a 5-field cron expression evaluated in UTC; ``next_run_at`` is the next tick (Unix
-    seconds), ``last_run_at`` / ``last_batch_id`` the latest tick that fired and the batch it made
-    (see `jobs.schedules`).
+    seconds), ``last_run_at`` / ``last_batch_id`` (/ ``last_run_id``) the latest tick that fired and the
+    batch (eval run) it made (see `jobs.schedules`).
     """
 
     __tablename__ = "schedules"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     cron: Mapped[str] = mapped_column(String(128))
-    input_file_id: Mapped[str] = mapped_column(String(64))
-    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str | None] = mapped_column(String(64))
+    endpoint: Mapped[str | None] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
     created_at: Mapped[int] = mapped_column(BigInteger)
     next_run_at: Mapped[int] = mapped_column(BigInteger)
     last_run_at: Mapped[int | None] = mapped_column(BigInteger)
     last_batch_id: Mapped[str | None] = mapped_column(String(64))
+    eval_id: Mapped[str | None] = mapped_column(String(64))
+    run_spec: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    last_run_id: Mapped[str | None] = mapped_column(String(64))
     owner_key_id: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (

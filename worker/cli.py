@@ -16,6 +16,7 @@
     batchinfer keys create [--name N] a new API key (printed once; stored hashed)
     batchinfer keys ls                every API key (id, name, first characters, created, revoked)
     batchinfer keys revoke KEY_ID     revoke a key
+    batchinfer eval create|run|ls|show evals over the HTTP API (`worker.cli_evals`)
 
 Everything is configured by ``BATCHINFER_*`` environment variables (`jobs.config.Settings`);
 ``submit``, ``status`` and ``ls`` send ``BATCHINFER_API_KEY`` (else ``OPENAI_API_KEY``) as the
@@ -136,6 +137,10 @@ def _parser() -> argparse.ArgumentParser:
     revoke_key = keys.add_parser("revoke", help="revoke a key (its objects stay, reachable by no key)")
     revoke_key.add_argument("key_id")
     revoke_key.set_defaults(handler=_keys_revoke)
+
+    from worker.cli_evals import add_eval_commands
+
+    add_eval_commands(commands, settings)
     return parser
 
 

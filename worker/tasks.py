@@ -9,7 +9,6 @@ from typing import Any
 
 from celery.signals import worker_ready
 
-from jobs.config import get_settings
 from jobs.evals.dispatch import dispatch_after_shard
 from jobs.queue import GRADE_EVAL_SHARD, RUN_SHARD, celery_app
 from worker import eval_grading, runner, shutdown
@@ -39,23 +38,8 @@ def run_shard() -> dict[str, Any] | None:
 def grade_eval_shard(run_id: str, shard_id: str | None) -> dict[str, Any]:
     """Grade one shard of an eval run (`worker.eval_grading.grade_shard`; model graders ask this worker's
     engine, loaded only if one does); returns the items graded and the run's status afterwards."""
-    graded = eval_grading.grade_shard(run_id, shard_id, model_grader=_engine_grader)
+    graded = eval_grading.grade_shard(run_id, shard_id, model_grader=EngineModelGrader)
     return {"run_id": run_id, "shard_id": shard_id, "graded": graded.num_graded, "run": graded.run_status}
-
-
-def _engine_grader() -> EngineModelGrader:
-    """This worker's engine (built on first use) as the judge of model graders.
-
-    Raises:
-        RuntimeError: this worker serves an embedding model, which cannot answer a grader.
-    """
-    from worker.bootstrap import get_engine
-    from worker.engine.llm_engine import LLMEngine
-
-    engine, model = get_engine(), get_settings().served_model_name
-    if not isinstance(engine, LLMEngine):
-        raise RuntimeError(f"model graders need a generate model; this worker serves the embedding model {model!r}")
-    return EngineModelGrader(engine, model=model)
 
 
 @worker_ready.connect

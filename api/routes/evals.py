@@ -127,7 +127,7 @@ def create_a_run(
         eval_id=eval_id,
         data_source=body.data_source,
         served_model=settings.served_model_name,
-        aliases=_generate_model_names(settings),
+        aliases=settings.generate_model_aliases,
         storage=storage_from_settings(settings),
         max_items=settings.max_file_lines,
         name=body.name,
@@ -136,11 +136,6 @@ def create_a_run(
     )
     background_tasks.add_task(_start_in_background, run.id, settings)
     return _run_object(session, run, request)
-
-
-def _generate_model_names(settings: Settings) -> dict[str, str]:
-    """Every name (and alias) of a configured ``generate`` model -> that model's name: what a run may name."""
-    return {alias: name for alias, name in settings.aliases.items() if settings.model_entry(name).kind == "generate"}
 
 
 @router.get("/{eval_id}/runs", response_model=ListPage[RunObject])

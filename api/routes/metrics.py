@@ -10,6 +10,7 @@ Each app has its own `CollectorRegistry` (`install_metrics`), holding:
 | ``batchinfer_tokens_total`` | counter | ``kind`` (input, output, cached) | batches' usage, on scrape |
 | ``batchinfer_files`` / ``batchinfer_file_bytes`` | gauge | ``purpose`` | files table, on scrape |
 | ``batchinfer_schedules`` | gauge | | schedules table, on scrape |
+| ``batchinfer_eval_latest_pass_rate`` | gauge | ``eval_id``, ``criterion``, ``model`` | latest completed eval runs, on scrape |
 | ``batchinfer_http_requests_total`` | counter | ``method``, ``route`` (template, or "unmatched"), ``status_code`` | this process |
 
 Database figures are read on every scrape by a custom collector (the prometheus_client pattern for
@@ -26,8 +27,9 @@ are read on each scrape, so a worker that is restarted shows again without the A
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -38,7 +40,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs.db import get_engine
-from jobs.models import Batch, File, Schedule
+from jobs.models import Batch, EvalRun, File, Schedule
 from jobs.status import BatchStatus
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,11 @@ class DatabaseCollector:
                 select(File.purpose, func.count(), func.coalesce(func.sum(File.num_bytes), 0)).group_by(File.purpose)
             ).all()
             num_schedules = connection.scalar(select(func.count()).select_from(Schedule))
+            runs = connection.execute(
+                select(EvalRun.eval_id, EvalRun.model, EvalRun.per_testing_criteria_results)
+                .where(EvalRun.status == "completed")
+                .order_by(EvalRun.created_at.desc(), EvalRun.id.desc())
+            ).all()
 
         batches = GaugeMetricFamily("batchinfer_batches", "Batches by status", labels=["status"])
         for status in BatchStatus:
@@ -107,7 +114,28 @@ class DatabaseCollector:
             file_bytes.add_metric([purpose], num_bytes)
         schedules = GaugeMetricFamily("batchinfer_schedules", "Scheduled evaluation runs")
         schedules.add_metric([], num_schedules or 0)
-        return [batches, requests, tokens, num_files, file_bytes, schedules]
+        latest = _latest_pass_rates([(row.eval_id, row.model, row.per_testing_criteria_results) for row in runs])
+        return [batches, requests, tokens, num_files, file_bytes, schedules, latest]
+
+
+def _latest_pass_rates(runs: Sequence[tuple[str, str, Any]]) -> Metric:
+    """Each (eval, criterion, model)'s pass rate (0..1) in its latest completed run that graded it;
+    ``runs`` are ``(eval_id, model, per_testing_criteria_results)``, newest first."""
+    gauge = GaugeMetricFamily(
+        "batchinfer_eval_latest_pass_rate",
+        "Pass rate of each eval criterion in the latest completed run, per model",
+        labels=["eval_id", "criterion", "model"],
+    )
+    seen: set[tuple[str, str, str]] = set()
+    for eval_id, model, results in runs:
+        for entry in results or []:
+            key = (eval_id, entry["testing_criteria"], model)
+            graded = entry["passed"] + entry["failed"]
+            if key in seen or not graded:
+                continue
+            seen.add(key)
+            gauge.add_metric(list(key), entry["passed"] / graded)
+    return gauge
 
 
 class RequestCountMiddleware:

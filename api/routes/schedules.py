@@ -1,13 +1,15 @@
 """``/v1/schedules``: scheduled evaluation runs (batchinfer's own): create, retrieve, list, delete.
 
 A schedule creates a batch of ``input_file_id`` at every tick of ``cron`` (5 fields, UTC), exactly
-as ``POST /v1/batches`` would, with ``schedule_id`` added to the batch metadata; Celery beat drives
-the ticks (see `jobs.schedules`). Deleting a schedule keeps the batches it created.
+as ``POST /v1/batches`` would, with ``schedule_id`` added to the batch metadata; or, given ``eval_id``
+and ``run`` (the ``POST /v1/evals/{eval_id}/runs`` body), a run of that eval, ``schedule_id`` added to
+the run's metadata. Celery beat drives the ticks (see `jobs.schedules`). Deleting a schedule keeps the
+batches and runs it created.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
@@ -33,8 +35,10 @@ class ScheduleCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     cron: str
-    input_file_id: str
-    endpoint: str
+    input_file_id: str | None = None
+    endpoint: str | None = None
+    eval_id: str | None = None
+    run: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     completion_window: str = COMPLETION_WINDOW
 
@@ -46,6 +50,8 @@ def create(request: ScheduleCreateRequest, session: SessionDep, owner: OwnerDep)
         cron=request.cron,
         input_file_id=request.input_file_id,
         endpoint=request.endpoint,
+        eval_id=request.eval_id,
+        run=request.run,
         metadata=request.metadata,
         completion_window=request.completion_window,
         owner=owner,

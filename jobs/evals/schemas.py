@@ -120,8 +120,8 @@ class PerModelUsage(BaseModel):
 
 
 class RunObject(ListedObject):
-    """An eval run. ``report_url`` is the run's own JSON (``GET /v1/evals/{eval_id}/runs/{run_id}``)
-    until the ``/ui`` run page exists; ``error`` is ``{code, message}`` or null."""
+    """An eval run. ``report_url`` is its ``/ui`` page (``/ui/evals/{eval_id}/runs/{run_id}``: counts,
+    per-criterion results, failing items); ``error`` is ``{code, message}`` or null."""
 
     object: Literal["eval.run"] = "eval.run"
     eval_id: str
@@ -166,7 +166,7 @@ class RunObject(ListedObject):
             ),
             per_testing_criteria_results=row.per_testing_criteria_results,
             per_model_usage=usage,
-            report_url=f"{base_url.rstrip('/')}/v1/evals/{row.eval_id}/runs/{row.id}",
+            report_url=f"{base_url.rstrip('/')}/ui/evals/{row.eval_id}/runs/{row.id}",
         )
 
 

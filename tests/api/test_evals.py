@@ -134,7 +134,7 @@ def test_sdk_create_run_grade_and_read_output_items(sdk: openai.OpenAI, service_
 
     run = sdk.evals.runs.create(created.id, name="first", data_source=_completions_source(ITEMS))
     assert run.object == "eval.run" and run.eval_id == created.id and run.model == BUILTIN_MODEL
-    assert run.status == "queued" and run.report_url.endswith(f"/v1/evals/{created.id}/runs/{run.id}")
+    assert run.status == "queued" and run.report_url.endswith(f"/ui/evals/{created.id}/runs/{run.id}")
     assert (run.result_counts.total, run.result_counts.errored) == (4, 1)
 
     batch_id = _batch_id(run.id)

@@ -147,3 +147,72 @@ def test_a_file_a_schedule_uses_cannot_be_deleted_until_the_schedule_is(client: 
     client.delete(f"/v1/schedules/{second}")
     deleted = client.delete(f"/v1/files/{file_id}")
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+
+
+EVAL_ITEMS = [
+    {"item": {"answer": "yes"}, "sample": {"output_text": "yes"}},
+    {"item": {"answer": "yes"}, "sample": {"output_text": "no"}},
+]
+
+
+def _create_eval(client: Any) -> str:
+    criterion = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "eq",
+    }
+    item_schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    body = {"data_source_config": {"type": "custom", "item_schema": item_schema}, "testing_criteria": [criterion]}
+    response = client.post("/v1/evals", json=body)
+    assert response.status_code == 200, response.text
+    return str(response.json()["id"])
+
+
+def test_a_scheduled_eval_creates_a_run_at_each_tick(client: Any, service_settings: Settings) -> None:
+    from jobs.queue import GRADE_EVAL_SHARD
+    from tests.helpers.service import queued_tasks
+    from worker.eval_grading import grade_shard
+
+    eval_id = _create_eval(client)
+    run = {"data_source": {"type": "jsonl", "source": {"type": "file_content", "content": EVAL_ITEMS}}, "name": "n"}
+    response = client.post("/v1/schedules", json={"cron": "0 3 * * *", "eval_id": eval_id, "run": run})
+    assert response.status_code == 200, response.text
+    schedule = response.json()
+    assert (schedule["eval_id"], schedule["input_file_id"], schedule["endpoint"]) == (eval_id, None, None)
+
+    first_at = schedule["next_run_at"]
+    fired = [
+        run_due_schedules(now=first_at),
+        run_due_schedules(now=first_at + 60),
+        run_due_schedules(now=first_at + 86400),
+    ]
+    assert [len(runs) for runs in fired] == [1, 0, 1]  # the second tick of the same day finds it no longer due
+    for name, (run_id, shard_id) in queued_tasks(service_settings.broker_url):
+        if name == GRADE_EVAL_SHARD:
+            grade_shard(run_id, shard_id)
+
+    runs = client.get(f"/v1/evals/{eval_id}/runs").json()["data"]
+    assert [r["id"] for r in runs] == [fired[0][0].run_id, fired[2][0].run_id]
+    for listed, at in zip(runs, (first_at, first_at + 86400), strict=True):
+        assert listed["status"] == "completed" and listed["created_at"] == at
+        assert listed["metadata"] == {"schedule_id": schedule["id"]} and listed["name"] == "n"
+        assert (listed["result_counts"]["passed"], listed["result_counts"]["failed"]) == (1, 1)
+    after = client.get(f"/v1/schedules/{schedule['id']}").json()
+    assert (after["last_run_id"], after["last_run_at"]) == (runs[1]["id"], first_at + 86400)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"eval_id": "eval_nope", "run": {"data_source": {"type": "jsonl"}}}, "eval_id"),
+        ({"run": {"data_source": {"type": "jsonl", "source": {"type": "nope"}}}}, "run.data_source.source"),
+        ({"run": None}, "run"),
+        ({"input_file_id": "file-x"}, "eval_id"),
+    ],
+)
+def test_a_refused_eval_schedule_is_a_400_naming_the_field(client: Any, body: dict[str, Any], param: str) -> None:
+    response = client.post("/v1/schedules", json={"cron": "0 3 * * *", "eval_id": _create_eval(client), **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

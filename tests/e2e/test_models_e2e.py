@@ -2,8 +2,9 @@
 waits, and ``/v1/models`` follows the workers.
 
 Real PostgreSQL, a Redis server of the test's own, and the API, beat and one ``batchinfer worker
---model NAME`` per model as child processes, with real engines: the built-in chat model and a tiny
-random Llama checkpoint (tests/helpers/tiny_models.py) as a second generate model. Heartbeats are
+--model NAME`` per model as child processes, with real engines: the built-in chat model, a tiny
+random Llama checkpoint (tests/helpers/tiny_models.py) as a second generate model, and the built-in
+embedding model. Heartbeats are
 shortened (every 1 s, live for 4 s) so that a killed worker leaves ``/v1/models`` within seconds.
 """
 
@@ -22,13 +23,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobs.config import BUILTIN_MODEL
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL
 from tests.e2e.processes import ROOT, TERMINAL, child_env, cli, free_port, redis_server, running, wait_for_health
 from tests.helpers.service import postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 TINY = "tiny-llama"
+EMBED = BUILTIN_EMBEDDING_MODEL
 SETTINGS = {
     "worker_heartbeat_s": "1",
     "worker_dead_s": "3",
@@ -76,19 +78,24 @@ class Deployment:
             time.sleep(0.5)
 
     def submit(self, model: str, prefix: str, num_lines: int = 3) -> str:
+        """A batch of ``num_lines`` completion lines (embedding lines for the embedding model) for ``model``."""
+        embed = model == BUILTIN_EMBEDDING_MODEL
+        url = "/v1/embeddings" if embed else "/v1/completions"
         lines = [
             {
                 "custom_id": f"{prefix}-{i}",
                 "method": "POST",
-                "url": "/v1/completions",
-                "body": {"model": model, "prompt": f"Item {i}: {i} + {i} =", "max_tokens": 3, "temperature": 0},
+                "url": url,
+                "body": {"model": model, "input": f"Item {i}"}
+                if embed
+                else {"model": model, "prompt": f"Item {i}: {i} + {i} =", "max_tokens": 3, "temperature": 0},
             }
             for i in range(num_lines)
         ]
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
         with httpx.Client(base_url=self.base_url, timeout=60) as client:
             upload = client.post("/v1/files", files={"file": ("in.jsonl", io.BytesIO(data))}, data={"purpose": "batch"})
-            body = {"input_file_id": upload.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+            body = {"input_file_id": upload.json()["id"], "endpoint": url, "completion_window": "24h"}
             return str(client.post("/v1/batches", json=body).json()["id"])
 
     def batch(self, batch_id: str) -> dict:
@@ -109,7 +116,11 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
     from tests.helpers.tiny_models import save_tiny_model
 
     tiny_dir = save_tiny_model(tmp_path / TINY, "llama")
-    models = {BUILTIN_MODEL: BUILTIN_MODEL, TINY: {"source": str(tiny_dir)}}
+    models = {
+        BUILTIN_MODEL: BUILTIN_MODEL,
+        TINY: {"source": str(tiny_dir)},
+        EMBED: {"source": BUILTIN_EMBEDDING_MODEL, "kind": "embed"},
+    }
     with postgres_database() as database_url, ExitStack() as stack:
         redis_port = free_port()
         stack.enter_context(redis_server(redis_port, tmp_path / "redis"))
@@ -125,21 +136,25 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
 
 
 def test_each_batch_runs_on_its_models_worker_and_a_model_without_one_waits(deployment: Deployment) -> None:
-    assert deployment.models() == {BUILTIN_MODEL: (0, 0), TINY: (0, 0)}
+    everyone = {BUILTIN_MODEL: (1, 1), TINY: (1, 1), EMBED: (1, 1)}
+    assert deployment.models() == {BUILTIN_MODEL: (0, 0), TINY: (0, 0), EMBED: (0, 0)}
     deployment.start_worker(BUILTIN_MODEL)
-    tiny_worker = deployment.start_worker(TINY)
-    deployment.wait_for("both workers ready", lambda: deployment.models() == {BUILTIN_MODEL: (1, 1), TINY: (1, 1)}, 600)
+    deployment.start_worker(TINY)
+    embed_worker = deployment.start_worker(EMBED)
+    deployment.wait_for("the three workers ready", lambda: deployment.models() == everyone, 600)
 
-    chat_id, tiny_id = deployment.submit(BUILTIN_MODEL, "chat"), deployment.submit(TINY, "tiny")
-    for batch_id, model in ((chat_id, BUILTIN_MODEL), (tiny_id, TINY)):
+    chat_id, tiny_id, embed_id = (deployment.submit(m, m) for m in (BUILTIN_MODEL, TINY, EMBED))
+    for batch_id, model in ((chat_id, BUILTIN_MODEL), (tiny_id, TINY), (embed_id, EMBED)):
         batch = deployment.wait_done(batch_id)
         assert (batch["status"], batch["model"], batch["request_counts"]["completed"]) == ("completed", model, 3)
         assert deployment.output_models(batch) == {model}
 
-    os.kill(tiny_worker.pid, signal.SIGKILL)
-    deployment.wait_for("the killed worker leaves /v1/models", lambda: deployment.models()[TINY] == (0, 0), 60)
-    waiting_id, chat_id = deployment.submit(TINY, "waits"), deployment.submit(BUILTIN_MODEL, "chat-2")
-    assert deployment.wait_done(chat_id)["status"] == "completed"  # chat batches go on
+    os.kill(embed_worker.pid, signal.SIGKILL)
+    deployment.wait_for("the killed worker leaves /v1/models", lambda: deployment.models()[EMBED] == (0, 0), 60)
+    waiting_id = deployment.submit(EMBED, "waits")
+    chat_id, tiny_id = deployment.submit(BUILTIN_MODEL, "chat-2"), deployment.submit(TINY, "tiny-2")
+    assert deployment.wait_done(chat_id)["status"] == "completed"  # generate batches go on
+    assert deployment.wait_done(tiny_id)["status"] == "completed"
     waiting = deployment.batch(waiting_id)
     assert (waiting["status"], waiting["request_counts"]["completed"]) == ("in_progress", 0)
     status = subprocess.run(
@@ -151,10 +166,12 @@ def test_each_batch_runs_on_its_models_worker_and_a_model_without_one_waits(depl
         timeout=60,
         check=True,
     ).stdout
-    assert f"waiting: no worker serves model {TINY}" in status
-    assert f"waiting: no worker serves model {TINY}" in httpx.get(f"{deployment.base_url}/ui/batches/{waiting_id}").text
+    assert f"waiting: no worker serves model {EMBED}" in status
+    assert (
+        f"waiting: no worker serves model {EMBED}" in httpx.get(f"{deployment.base_url}/ui/batches/{waiting_id}").text
+    )
 
-    deployment.start_worker(TINY)  # a worker returns: the waiting batch finishes
+    deployment.start_worker(EMBED)  # a worker returns: the waiting batch finishes
     batch = deployment.wait_done(waiting_id)
     assert (batch["status"], batch["request_counts"]["completed"]) == ("completed", 3)
-    assert deployment.models() == {BUILTIN_MODEL: (1, 1), TINY: (1, 1)}
+    assert deployment.models() == everyone

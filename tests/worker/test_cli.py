@@ -452,3 +452,36 @@ def test_serve_says_when_each_worker_is_ready(data_dir, capsys):
         watcher.join()
         cli._stop_children([api.process, worker.process])
     assert err + capsys.readouterr().err == f"batchinfer: worker ready (model {BUILTIN_MODEL}) in 3.5 s\n"
+
+
+def test_eval_create_run_ls_and_show(live_api, tmp_path, capsys):
+    item_schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    criterion = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "eq",
+    }
+    eval_file = tmp_path / "eval.yaml"
+    eval_file.write_text(
+        "name: yes-no\n"
+        f"data_source_config: {json.dumps({'type': 'custom', 'item_schema': item_schema})}\n"
+        f"testing_criteria: [{json.dumps(criterion)}]\n"
+    )
+    assert cli.main(["eval", "create", str(eval_file), "--base-url", live_api]) == 0
+    eval_id = json.loads(capsys.readouterr().out)["id"]
+    content = [{"item": {"answer": "yes"}, "sample": {"output_text": "yes"}}]
+    run_file = tmp_path / "run.json"
+    run_file.write_text(
+        json.dumps({"data_source": {"type": "jsonl", "source": {"type": "file_content", "content": content}}})
+    )
+    assert cli.main(["eval", "run", eval_id, str(run_file), "--base-url", live_api]) == 0
+    run_id = json.loads(capsys.readouterr().out)["id"]
+    assert cli.main(["eval", "ls", "--base-url", live_api]) == 0
+    assert f"{eval_id}  yes-no  criteria: exact" in capsys.readouterr().out
+    assert cli.main(["eval", "show", eval_id, run_id, "--base-url", live_api]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(run_id) and "total 1" in out and "exact: passed" in out
+    assert cli.main(["eval", "show", eval_id, "--base-url", live_api]) == 0
+    assert run_id in capsys.readouterr().out
