@@ -49,10 +49,10 @@ class EngineModelGrader:
         """
         if self._engine is None:
             from worker.bootstrap import get_engine
-            from worker.engine.llm_engine import LLMEngine
+            from worker.engine.pooling_engine import PoolingEngine
 
             engine = get_engine()
-            if not isinstance(engine, LLMEngine):
+            if isinstance(engine, PoolingEngine):
                 raise RuntimeError(
                     f"model graders need a generate model; this worker serves {self.model!r}, an embedder"
                 )
