@@ -206,10 +206,13 @@ class Settings(BaseSettings):
         """Fill in the default model list, check that names and aliases are unique, and make this
         process's `model` the one named by ``worker_model``."""
         if not self.models:
-            self.models = [
-                ModelEntry(name=served_name(self.model), source=self.model),
-                ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed"),
-            ]
+            embedder = ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed")
+            # NOTE: BATCHINFER_MODEL may name the built-in embedder itself: then it is the one model.
+            self.models = (
+                [embedder]
+                if self.model == BUILTIN_EMBEDDING_MODEL
+                else [ModelEntry(name=served_name(self.model), source=self.model), embedder]
+            )
         names = [name for entry in self.models for name in (entry.name, *entry.aliases)]
         for name in names:
             if names.count(name) > 1:

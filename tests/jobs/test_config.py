@@ -52,6 +52,12 @@ def test_default_models_are_the_model_setting_and_the_builtin_embedder(tmp_path:
     assert (settings.served_model_name, settings.model, settings.quantization) == ("my-llama", str(folder), "int8")
 
 
+def test_model_naming_the_builtin_embedder_makes_it_the_one_model(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, model=BUILTIN_EMBEDDING_MODEL)
+    assert settings.models == [ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed")]
+    assert settings.served_model_name == BUILTIN_EMBEDDING_MODEL
+
+
 def test_models_from_env_as_an_object_or_a_list_with_aliases_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
     models = {"chat": BUILTIN_MODEL, "mini": {"source": "/m/tiny", "aliases": ["small"], "quantization": "int8"}}
     monkeypatch.setenv("BATCHINFER_MODELS", json.dumps(models))
