@@ -6,7 +6,8 @@ The untrusted code's own stdout and stderr go to /dev/null.
 
 Confinement, strongest first (each step that the host refuses is skipped; the parent says which held):
 1. New network, mount and PID namespaces (``unshare(2)``, needs CAP_SYS_ADMIN): no network interface
-   but a down loopback; a private tmpfs on /tmp holding the working folder (/tmp/work), read-only empty
+   but a down loopback; a private tmpfs on /tmp holding the working folder (/tmp/work) and, read-only, any
+   folder of the interpreter or its site-packages that lies under the host's /tmp; read-only empty
    tmpfs over the other world-writable folders; the code runs as PID 2 under a reaper that is PID 1,
    so killing the reaper ends every process the code started.
 2. As root: drop to ``nobody`` (setgroups, setgid, setuid), so the rest of the filesystem is not writable
@@ -35,6 +36,7 @@ CLONE_NEWPID = 0x20000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_REMOUNT = 32
 MS_BIND = 4096
 MS_MOVE = 8192
 MS_REC = 16384
@@ -78,12 +80,32 @@ def _expose(paths: list[str]) -> None:
             os.rmdir(stage)
 
 
-def _enter_namespaces(limits: dict[str, Any], uid: int | None, gid: int | None) -> bool:
-    """Unshare network, mount and PID namespaces and lay out the filesystem; False when the host refuses."""
+def _under_tmp(paths: list[str]) -> list[str]:
+    """The folders of ``paths`` that lie under /tmp (a checkout or virtualenv there), outermost only."""
+    inside = sorted({os.path.realpath(p) for p in paths if os.path.realpath(p).startswith("/tmp/")})
+    return [p for p in inside if not any(p.startswith(other + os.sep) for other in inside if other != p)]
+
+
+def _keep_through_tmpfs(paths: list[str], size: str) -> None:
+    """Mount the private tmpfs on /tmp, with each of ``paths`` (folders under the host's /tmp the interpreter
+    needs) bound back in place, read-only: a descriptor opened before the tmpfs covers them still names them
+    (/proc/self/fd/N), so they are bound from there."""
+    fds = [(path, os.open(path, os.O_RDONLY | os.O_DIRECTORY)) for path in paths]
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,{size}")
+    for path, fd in fds:
+        os.makedirs(path, 0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        _mount("none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+
+
+def _enter_namespaces(limits: dict[str, Any], uid: int | None, gid: int | None, kept: list[str]) -> bool:
+    """Unshare network, mount and PID namespaces and lay out the filesystem (``kept``: folders under /tmp
+    that stay visible, read-only); False when the host refuses."""
     if _libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) != 0:
         return False
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={limits['max_file_bytes'] * 4}")
+    _keep_through_tmpfs(_under_tmp(kept), f"size={limits['max_file_bytes'] * 4}")
     if uid is not None:
         _expose([sys.base_prefix, sys.prefix, os.path.dirname(sys.executable)])
     for folder in WORLD_WRITABLE:
@@ -189,7 +211,9 @@ def main() -> None:
     limits, uid, gid = payload["limits"], payload["uid"], payload["gid"]
     result_fd = os.dup(1)
     workdir = payload["workdir"]
-    if payload["namespaces"] and _enter_namespaces(limits, uid, gid):
+    interpreter = [sys.base_prefix, sys.prefix, os.path.dirname(sys.executable)]
+    kept = [path for path in interpreter + payload["site_packages"] if os.path.isdir(path)]
+    if payload["namespaces"] and _enter_namespaces(limits, uid, gid, kept):
         workdir = NAMESPACE_WORKDIR
         reaper = os.fork()
         if reaper:
