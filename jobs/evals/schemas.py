@@ -178,7 +178,9 @@ class RunDeleted(BaseModel):
 
 class OutputItemObject(ListedObject):
     """One item of a run: ``status`` is ``pass``, ``fail`` or ``error`` once graded (``pending`` before);
-    ``results`` one entry per testing criterion, ``sample`` the model's answer (null before it)."""
+    ``results`` one entry per testing criterion, ``sample`` the model's answer (null before it). An item refused
+    before generation (it breaks ``item_schema``, a template fails on it) has a sample holding only its
+    ``error`` (``{code, message}``), as the Evals API reports a sample's error."""
 
     object: Literal["eval.run.output_item"] = "eval.run.output_item"
     eval_id: str
@@ -201,5 +203,21 @@ class OutputItemObject(ListedObject):
             datasource_item_id=row.datasource_item_id,
             datasource_item=row.datasource_item,
             results=row.results or [],
-            sample=row.sample,
+            sample=row.sample if row.sample is not None or row.error is None else _error_sample(row.error),
         )
+
+
+def _error_sample(error: dict[str, Any]) -> dict[str, Any]:
+    """The sample of an item that never reached the model: its ``error`` and nothing generated."""
+    return {
+        "error": error,
+        "input": [],
+        "output": [],
+        "finish_reason": "",
+        "model": "",
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0},
+        "max_completion_tokens": 0,
+        "seed": 0,
+        "temperature": 0.0,
+        "top_p": 0.0,
+    }

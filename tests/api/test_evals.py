@@ -174,7 +174,8 @@ def test_sdk_create_run_grade_and_read_output_items(sdk: openai.OpenAI, service_
     assert items[1].sample.output[0].content == "It is blue"
     assert items[1].sample.input[1].content == "Sky colour?"
     assert [(r.name, r.passed, r.score) for r in items[1].results] == [("exact", False, 0.0), ("contains", True, 1.0)]
-    assert "answer" in str(items[3].model_dump())  # the item's schema error names the missing field
+    error = items[3].sample.error  # the item's schema error names the missing field
+    assert error.code == "invalid_item" and "answer" in error.message
     passed = sdk.evals.runs.output_items.list(run.id, eval_id=created.id, status="pass")
     assert [item.datasource_item_id for item in passed] == [0]
     one = sdk.evals.runs.output_items.retrieve(items[0].id, eval_id=created.id, run_id=run.id)
