@@ -1,10 +1,11 @@
 """``/v1/models``: the models this deployment serves (OpenAI Models API), so ``client.models.list()`` works.
 
 Each is OpenAI's model object plus batchinfer's fields: ``kind`` (``generate`` or ``embed``),
-``aliases`` (other names a line may use), ``num_workers`` (live workers serving it: heartbeat within
-``Settings.worker_live_s``) and ``num_ready_workers`` (those of them that take work; the rest are
-loading the model). A model with no live worker is still listed: its batches wait (docs/operations.md,
-"Several models").
+``aliases`` (other names a line may use), ``quantization`` and ``kv_cache_dtype`` (what its workers
+run: docs/engine.md, "Quantized weights" and "Quantized KV cache"; null for an embedding model),
+``num_workers`` (live workers serving it: heartbeat within ``Settings.worker_live_s``) and
+``num_ready_workers`` (those of them that take work; the rest are loading the model). A model with no
+live worker is still listed: its batches wait (docs/operations.md, "Several models").
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from api.deps import SessionDep, SettingsDep
-from jobs.config import ModelEntry
+from jobs.config import ModelEntry, Settings
 from jobs.errors import NotFound
 from jobs.status import now_s
 from jobs.workers import WorkerReadiness, live_workers_by_model
@@ -32,18 +33,23 @@ class ModelObject(BaseModel):
     owned_by: str = "batchinfer"
     kind: Literal["generate", "embed"] = "generate"
     aliases: list[str] = []
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
     num_workers: int = 0
     num_ready_workers: int = 0
 
     @classmethod
-    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None) -> ModelObject:
+    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None, settings: Settings) -> ModelObject:
         """The configured ``entry`` with the live workers serving it (None: none)."""
         num_ready = readiness.num_ready if readiness else 0
+        generate = entry.kind == "generate"
         return cls(
             id=entry.name,
             created=_STARTED_AT,
             kind=entry.kind,
             aliases=entry.aliases,
+            quantization=(entry.quantization or settings.quantization) if generate else None,
+            kv_cache_dtype=settings.kv_cache_dtype if generate else None,
             num_workers=num_ready + (readiness.num_starting if readiness else 0),
             num_ready_workers=num_ready,
         )
@@ -58,7 +64,7 @@ class ModelList(BaseModel):
 def list_models(session: SessionDep, settings: SettingsDep) -> ModelList:
     """Every configured model, in the settings' order."""
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
-    return ModelList(data=[ModelObject.of(entry, live.get(entry.name)) for entry in settings.models])
+    return ModelList(data=[ModelObject.of(entry, live.get(entry.name), settings) for entry in settings.models])
 
 
 @router.get("/{model_id}")
@@ -69,4 +75,4 @@ def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep) ->
     except ValueError:
         raise NotFound("model", model_id) from None
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
-    return ModelObject.of(entry, live.get(entry.name))
+    return ModelObject.of(entry, live.get(entry.name), settings)

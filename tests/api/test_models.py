@@ -66,3 +66,17 @@ def test_live_worker_counts_follow_the_heartbeats(client: Any, service_settings:
     )
     missing = client.get("/v1/models/gpt-4o")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_each_generate_model_shows_its_quantization_and_kv_cache_dtype(client: Any, service_settings: Settings) -> None:
+    service_settings.kv_cache_dtype = "int8"
+    service_settings.models = [
+        *service_settings.models,
+        ModelEntry(name="tiny-q4", source="/m/tiny", quantization="q4"),
+    ]
+    shown = {m["id"]: (m["quantization"], m["kv_cache_dtype"]) for m in client.get("/v1/models").json()["data"]}
+    assert shown == {
+        BUILTIN_MODEL: (service_settings.quantization, "int8"),
+        BUILTIN_EMBEDDING_MODEL: (None, None),
+        "tiny-q4": ("q4", "int8"),
+    }
