@@ -22,7 +22,7 @@ from api.auth import OwnerDep
 from api.deps import SessionDep
 from api.routes.ui import templates
 from jobs.evals.repository import criterion_pass_rates, get_eval, get_run, list_evals, list_output_items, list_runs
-from jobs.models import Eval, EvalRun
+from jobs.models import Eval, EvalOutputItem, EvalRun
 
 router = APIRouter(prefix="/ui/evals", include_in_schema=False)
 MAX_EVALS = 50
@@ -92,9 +92,13 @@ def evals_page(request: Request, session: SessionDep, owner: OwnerDep) -> HTMLRe
 def run_page(request: Request, session: SessionDep, owner: OwnerDep, eval_id: str, run_id: str) -> HTMLResponse:
     row = get_eval(session, eval_id=eval_id, owner=owner)
     run = get_run(session, eval_id=eval_id, run_id=run_id, owner=owner)
-    failing, _ = list_output_items(
-        session, eval_id=eval_id, run_id=run_id, limit=MAX_FAILING_ITEMS, status="fail", owner=owner
-    )
+    failing = [
+        item
+        for status in ("fail", "error")
+        for item in list_output_items(
+            session, eval_id=eval_id, run_id=run_id, limit=MAX_FAILING_ITEMS, status=status, owner=owner
+        )[0]
+    ]
     rates = criterion_pass_rates(run)
     return templates.TemplateResponse(
         request,
@@ -103,7 +107,7 @@ def run_page(request: Request, session: SessionDep, owner: OwnerDep, eval_id: st
             "eval": row,
             "run": run,
             "criteria": [(entry, rates.get(entry["testing_criteria"])) for entry in run.per_testing_criteria_results],
-            "failing": [(item, _pretty(item.datasource_item), _output(item.sample)) for item in failing],
+            "failing": [(item, _pretty(item.datasource_item), _output(item)) for item in failing],
             "refresh_ms": None if run.status in ("completed", "failed", "canceled") else 2000,
         },
     )
@@ -113,9 +117,12 @@ def _pretty(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False)
 
 
-def _output(sample: dict[str, Any] | None) -> str:
+def _output(item: EvalOutputItem) -> str:
     """The model's answer as the run page shows it: each output message's content (a given sample: its
-    ``output_text``), else the sample."""
+    ``output_text``), the item's error when it never reached the model, else the sample."""
+    sample = item.sample
+    if sample is None and item.error is not None:
+        return f"error ({item.error.get('code')}): {item.error.get('message')}"
     if sample and isinstance(sample.get("output_text"), str):
         return str(sample["output_text"])
     outputs = (sample or {}).get("output") or []

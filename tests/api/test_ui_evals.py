@@ -74,3 +74,16 @@ def test_metrics_give_each_criterion_s_latest_pass_rate(client: Any, service_set
     (line,) = [line for line in text.splitlines() if line.startswith("batchinfer_eval_latest_pass_rate{")]
     assert f'eval_id="{eval_id}"' in line and 'criterion="exact"' in line and 'model="' in line
     assert line.endswith(" 0.5")
+
+
+def test_the_run_page_shows_an_item_refused_before_grading_with_its_error(client: Any) -> None:
+    item_schema = {"type": "object", "properties": {"question": {}, "answer": {}}, "required": ["answer"]}
+    body = {"data_source_config": {"type": "custom", "item_schema": item_schema}, "testing_criteria": [CRITERION]}
+    eval_id = client.post("/v1/evals", json=body).json()["id"]
+    content = [{"item": {"question": "no answer"}, "sample": {"output_text": "?"}}]
+    run = {"data_source": {"type": "jsonl", "source": {"type": "file_content", "content": content}}}
+    run_id = client.post(f"/v1/evals/{eval_id}/runs", json=run).json()["id"]
+
+    page = client.get(f"/ui/evals/{eval_id}/runs/{run_id}").text
+    failing = page.split('id="failing"')[1]
+    assert "error (invalid_item)" in failing and "answer" in failing and "no answer" in failing
