@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from jobs.errors import InvalidRequest
 from jobs.line_body import parse_body
 from jobs.schemas import ChatCompletionBody, EmbeddingBody, ResponsesBody
 from worker.engine import SamplingParams
@@ -58,12 +57,11 @@ def map_request(endpoint: str, body: Mapping[str, Any], tokenizer: Tokenizer) ->
         tokenizer: the served model's tokenizer (chat template included).
 
     Raises:
-        jobs.errors.InvalidRequest: the endpoint rejects the body; ``param`` names the field. An embeddings
-            body is refused: it is not generated from (`worker.embeddings` maps it).
+        jobs.errors.InvalidRequest: the endpoint rejects the body; ``param`` names the field.
     """
     parsed = parse_body(endpoint, body)
-    if isinstance(parsed, EmbeddingBody):
-        raise InvalidRequest(f"{endpoint} is not a text generation endpoint", param="url")
+    # NOTE: an embeddings line never comes here: the runner sends it to `worker.embeddings`.
+    assert not isinstance(parsed, EmbeddingBody), f"{endpoint} is not a text generation endpoint"
     constraint = parsed.constraint
     params = SamplingParams(
         **parsed.sampling_kwargs(),

@@ -133,7 +133,6 @@ def test_chat_max_completion_tokens_wins_and_logprobs(served_tokenizer):
         ),
         (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/moderations", {"input": "x"}, "url"),
-        ("/v1/embeddings", {"input": "x"}, "url"),  # embedded, never generated from (worker/embeddings.py)
     ],
 )
 def test_rejected_bodies_name_the_field(served_tokenizer, endpoint, body, param):
