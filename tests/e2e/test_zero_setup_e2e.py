@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from jobs.config import BUILTIN_MODEL
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL
 from tests.e2e.processes import ROOT, child_env, child_processes, cli, free_port, running, wait_for_health
 
 pytestmark = pytest.mark.slow
@@ -115,8 +115,12 @@ def _sample(metrics: str, series: str) -> float:
 
 
 def _serve_children(serve: subprocess.Popen) -> dict[str, int]:
-    """``serve``'s running children by role (``api``, ``worker``, ``beat``) -> pid."""
-    return {argv[3]: pid for pid, argv in child_processes(serve.pid).items() if argv[1:3] == ["-m", "worker.cli"]}
+    """``serve``'s running children by role (``api``, ``beat``, ``worker <model>`` for each model) -> pid."""
+    return {
+        " ".join(argv[3:4] + (argv[5:6] if argv[3] == "worker" else [])): pid
+        for pid, argv in child_processes(serve.pid).items()
+        if argv[1:3] == ["-m", "worker.cli"]
+    }
 
 
 def test_serve_restarts_a_worker_killed_with_sigkill_and_stays_up(tmp_path):
@@ -129,14 +133,15 @@ def test_serve_restarts_a_worker_killed_with_sigkill_and_stays_up(tmp_path):
         cli("serve", "--host", "127.0.0.1", "--port", str(port)), child_env(data_dir=str(tmp_path / "data")), serve_log
     ) as serve:
         wait_for_health(base_url, serve, serve_log)
+        chat = f"worker {BUILTIN_MODEL}"
         before = _serve_children(serve)
-        assert set(before) == {"api", "worker", "beat"}, before
-        os.kill(before["worker"], signal.SIGKILL)
+        assert set(before) == {"api", chat, f"worker {BUILTIN_EMBEDDING_MODEL}", "beat"}, before
+        os.kill(before[chat], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while (after := _serve_children(serve)).get("worker") in (None, before["worker"]):
+        while (after := _serve_children(serve)).get(chat) in (None, before[chat]):
             assert time.monotonic() < deadline and serve.poll() is None, serve_log.read_text()[-4000:]
             time.sleep(0.2)
-        assert after == {**before, "worker": after["worker"]}
+        assert after == {**before, chat: after[chat]}
         assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=60) == 0, serve_log.read_text()[-4000:]
