@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PretrainedConfig
 
+from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy_into_layout
+
 # Checkpoint tensors an encoder for embeddings has no use for: the position-id buffer and the pooler head
 # (the NSP/classification ``tanh`` layer; sentence-transformers pools the last hidden state itself).
 _IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.")
@@ -149,25 +151,15 @@ class BertModel(nn.Module):
             KeyError: on a checkpoint tensor this model has no parameter for (named).
             ValueError: on a shape mismatch, or naming the checkpoint tensors that never came.
         """
-        expected = self._checkpoint_layout()
-        seen: set[str] = set()
-        for raw_name, tensor in weights:
-            name = raw_name.removeprefix(_WRAPPER_PREFIX)
-            if name.startswith(_IGNORED_PREFIXES) or raw_name.startswith(("cls.", "classifier.")):
-                continue
-            if name not in expected:
-                raise KeyError(f"checkpoint tensor {raw_name!r} matches no parameter of {type(self).__name__}")
-            param, start, rows = expected[name]
-            dest = param.data if rows is None else param.data.narrow(0, start, rows)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{raw_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            seen.add(name)
-        missing = sorted(expected.keys() - seen)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
+        kept = (
+            (raw_name, name, tensor)
+            for raw_name, tensor in weights
+            if not (name := raw_name.removeprefix(_WRAPPER_PREFIX)).startswith(_IGNORED_PREFIXES)
+            and not raw_name.startswith(("cls.", "classifier."))
+        )
+        copy_into_layout(self._checkpoint_layout(), kept, model_name=type(self).__name__)
 
-    def _checkpoint_layout(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
+    def _checkpoint_layout(self) -> CheckpointLayout:
         """Hugging Face tensor name -> (our parameter, first row, rows or ``None`` for the whole parameter)."""
         hidden = int(self.config.hidden_size)
         layout: dict[str, tuple[nn.Parameter, int, int | None]] = {}

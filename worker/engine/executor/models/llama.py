@@ -23,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.cpu_elementwise import add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu_, silu_and_mul_cpu
 from worker.engine.executor.layers.attention import AttentionMetadata, KVCache, paged_attention_forward
+from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy_into_layout
 
 
 class RMSNorm(nn.Module):
@@ -424,26 +425,15 @@ class LlamaForCausalLM(nn.Module):
             KeyError: on a checkpoint tensor this model has no parameter for (named).
             ValueError: on a shape mismatch, or naming the checkpoint tensors that never came.
         """
-        expected = self._checkpoint_layout()
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in expected:
-                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            param, start, rows = expected[name]
-            dest = param.data if rows is None else param.data.narrow(0, start, rows)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            seen.add(name)
-        missing = sorted(expected.keys() - seen)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
+        tied = bool(self.config.tie_word_embeddings)
+        kept = (
+            (name, name, tensor)
+            for name, tensor in weights
+            if "rotary_emb.inv_freq" not in name and not (name == "lm_head.weight" and tied)
+        )
+        copy_into_layout(self._checkpoint_layout(), kept, model_name=type(self).__name__)
 
-    def _checkpoint_layout(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
+    def _checkpoint_layout(self) -> CheckpointLayout:
         """Hugging Face tensor name -> (our parameter, first row, rows or ``None`` for the whole parameter)."""
         head_size = head_size_of(self.config)
         q_size = int(self.config.num_attention_heads) * head_size
