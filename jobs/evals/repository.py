@@ -28,7 +28,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.errors import Conflict, InvalidRequest, NotFound
-from jobs.evals.criteria import CriteriaError, parse_testing_criteria
+from jobs.evals.criteria import EMBEDDING_METRICS, CriteriaError, parse_testing_criteria
 from jobs.evals.data_sources import check_template_fields, line_body, load_rows, parse_data_source
 from jobs.evals.templates import TemplateError
 from jobs.files import write_file
@@ -92,8 +92,11 @@ def create_eval(
     metadata: dict[str, str] | None = None,
     owner: str | None = None,
     now: int | None = None,
+    has_embedding_model: bool = True,
 ) -> Eval:
     """Insert an eval (flushed, not committed).
+
+    ``has_embedding_model``: the deployment lists an ``embed`` model, which ``cosine`` text similarity needs.
 
     Raises:
         InvalidRequest: ``item_schema`` is not a valid JSON schema (``param="data_source_config.item_schema"``),
@@ -113,6 +116,14 @@ def create_eval(
     except CriteriaError as exc:
         message = str(exc)
         raise InvalidRequest(message, param=message.split(":", 1)[0]) from None
+    for index, parsed in enumerate(criteria):
+        metric = getattr(parsed, "evaluation_metric", None)
+        if metric in EMBEDDING_METRICS and not has_embedding_model:
+            raise InvalidRequest(
+                f"testing_criteria[{index}].evaluation_metric: {metric!r} needs an embedding model (kind embed) in "
+                "the deployment's model list (BATCHINFER_MODELS), and none is listed",
+                param=f"testing_criteria[{index}].evaluation_metric",
+            )
     dumped = [criterion.model_dump(mode="json") for criterion in criteria]
     for index, criterion in enumerate(dumped):
         for param, text in _template_texts(criterion, f"testing_criteria[{index}]"):

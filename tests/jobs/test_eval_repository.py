@@ -89,6 +89,22 @@ def test_more_items_than_the_limit_are_refused(service_settings: Settings) -> No
         _run(service_settings, eval_id, _jsonl([{"item": {"q": str(i)}} for i in range(6)]))
 
 
+def test_cosine_needs_an_embedding_model_in_the_deployment(service_settings: Settings) -> None:
+    cosine = {**CHECK, "type": "text_similarity", "evaluation_metric": "cosine", "pass_threshold": 0.5}
+    del cosine["operation"]
+    with session_scope() as session, pytest.raises(InvalidRequest, match="needs an embedding model") as refused:
+        create_eval(
+            session,
+            item_schema=SCHEMA,
+            include_sample_schema=False,
+            testing_criteria=[CHECK, cosine],
+            has_embedding_model=False,
+        )
+    assert refused.value.param == "testing_criteria[1].evaluation_metric"
+    with session_scope() as session:
+        create_eval(session, item_schema=SCHEMA, include_sample_schema=False, testing_criteria=[cosine])
+
+
 def test_grades_count_once_and_the_run_settles_when_nothing_is_pending(service_settings: Settings) -> None:
     eval_id = _eval_id()
     rows = [{"item": {"q": str(i), "a": "x"}, "sample": {"output_text": "x"}} for i in range(3)]

@@ -98,6 +98,62 @@ def test_text_similarity_equals_the_library(metric: str) -> None:
     assert identical.score == pytest.approx(1.0) and identical.passed
 
 
+@pytest.mark.slow  # loads the WordNet corpus (seconds)
+def test_meteor_equals_nltk_with_wordnet() -> None:
+    from nltk.corpus import wordnet
+    from nltk.translate.meteor_score import meteor_score
+
+    # "jumped"/"jumps" match by stem, "today" is unmatched: WordNet and the stemmer both count.
+    expected = meteor_score([REFERENCE.split()], HYPOTHESIS.split(), wordnet=wordnet)
+    assert 0.0 < expected < 1.0
+    criterion = _criterion(
+        type="text_similarity",
+        evaluation_metric="meteor",
+        input="{{sample.output_text}}",
+        reference="{{item.reference}}",
+        pass_threshold=expected,
+    )
+    result = grade_item(criterion, item={"reference": REFERENCE}, samples=[_sample(HYPOTHESIS)])
+    assert result == GradeResult(score=expected, passed=True)
+    synonym = grade_item(criterion, item={"reference": "the car is fast"}, samples=[_sample("the auto is fast")])
+    exact_only = meteor_score([["the", "car", "is", "fast"]], ["the", "auto", "is", "fast"], wordnet=_NoSynonyms())
+    assert synonym.score is not None and synonym.score > exact_only  # WordNet's car ~ auto counted
+
+
+class _NoSynonyms:
+    """A WordNet stand-in with no synsets, to show what the synonym stage adds."""
+
+    def synsets(self, *_args: Any, **_kwargs: Any) -> list[Any]:
+        return []
+
+
+@pytest.mark.slow  # builds the embedding engine and sentence-transformers' model (seconds)
+def test_cosine_equals_sentence_transformers_and_embeds_the_items_at_once() -> None:
+    from sentence_transformers import SentenceTransformer, util
+
+    from jobs.config import BUILTIN_EMBEDDING_MODEL
+    from worker.model_prepare import prepare_model
+
+    pairs = [(HYPOTHESIS, REFERENCE), ("def add(a, b): return a + b", "a function that sums two numbers"), ("x", "y")]
+    reference_model = SentenceTransformer(str(prepare_model(BUILTIN_EMBEDDING_MODEL)), device="cpu")
+    expected = [
+        float(util.cos_sim(reference_model.encode(text), reference_model.encode(reference)))
+        for text, reference in pairs
+    ]
+    criterion = _criterion(
+        type="text_similarity",
+        evaluation_metric="cosine",
+        input="{{sample.output_text}}",
+        reference="{{item.reference}}",
+        pass_threshold=0.5,
+    )
+    items = [({"reference": reference}, [_sample(text)]) for text, reference in pairs]
+    results = grade_items(criterion, [*items, ({}, [_sample("no reference field")])])
+    assert [result.score for result in results[:3]] == pytest.approx(expected, abs=1e-5)
+    assert [result.passed for result in results[:3]] == [score >= 0.5 for score in expected]
+    assert results[3].error is not None and "reference" in results[3].error  # its own error, neighbours graded
+
+
 def test_an_absent_item_field_is_the_items_error() -> None:
     result = grade_item(_string_check("eq"), item={"question": "q"}, samples=[_sample("Paris")])
     assert result == GradeResult(score=None, passed=False, error="template names item.answer, which is absent")

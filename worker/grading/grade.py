@@ -28,7 +28,7 @@ from worker.cpu_threads import available_cpus
 from worker.grading.code_execution import grade_code
 from worker.grading.model_graders import GraderOutputError, ModelGrader, model_label, model_score
 from worker.grading.sandbox import SandboxLimits, run_in_sandbox
-from worker.grading.text_similarity import similarity
+from worker.grading.text_similarity import MetricUnavailable, cosine_scores, similarity
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +147,40 @@ def grade_item(
         label = model_label(criterion, model_grader, item=item, sample=sample)
         passed = label in criterion.passing_labels
         return GradeResult(score=1.0 if passed else 0.0, passed=passed, label=label)
-    except (TemplateError, GraderOutputError) as exc:
+    except (TemplateError, GraderOutputError, MetricUnavailable) as exc:
         return _errored(str(exc))
     except Exception as exc:
         logger.exception("grader %r failed on an item", criterion.name)
         return _errored(f"{criterion.type} grader failed: {type(exc).__name__}: {exc}")
+
+
+def _cosine_items(
+    criterion: TextSimilarityCriterion, items: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]]
+) -> list[GradeResult]:
+    """``cosine`` over the items in one embedding pass; an item whose templates fail is its own error."""
+    results: list[GradeResult | None] = [None] * len(items)
+    pairs: list[tuple[int, str, str]] = []
+    for index, (item, samples) in enumerate(items):
+        if not samples:
+            results[index] = _errored("the item has no sample to grade")
+            continue
+        try:
+            text = render(criterion.input, item=item, sample=samples[0])
+            reference = render(criterion.reference, item=item, sample=samples[0])
+        except TemplateError as exc:
+            results[index] = _errored(str(exc))
+            continue
+        pairs.append((index, text, reference))
+    if pairs:
+        try:
+            scores = cosine_scores([text for _, text, _ in pairs], [reference for _, _, reference in pairs])
+        except MetricUnavailable as exc:
+            for index, _, _ in pairs:
+                results[index] = _errored(str(exc))
+        else:
+            for (index, _, _), score in zip(pairs, scores, strict=True):
+                results[index] = GradeResult(score=score, passed=score >= criterion.pass_threshold)
+    return [result for result in results if result is not None]
 
 
 def grade_items(
@@ -164,8 +193,11 @@ def grade_items(
     """`grade_item` over ``(item, samples)`` pairs, results in the same order.
 
     Sandboxed graders (``python``, ``code_execution``) grade several items at once (one sandbox per core
-    at most, `worker.grading.sandbox`); the others grade in order.
+    at most, `worker.grading.sandbox`); ``cosine`` embeds every item's texts in one pass; the others grade
+    in order.
     """
+    if isinstance(criterion, TextSimilarityCriterion) and criterion.evaluation_metric == "cosine":
+        return _cosine_items(criterion, items)
     if isinstance(criterion, PythonCriterion | CodeExecutionCriterion):
         with ThreadPoolExecutor(max_workers=available_cpus()) as pool:
             futures = [
