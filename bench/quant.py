@@ -98,40 +98,14 @@ SETTINGS = {  # bench name -> (engine quantization, q4 activations quantized to 
     "int8": ("int8", False),
     "q4": ("q4", False),
     "q4-q8act": ("q4", True),
-    # int8 variants measured for the quality table (docs/engine.md): the down projections kept float32, and
-    # int8 with one scale per group of 32 along K (GGUF Q8_0 blocks made at load, run by the GGUF kernel).
-    "int8-fp32-down": ("int8", False),
-    "int8-g32": ("int8", False),
 }
 
 
 def _with_setting(name: str, threads: int) -> Any:
-    from torch import nn
-
-    import worker.engine.executor.model_loader as loader
-    from kernels.reference import quantize_q8_0
-    from worker.engine.executor.layers.quantization import int8
     from worker.engine.executor.layers.quantization.q4 import GGUFLinear
 
     quantization, q8_activations = SETTINGS[name]
-    keep_float, int8_layers = int8.KEEP_FLOAT, loader.quantize_linear_layers
-    if name == "int8-fp32-down":
-        int8.KEEP_FLOAT = (*int8.KEEP_FLOAT, "down_proj")
-    if name == "int8-g32":
-        # NOTE: swaps int8's layer for a Q8_0 one over the same float32 weight, before int8 would quantize it.
-        def q8_0_layers(model: nn.Module) -> int:
-            for parent in list(model.modules()):
-                for child_name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear) and child_name not in int8.KEEP_FLOAT:
-                        blocks = quantize_q8_0(child.weight)
-                        setattr(parent, child_name, GGUFLinear(blocks, 8, child.in_features, child.bias))
-            return 1
-
-        loader.quantize_linear_layers = q8_0_layers
-    try:
-        engine = _engine(quantization, threads)
-    finally:  # the next setting in this process gets int8 as it is
-        int8.KEEP_FLOAT, loader.quantize_linear_layers = keep_float, int8_layers
+    engine = _engine(quantization, threads)
     for module in engine.model_runner.model.modules():
         if isinstance(module, GGUFLinear):
             module.quantize_activations = q8_activations

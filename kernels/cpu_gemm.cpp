@@ -12,13 +12,8 @@
 //
 // Every output element is one fused multiply-add chain over k = 0 .. K-1 in order, whatever the number
 // of rows, the row's place in the batch or the vector width, so a row's result never depends on its batch
-// neighbours (and the AVX-512 and AVX2 builds give the same bits).
-//
-// Weight-only int8 (`pack_linear_weight_int8`, `linear_int8_packed`; issue #27): the same panels hold int8
-// weights, a quarter of the bytes, with one float32 scale per output column; each panel row is converted to
-// float in registers, the chain runs in float32 and is scaled once at the end (y = scale * sum_k x w_q + b).
-// Activations stay float32 (no VNNI needed). GCC's vector extensions make the same source an AVX-512, AVX2
-// or plain scalar loop, whatever -march=native offers.
+// neighbours (and the AVX-512 and AVX2 builds give the same bits). GCC's vector extensions make the same
+// source an AVX-512, AVX2 or plain scalar loop, whatever -march=native offers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,15 +21,10 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -59,66 +49,29 @@ inline vec loadv(const float* p) {
 
 inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// One panel row (kNR output columns at k) as two float vectors: float32 panels load as they are, int8 panels
-// are sign-extended and converted in registers (vpmovsxbd + vcvtdq2ps with AVX2), never written back as float.
-typedef int8_t qvec __attribute__((vector_size(kLanes)));
-
-inline void load_panel_row(const float* p, vec& w0, vec& w1) {
-  w0 = loadv(p);
-  w1 = loadv(p + kLanes);
-}
-
-inline void load_panel_row(const int8_t* p, vec& w0, vec& w1) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // NOTE: GCC lowers the generic conversion of an 8-byte vector poorly (lane by lane); the intrinsics give one
-  // vpmovsxbd (with its load folded) and one vcvtdq2ps per eight weights.
-  w0 = reinterpret_cast<vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-  w1 = reinterpret_cast<vec>(
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kLanes)))));
-#else
-  qvec q0, q1;
-  std::memcpy(&q0, p, sizeof(q0));
-  std::memcpy(&q1, p + kLanes, sizeof(q1));
-  w0 = __builtin_convertvector(q0, vec);
-  w1 = __builtin_convertvector(q1, vec);
-#endif
-}
-
-// y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR (float32 panels), or
-// bias + scale * sum_k x[r, k] * panel[k, 0:ncols] (int8 panels, `scale_panel` their per-column scales). The
-// `prefetch_rows` rows of the next panel at `prefetch` are pulled into cache spread evenly over this call's K
+// y[r, 0:ncols] = bias + sum_k x[r, k] * panel[k, 0:ncols] for r < MR. The `prefetch_rows` rows of the next panel at `prefetch` are pulled into cache spread evenly over this call's K
 // steps, so the weight keeps streaming from memory while every row group computes (not only the first).
-template <int MR, typename T>
-inline void micro_kernel(const float* __restrict x, const T* __restrict panel, int64_t K,
-                         const float* __restrict bias_panel, const float* __restrict scale_panel, float* __restrict y,
-                         int64_t ldy, int64_t ncols, const T* prefetch, int64_t prefetch_rows) {
-  constexpr bool kQuantized = std::is_same_v<T, int8_t>;
-  constexpr int64_t kLine = 64 / sizeof(T);  // panel elements per cache line
+template <int MR>
+inline void micro_kernel(const float* __restrict x, const float* __restrict panel, int64_t K,
+                         const float* __restrict bias_panel, float* __restrict y, int64_t ldy, int64_t ncols,
+                         const float* prefetch, int64_t prefetch_rows) {
+  constexpr int64_t kLine = 64 / sizeof(float);  // panel elements per cache line
   vec acc0[MR], acc1[MR];
   const vec bias0 = loadv(bias_panel), bias1 = loadv(bias_panel + kLanes);
-  for (int r = 0; r < MR; ++r) {
-    // float32: the bias starts the chain (bits as before int8 existed); int8: it is added after scaling.
-    acc0[r] = kQuantized ? vec{} : bias0;
-    acc1[r] = kQuantized ? vec{} : bias1;
+  for (int r = 0; r < MR; ++r) {  // the bias starts the chain
+    acc0[r] = bias0;
+    acc1[r] = bias1;
   }
   int64_t prefetched = 0;
   for (int64_t k = 0; k < K; ++k) {
     for (; prefetched * K < (k + 1) * prefetch_rows; ++prefetched) {
       for (int64_t line = 0; line < kNR; line += kLine) __builtin_prefetch(prefetch + prefetched * kNR + line, 0, 2);
     }
-    vec w0, w1;
-    load_panel_row(panel + k * kNR, w0, w1);
+    const vec w0 = loadv(panel + k * kNR), w1 = loadv(panel + k * kNR + kLanes);
     for (int r = 0; r < MR; ++r) {
       const float xs = x[k * MR + r];  // scalar * vector: one broadcast load, no extra add
       acc0[r] += xs * w0;
       acc1[r] += xs * w1;
-    }
-  }
-  if constexpr (kQuantized) {
-    const vec scale0 = loadv(scale_panel), scale1 = loadv(scale_panel + kLanes);
-    for (int r = 0; r < MR; ++r) {
-      acc0[r] = acc0[r] * scale0 + bias0;
-      acc1[r] = acc1[r] * scale1 + bias1;
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -135,15 +88,14 @@ inline void micro_kernel(const float* __restrict x, const T* __restrict panel, i
 }
 
 // Rows against one panel with the micro-kernel instantiated for exactly `rows` (1 .. MR) rows.
-template <int MR, typename T>
-inline void group_rows(int64_t rows, const float* x, const T* panel, int64_t K, const float* bias_panel,
-                       const float* scale_panel, float* y, int64_t ldy, int64_t ncols, const T* prefetch,
-                       int64_t prefetch_rows) {
+template <int MR>
+inline void group_rows(int64_t rows, const float* x, const float* panel, int64_t K, const float* bias_panel,
+                       float* y, int64_t ldy, int64_t ncols, const float* prefetch, int64_t prefetch_rows) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      micro_kernel<MR, T>(x, panel, K, bias_panel, scale_panel, y, ldy, ncols, prefetch, prefetch_rows);
+      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
     } else {
-      group_rows<MR - 1, T>(rows, x, panel, K, bias_panel, scale_panel, y, ldy, ncols, prefetch, prefetch_rows);
+      group_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
     }
   }
 }
@@ -180,31 +132,32 @@ void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t K, float* xpack) 
 
 // All M (> 0) packed rows against one panel, group by group; the groups share the prefetch of
 // `next_panel` (null: none), group g taking its rows [g K / G, (g + 1) K / G).
-template <typename T>
-void panel_rows(const float* xpack, int64_t M, const T* panel, int64_t K, const float* bias_panel,
-                const float* scale_panel, float* y, int64_t ldy, int64_t ncols, const T* next_panel) {
+void panel_rows(const float* xpack, int64_t M, const float* panel, int64_t K, const float* bias_panel, float* y,
+                int64_t ldy, int64_t ncols, const float* next_panel) {
   const RowGroups groups(M);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
     const int64_t first = g * K / groups.count, last = next_panel == nullptr ? first : (g + 1) * K / groups.count;
-    group_rows<kMR, T>(groups.size(g), xpack + m * K, panel, K, bias_panel, scale_panel, y + m * ldy, ldy, ncols,
-                       next_panel == nullptr ? nullptr : next_panel + first * kNR, last - first);
+    group_rows<kMR>(groups.size(g), xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols,
+                    next_panel == nullptr ? nullptr : next_panel + first * kNR, last - first);
   }
 }
 
-// Weight [N, K] (float32 or int8) into [ceil(N / kNR), K, kNR] panels, zero padded.
-template <typename T>
-at::Tensor pack_panels(const at::Tensor& weight) {
+// Weight [N, K] into [ceil(N / kNR), K, kNR] panels, zero padded.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be on the CPU");
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t num_panels = (N + kNR - 1) / kNR;
   at::Tensor packed = at::zeros({num_panels, K, kNR}, weight.options());
   const at::Tensor src = weight.contiguous();
-  const T* w = src.data_ptr<T>();
-  T* dst = packed.data_ptr<T>();
+  const float* w = src.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t ncols = std::min(kNR, N - p * kNR);
       for (int64_t c = 0; c < ncols; ++c) {
-        const T* row = w + (p * kNR + c) * K;
+        const float* row = w + (p * kNR + c) * K;
         for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kNR + c] = row[k];
       }
     }
@@ -212,25 +165,12 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
-  TORCH_CHECK(weight.device().is_cpu(), "weight must be on the CPU");
-  return pack_panels<float>(weight);
-}
-
-at::Tensor pack_linear_weight_int8(const at::Tensor& qweight) {
-  TORCH_CHECK(qweight.dim() == 2, "qweight must be [out_features, in_features]");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight must be int8");
-  TORCH_CHECK(qweight.device().is_cpu(), "qweight must be on the CPU");
-  return pack_panels<int8_t>(qweight);
-}
-
-// y = x W^T (+ bias) over packed panels of T (float32, or int8 with per-output-column `scales`), the checks
-// common to both, then panels split across torch's threads.
-template <typename T>
-at::Tensor run_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                      const std::optional<at::Tensor>& bias, const float* scales) {
+// y = x W^T (+ bias) over packed panels, the panels split across torch's threads.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              "packed weight must come from pack_linear_weight");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be a float32 CPU tensor [num_rows, in_features]");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "x must have unit stride in its last dimension");
@@ -249,7 +189,7 @@ at::Tensor run_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const T* pp = packed.data_ptr<T>();
+  const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Rows in blocks of about kRowBlockBytes of activations, so a block stays in L2 while a thread's panels
   // stream past it (a prefill chunk of thousands of rows would otherwise be re-read from L3 per panel).
@@ -261,35 +201,14 @@ at::Tensor run_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out
       pack_rows(xp + m0 * ldx, ldx, rows, K, xpack.data());
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t ncols = std::min(kNR, N - p * kNR);
-        float bias_panel[kNR] = {}, scale_panel[kNR] = {};
+        float bias_panel[kNR] = {};
         if (b != nullptr) std::memcpy(bias_panel, b + p * kNR, ncols * sizeof(float));
-        if (scales != nullptr) std::memcpy(scale_panel, scales + p * kNR, ncols * sizeof(float));
-        const T* next_panel = p + 1 < p1 ? pp + (p + 1) * K * kNR : nullptr;
-        panel_rows<T>(xpack.data(), rows, pp + p * K * kNR, K, bias_panel, scale_panel, yp + m0 * N + p * kNR, N,
-                      ncols, next_panel);
+        const float* next_panel = p + 1 < p1 ? pp + (p + 1) * K * kNR : nullptr;
+        panel_rows(xpack.data(), rows, pp + p * K * kNR, K, bias_panel, yp + m0 * N + p * kNR, N, ncols, next_panel);
       }
     }
   });
   return y;
-}
-
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kFloat,
-              "packed weight must come from pack_linear_weight");
-  return run_packed<float>(x, packed, out_features, bias, nullptr);
-}
-
-at::Tensor linear_int8_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                              int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kChar,
-              "packed int8 weight must come from pack_linear_weight_int8");
-  TORCH_CHECK(scales.dim() == 1 && scales.numel() == out_features && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous(),
-              "scales must be contiguous float32 [out_features]");
-  return run_packed<int8_t>(x, packed, out_features, bias, scales.data_ptr<float>());
 }
 
 int64_t linear_panel_width() { return kNR; }
@@ -299,14 +218,10 @@ int64_t linear_panel_width() { return kNR; }
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("pack_linear_weight_int8(Tensor qweight) -> Tensor");
-  m.def("linear_int8_packed(Tensor x, Tensor packed_weight, Tensor scales, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_panel_width() -> int", linear_panel_width);  // no tensor argument: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("linear_packed", linear_packed);
-  m.impl("pack_linear_weight_int8", pack_linear_weight_int8);
-  m.impl("linear_int8_packed", linear_int8_packed);
 }

@@ -214,39 +214,6 @@ def exponential_race_reference(logits: torch.Tensor, keys: torch.Tensor, counter
     return (logits - torch.log(-torch.log(uniform))).argmax(dim=-1)
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 weight quantization (absmax; LLM.int8's vector-wise scheme without
-    outliers, Dettmers et al. 2022).
-
-    Args:
-        weight: float ``[out_features, in_features]``.
-
-    Returns:
-        ``(qweight, scales)``: int8 ``[out_features, in_features]`` in ``[-127, 127]`` and float32
-        ``[out_features]`` with ``weight ~= qweight * scales[:, None]`` (an all-zero row gets scale 1).
-    """
-    weight = weight.detach().float()
-    absmax = weight.abs().amax(dim=1)
-    scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return qweight, scales.contiguous()
-
-
-def linear_int8_reference(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Twin of :func:`kernels.cpu_gemm.linear_int8_packed`: dequantize the weight, then a plain float32 linear.
-
-    Args:
-        x: float32 ``[..., in_features]``; qweight: int8 ``[out_features, in_features]``; scales: float32
-        ``[out_features]``; bias: optional float32 ``[out_features]``.
-
-    Returns:
-        float32 ``[..., out_features]``.
-    """
-    return torch.nn.functional.linear(x, qweight.float() * scales[:, None], bias)
-
-
 def dequantize_gguf_blocks(blocks: torch.Tensor, block_type: int) -> torch.Tensor:
     """Plain torch dequantization of GGUF blocks (ggml's ``dequantize_row_q4_0`` / ``_q4_1`` / ``_q8_0``).
 

@@ -19,7 +19,7 @@ from kernels.reference import dequantize_gguf_blocks
 from tests.kernels.conftest import cpu_kernels  # noqa: F401 (the fixture: kernels built, one thread)
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.executor.layers.linear import PackedLinear
-from worker.engine.executor.layers.quantization.int8 import Int8Linear
+from worker.engine.executor.layers.quantization.int8 import Q8_0
 from worker.engine.executor.layers.quantization.q4 import GGUFLinear
 from worker.engine.executor.model_loader import load_model
 from worker.engine.quality import perplexity, teacher_forced_agreement
@@ -39,16 +39,21 @@ def test_unknown_quantization_is_refused_by_name(tmp_path):
 def test_int8_swaps_the_decoder_linears_and_keeps_the_lm_head_float(model_dir):
     model = load_model(model_dir, torch.float32, "cpu", quantization="int8")
     reference = load_model(model_dir, torch.float32, "cpu")
-    int8_layers = [name for name, module in model.named_modules() if isinstance(module, Int8Linear)]
+    int8_layers = [name for name, module in model.named_modules() if isinstance(module, GGUFLinear)]
     num_layers = model.config.num_hidden_layers
     assert len(int8_layers) == 4 * num_layers  # qkv, o, gate_up, down per layer
     assert isinstance(model.lm_head, PackedLinear)
     assert model.model.embed_tokens.weight.dtype == torch.float32
     for name, module in model.named_modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, GGUFLinear):
+            assert module.block_type == Q8_0 and not module.quantize_activations
             x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
-            want = reference.get_submodule(name)(x)
-            # Per-channel int8 keeps each output within a few percent of its scale.
+            float_layer = reference.get_submodule(name)
+            want = float_layer(x)
+            # Exactly the Q8_0 blocks of the float weight, dequantized: only the summation order differs.
+            blocks_as_float = dequantize_gguf_blocks(module.blocks, Q8_0)
+            torch.testing.assert_close(module(x), x @ blocks_as_float.T + (0 if module.bias is None else module.bias))
+            # A scale per 32 weights keeps each output within a few percent of its scale.
             assert (module(x) - want).abs().max() <= 0.05 * want.abs().max() + 1e-3
 
 
