@@ -13,7 +13,7 @@ sequence's matcher).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,9 +30,28 @@ from worker.engine.sampling_params import StructuredOutputsParams
 PARAM = "structured_outputs"
 GrammarKind = Literal["json", "regex", "grammar"]
 
-# JSON Schema keywords that constrain a value but that xgrammar would silently ignore (measured on 0.2.9:
-# the compiled grammar is the same with and without them), so an output could break the schema. Refused.
-UNSUPPORTED_JSON_KEYWORDS = frozenset({"uniqueItems", "if", "then", "else", "dependentSchemas", "unevaluatedItems"})
+# JSON Schema keywords that constrain a value but that xgrammar does not enforce (measured on 0.2.9: the
+# compiled grammar is the same with and without them, or it accepts a value that breaks them: `not`,
+# `contains`, `oneOf`, which it treats as `anyOf`), so an output could break the schema. Refused.
+UNSUPPORTED_JSON_KEYWORDS = frozenset(
+    {
+        "uniqueItems",
+        "if",
+        "then",
+        "else",
+        "dependentSchemas",
+        "dependentRequired",
+        "dependencies",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "propertyNames",
+        "not",
+        "contains",
+        "minContains",
+        "maxContains",
+        "oneOf",
+    }
+)
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 _MAX_ERROR_CHARS = 300  # of a library's message quoted in a 400
@@ -116,18 +135,51 @@ def _check_schema(schema: Any) -> None:
         raise InvalidParameterError(
             f"not a valid JSON Schema{f' at {where}' if where else ''}: {error.message[:_MAX_ERROR_CHARS]}", PARAM
         ) from None
-    unsupported = sorted(_keywords(schema) & UNSUPPORTED_JSON_KEYWORDS)
+    subschemas = list(_subschemas(schema))
+    unsupported = sorted({key for node in subschemas for key in node} & UNSUPPORTED_JSON_KEYWORDS)
     if unsupported:
+        hint = " (use anyOf for oneOf)" if "oneOf" in unsupported else ""
         raise InvalidParameterError(
-            f"the JSON schema uses keywords structured outputs cannot enforce: {', '.join(unsupported)}", PARAM
+            f"the JSON schema uses keywords structured outputs cannot enforce: {', '.join(unsupported)}{hint}", PARAM
+        )
+    for node in subschemas:
+        _check_enforceable(node)
+
+
+def _check_enforceable(node: dict[str, Any]) -> None:
+    """Refuse what xgrammar would accept and not enforce in one (sub)schema: an ``allOf`` of several schemas
+    (it keeps the first's constraints only), a ``required`` name that ``properties`` does not declare (only
+    declared properties are generated, so it would be left out), a ``$ref`` outside the document (never fetched).
+    """
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        raise InvalidParameterError(
+            "the JSON schema uses allOf with several schemas, which structured outputs cannot enforce; merge them "
+            "into one schema",
+            PARAM,
+        )
+    required, properties = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        declared = properties if isinstance(properties, dict) else {}
+        undeclared = [name for name in required if name not in declared]
+        if undeclared:
+            names = ", ".join(repr(name) for name in undeclared[:5])
+            raise InvalidParameterError(
+                f"the JSON schema requires {names}, which its properties do not declare: structured outputs "
+                "generate declared properties only",
+                PARAM,
+            )
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise InvalidParameterError(
+            f"the JSON schema refers to {ref[:100]!r}: only references within the schema (#/...) are served", PARAM
         )
 
 
-def _keywords(schema: Any) -> set[str]:
-    """Every keyword used anywhere in ``schema``: the keys of each (sub)schema, not the names under
-    ``properties`` or ``$defs`` (a field may well be called "if") nor the values of ``enum``, ``const``,
+def _subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every (sub)schema object of ``schema``, itself included: not the maps under ``properties`` or
+    ``$defs`` (a field may well be called "if") but their values, nor the values of ``enum``, ``const``,
     ``default`` or ``examples`` (data, not schemas)."""
-    found: set[str] = set()
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -136,13 +188,12 @@ def _keywords(schema: Any) -> set[str]:
             continue
         if not isinstance(node, dict):
             continue
+        yield node
         for key, value in node.items():
-            found.add(key)
             if key in _NAMED_SCHEMAS and isinstance(value, dict):
                 stack.extend(value.values())
             elif key not in _DATA_KEYWORDS:
                 stack.append(value)
-    return found
 
 
 def _library_message(error: Exception) -> str:

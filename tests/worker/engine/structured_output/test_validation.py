@@ -26,6 +26,14 @@ BAD_CONSTRAINTS = {
     "unsupported if/then": dict(json={"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
     "pattern does not compile": dict(json={"type": "string", "pattern": "(("}),
     "dangling $ref": dict(json={"$ref": "#/$defs/missing"}),
+    # Keywords xgrammar accepts but does not enforce: each allowed a finished output that broke its schema.
+    "unsupported not": dict(json={"type": "integer", "not": {"minimum": 0}}),
+    "unsupported contains": dict(json={"type": "array", "contains": {"const": 7}}),
+    "unsupported oneOf": dict(json={"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 9}]}),
+    "unsupported dependentRequired": dict(json={"type": "object", "dependentRequired": {"a": ["b"]}}),
+    "allOf of several schemas": dict(json={"allOf": [{"type": "integer"}, {"minimum": 10}]}),
+    "required but undeclared": dict(json={"type": "object", "required": ["xa"]}),
+    "remote $ref": dict(json={"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}),
     "regex does not compile": dict(regex="a(b"),
     "regex bad repetition": dict(regex="a{3,1}"),
     "grammar syntax error": dict(grammar='root ::= "a" |'),
@@ -67,6 +75,21 @@ def test_names_and_values_that_look_like_keywords_are_data():
     nested = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
     with pytest.raises(InvalidParameterError, match="uniqueItems"):
         validate_structured_outputs(StructuredOutputsParams(json=nested))
+
+
+def test_refusals_name_what_to_do_and_enforced_forms_pass():
+    with pytest.raises(InvalidParameterError, match=r"oneOf \(use anyOf for oneOf\)"):
+        validate_structured_outputs(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}]}))
+    with pytest.raises(InvalidParameterError, match="requires 'xa', which its properties do not declare"):
+        validate_structured_outputs(StructuredOutputsParams(json={"type": "object", "required": ["xa"]}))
+    # One schema in allOf (pydantic's wrapper of a $ref) and local references are enforced as they are.
+    enforced = {
+        "type": "object",
+        "properties": {"pet": {"allOf": [{"$ref": "#/$defs/Pet"}]}},
+        "required": ["pet"],
+        "$defs": {"Pet": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+    }
+    validate_structured_outputs(StructuredOutputsParams(json=enforced))
 
 
 def test_compile_timeout_fails_the_line_and_the_engine_goes_on(model_dir):
