@@ -77,8 +77,8 @@ def load_tokenizer(model_dir: str | Path, cache_dir: str | Path | None = None) -
     """
     model_dir = Path(model_dir)
     cached = _read(cache_dir, model_dir)
-    if cached is not None and "tokenizer_class" in cached:
-        module_name, _, class_name = cached["tokenizer_class"].partition(":")
+    module_name, _, class_name = str((cached or {}).get("tokenizer_class", "")).partition(":")
+    if module_name.startswith("transformers."):  # NOTE: only transformers' own classes, as AutoTokenizer picks here
         tokenizer_class = getattr(importlib.import_module(module_name), class_name)
         # NOTE: the keyword AutoTokenizer adds for a local folder (its revision and commit hash are None there).
         tokenizer: PreTrainedTokenizerBase = tokenizer_class.from_pretrained(model_dir, _from_auto=True)
