@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobs.config import Settings, get_settings
 from worker.cpu_threads import available_cpus, use_passive_wait
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from worker.engine.config import EngineConfig
     from worker.engine.llm_engine import LLMEngine
     from worker.engine.pooling_engine import PoolingEngine
@@ -57,6 +56,11 @@ def num_torch_threads(settings: Settings) -> int:
     return available_cpus()
 
 
+def prepared_weights_dir(settings: Settings) -> Path:
+    """Where the engine caches what it prepares from a model folder: packed weights, resolved config and tokenizer class."""
+    return settings.model_cache_dir / "prepared"
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The `EngineConfig` the settings ask for; prepares (converts, once) the served model's folder.
 
@@ -81,7 +85,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
         quantization=settings.quantization,
-        prepared_weights_dir=str(settings.model_cache_dir / "prepared"),
+        prepared_weights_dir=str(prepared_weights_dir(settings)),
         kv_cache_dtype=settings.kv_cache_dtype,
     )
 
@@ -131,12 +135,10 @@ def get_engine() -> LLMEngine | PoolingEngine:
 
 def _embedding_engine(settings: Settings) -> PoolingEngine | None:
     """A warmed-up `PoolingEngine` when the served model is an embedding model, else None."""
-    from worker.engine.pooling_engine import PoolingEngine
-
     model_dir = _prepared_model(settings)
-    if _model_kind(model_dir) != "embed":
-        return None
-    from worker.engine.pooling_engine import EmbeddingEngineConfig
+    if _model_kind(model_dir, settings) != "embed":
+        return None  # NOTE: before importing the pooling engine (transformers' auto mappings: 0.3 CPU-s)
+    from worker.engine.pooling_engine import EmbeddingEngineConfig, PoolingEngine
 
     config = EmbeddingEngineConfig(
         str(model_dir),
@@ -161,12 +163,11 @@ def _prepared_model(settings: Settings) -> Path:
     return prepare_model(settings.model, settings.model_cache_dir)
 
 
-def _model_kind(model_dir: Path) -> str:
-    from transformers import AutoConfig
-
+def _model_kind(model_dir: Path, settings: Settings) -> str:
     from worker.engine.executor.models.registry import model_kind_of
+    from worker.engine.model_files import load_config
 
-    return model_kind_of(AutoConfig.from_pretrained(model_dir))
+    return model_kind_of(load_config(model_dir, prepared_weights_dir(settings)))
 
 
 def warm_up_engine(engine: LLMEngine) -> None:

@@ -99,3 +99,26 @@ def test_passive_wait_set_before_torch_unless_chosen() -> None:
         env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
     )
     assert out.stdout.split()[:2] == ["True", "ACTIVE"]
+
+
+def test_worker_command_sets_passive_wait_before_anything_loads_torch(tmp_path: Path) -> None:
+    """``batchinfer worker`` imports torch early (its telemetry and tasks do); the policy must be set by then,
+    or every OpenMP thread of the worker spins (seconds of CPU in the warm-up alone on shared cores)."""
+    code = (
+        "import os, sys\n"
+        "class StopAtTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            print(os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
+        "            os._exit(0)\n"
+        "sys.meta_path.insert(0, StopAtTorch())\n"
+        "from worker import cli\n"
+        "cli.main(['worker'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY" and not k.startswith("BATCHINFER_")}
+    env["BATCHINFER_DATA_DIR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "PASSIVE"

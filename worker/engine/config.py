@@ -43,7 +43,8 @@ class EngineConfig:
     in ``dtype``), ``"int8"`` or ``"fp8_e4m3"`` (vLLM's ``"fp8"`` is an alias, stored canonical): one byte per
     element plus a float32 scale per (token, KV head), so ``kv_cache_memory_bytes`` holds more blocks
     (docs/engine.md, "Quantized KV cache"). ``prepared_weights_dir``, when set, caches a float32 CPU model's
-    packed weights there and memory-maps them on later starts (docs/operations.md, "Worker start").
+    packed weights there and memory-maps them on later starts, and the folder's resolved ``transformers`` config and
+    tokenizer class (:mod:`worker.engine.model_files`; docs/operations.md, "Worker start").
 
     Raises:
         ValueError: on a non-positive size, or a quantization or KV cache dtype not served.

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence as TokenIds
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from worker.engine.config import EngineConfig
 from worker.engine.core.beam_search import BeamSearchState, Candidate
@@ -21,6 +21,7 @@ from worker.engine.core.request import Request, Sequence, SequenceStatus, can_re
 from worker.engine.core.scheduler import Scheduler, SchedulerOutput
 from worker.engine.errors import InvalidParameterError, PromptTooLongError, ResumeError
 from worker.engine.executor.model_runner import ModelRunner, ModelRunnerOutput
+from worker.engine.model_files import load_config, load_tokenizer
 from worker.engine.output.detokenizer import IncrementalDetokenizer, decode_token
 from worker.engine.output.stop_checker import FinishState, check_finish
 from worker.engine.outputs import (
@@ -44,8 +45,8 @@ class LLMEngine:
     """Offline engine: add requests, call :meth:`step` until none is unfinished (or use :meth:`generate`).
 
     Attributes:
-        tokenizer: the model folder's Hugging Face tokenizer.
-        model_config: the model folder's ``transformers`` config.
+        tokenizer: the model folder's Hugging Face tokenizer (as ``AutoTokenizer`` builds it).
+        model_config: the model folder's ``transformers`` config values (as ``AutoConfig`` resolves them).
         max_model_len: most tokens (prompt + output) one sequence may hold.
 
     Raises:
@@ -55,8 +56,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config: PretrainedConfig = AutoConfig.from_pretrained(config.model)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
+        # NOTE: resolved once per model folder and cached beside the prepared weights (worker/engine/model_files.py).
+        self.model_config: PretrainedConfig = load_config(config.model, config.prepared_weights_dir)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model, config.prepared_weights_dir)
         max_positions = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or max_positions
         if self.max_model_len > max_positions:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
 
 from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.executor.layers.linear import pack_linear_layers
@@ -25,6 +24,7 @@ from worker.engine.executor.layers.quantization.q4 import find_gguf, quantize_li
 from worker.engine.executor.models.llama import LlamaForCausalLM, enable_cpu_kernels
 from worker.engine.executor.models.registry import resolve_model_class
 from worker.engine.executor.prepared_weights import load_prepared, prepared_path, save_prepared
+from worker.engine.model_files import load_config
 
 logger = logging.getLogger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -102,7 +102,7 @@ def load_model(
     """
     check_quantization(quantization)
     model_dir = Path(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = load_config(model_dir, prepared_dir)  # NOTE: resolved once per folder (worker/engine/model_files.py)
     model_class = resolve_model_class(config)
     files = safetensors_files(model_dir)  # NOTE: raises before the (possibly large) model is allocated
     cache = None

@@ -348,8 +348,14 @@ class LlamaForCausalLM(nn.Module):
         (:func:`layer_sliding_windows`), sharing one rotary table."""
         options = cls.decoder_options(config)
         rotary_emb = RotaryEmbedding(config, head_size_of(config))
+        # NOTE: built on the meta device (every tensor is then replaced by a prepared one), the embedding skips its
+        # random init: normal_ on a meta tensor runs torch._refs, whose first call imports torch._dynamo (about
+        # half a CPU-second of each warm worker start).
+        meta_weight = (
+            torch.empty(config.vocab_size, config.hidden_size) if torch.get_default_device().type == "meta" else None
+        )
         return LlamaModel(
-            nn.Embedding(config.vocab_size, config.hidden_size),
+            nn.Embedding(config.vocab_size, config.hidden_size, _weight=meta_weight),
             (LlamaDecoderLayer(config, rotary_emb, options, window) for window in layer_sliding_windows(config)),
             RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
