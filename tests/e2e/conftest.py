@@ -1,33 +1,20 @@
-"""End-to-end fixtures: the served tokenizer, Redis databases, and one served stack shared by the tests that
-only submit jobs through the API.
+"""End-to-end fixtures: the served tokenizer and a Redis database for a stack of a module's own.
 
-Redis databases of the test Redis (``BATCHINFER_TEST_REDIS_URL``): 15 belongs to tests.helpers.service,
-14 to the shared stack below, 1-13 to ``redis_url`` (a stack of a module's or a test's own). Two stacks
-never share a Redis database: a worker takes every task of its queue, a task another stack's API sent
-included.
+Databases of the test Redis (``BATCHINFER_TEST_REDIS_URL``): 15 belongs to tests.helpers.service, 14 to
+the stack the API-only tests share (tests/e2e/served/conftest.py), 1-13 to ``redis_url``. Two stacks never
+share a Redis database: a worker takes every task of its queue, one that another stack's API sent included.
 """
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
-from contextlib import ExitStack
-from pathlib import Path
 
 import pytest
 
-from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL
-from tests.e2e.processes import child_env, cli, free_port, interrupt, running, wait_for_health
-from tests.helpers.service import postgres_database
+from jobs.config import BUILTIN_MODEL
+from tests.e2e.processes import SHARED_STACK_REDIS_DB, redis_db_url
 from worker.model_prepare import prepare_model
-
-SHARED_STACK_REDIS_DB = 14
-
-
-def _redis_url(db: int) -> str:
-    base = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    return base.rsplit("/", 1)[0] + f"/{db}"
 
 
 @pytest.fixture(scope="session")
@@ -42,55 +29,9 @@ def redis_url() -> Iterator[str]:
     """A Redis database (1-13) for a module's own stack, flushed before and after."""
     import redis
 
-    url = _redis_url(random.randint(1, SHARED_STACK_REDIS_DB - 1))
+    url = redis_db_url(random.randint(1, SHARED_STACK_REDIS_DB - 1))
     client = redis.Redis.from_url(url)
     client.flushdb()
     yield url
     client.flushdb()
     client.close()
-
-
-@pytest.fixture(scope="package")
-def service(tmp_path_factory) -> Iterator[tuple[object, list[Path]]]:
-    """The served stack the API-only tests share; yields ``(openai_client, log_paths)``.
-
-    ``batchinfer api``, ``beat``, two workers of the built-in chat model and one of the built-in embedding
-    model, as child processes on a PostgreSQL database and a Redis database (14) of their own; started by
-    the first test that asks, stopped after the last test of tests/e2e. Tests that use it keep to their own
-    batches, files and evals: it has served other tests before, so a count over the whole service is not
-    theirs. A test that stops processes, changes settings or reads process-wide figures (a worker's metrics)
-    starts a stack of its own.
-
-    NOTE: ``shard_target_tokens`` 4,096 (not 65,536) cuts a job of a few hundred lines (the 164-line
-    HumanEval job) into about ten shards, which the two chat workers share: CI has two cores, and one
-    worker (one torch thread) would leave the other idle while the test waits.
-    """
-    import redis
-    from openai import OpenAI
-
-    data_dir = tmp_path_factory.mktemp("shared-stack")
-    redis_url = _redis_url(SHARED_STACK_REDIS_DB)
-    broker = redis.Redis.from_url(redis_url)
-    broker.flushdb()
-    port = free_port()
-    with postgres_database() as database_url, ExitStack() as stack:
-        env = child_env(
-            data_dir=str(data_dir), database_url=database_url, broker_url=redis_url, shard_target_tokens="4096"
-        )
-        logs = [data_dir / f"{name}.log" for name in ("api", "beat", "worker-0", "worker-1", "embedding-worker")]
-        commands = [
-            cli("api", "--host", "127.0.0.1", "--port", str(port)),
-            cli("beat"),
-            cli("worker", "--model", BUILTIN_MODEL),
-            cli("worker", "--model", BUILTIN_MODEL),
-            cli("worker", "--model", BUILTIN_EMBEDDING_MODEL),
-        ]
-        processes = [
-            stack.enter_context(running(command, env, log)) for command, log in zip(commands, logs, strict=True)
-        ]
-        base_url = f"http://127.0.0.1:{port}"
-        wait_for_health(base_url, processes[0], logs[0])
-        yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60), logs
-        interrupt(processes)
-    broker.flushdb()
-    broker.close()

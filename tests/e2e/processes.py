@@ -30,6 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The test Redis's database of the shared stack (tests/e2e/served/conftest.py); see tests/e2e/conftest.py.
+SHARED_STACK_REDIS_DB = 14
+
+
+def redis_db_url(db: int) -> str:
+    """Database ``db`` of the test Redis (``BATCHINFER_TEST_REDIS_URL``)."""
+    base = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    return base.rsplit("/", 1)[0] + f"/{db}"
+
+
 def child_env(**settings: str) -> dict[str, str]:
     """This process's environment without ``BATCHINFER_*``, plus ``settings`` as ``BATCHINFER_<NAME>``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_") or k == "BATCHINFER_MODEL_CACHE_DIR"}

@@ -1,6 +1,6 @@
 """Embeddings end to end: API and a worker serving the built-in embedding model (all-MiniLM-L6-v2) as child
-processes (the shared stack of tests/e2e/conftest.py), driven through the `openai` SDK, as in
-tests/e2e/test_service_e2e.py.
+processes (the shared stack of tests/e2e/served/conftest.py), driven through the `openai` SDK, as in
+tests/e2e/served/test_service_e2e.py.
 
 A ``/v1/embeddings`` batch of texts, token ids and lists of both, in float and base64: each response body
 loads into the SDK's ``CreateEmbeddingResponse``, and the vectors read back (base64 decoded as the SDK does)
@@ -17,7 +17,7 @@ import pytest
 from openai.types import CreateEmbeddingResponse
 
 from jobs.config import BUILTIN_EMBEDDING_MODEL
-from tests.e2e.test_service_e2e import _read, _run
+from tests.e2e.served.test_service_e2e import _read, _run
 from worker.engine.pooling_engine import build_embedding_engine
 from worker.model_prepare import prepare_model
 

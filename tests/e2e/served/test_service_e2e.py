@@ -2,7 +2,7 @@
 
 API (`batchinfer api`), beat and workers (`batchinfer worker`: Celery, solo pool, the real engine on
 SmolLM2) run as child processes on a fresh database and a Redis database of their own: the stack the
-API-only end-to-end tests share (tests/e2e/conftest.py, ``service``). Batches, and an eval run (the
+API-only end-to-end tests share (tests/e2e/served/conftest.py, ``service``). Batches, and an eval run (the
 Evals API: its batch, then its grading, on this stack's chat worker).
 """
 
