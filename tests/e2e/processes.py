@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +28,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The test Redis's database of the shared stack (tests/e2e/served/conftest.py); see tests/e2e/conftest.py.
+SHARED_STACK_REDIS_DB = 14
+
+
+def redis_db_url(db: int) -> str:
+    """Database ``db`` of the test Redis (``BATCHINFER_TEST_REDIS_URL``)."""
+    base = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    return base.rsplit("/", 1)[0] + f"/{db}"
 
 
 def child_env(**settings: str) -> dict[str, str]:
@@ -47,19 +57,33 @@ def cli(*args: str) -> list[str]:
 
 @contextmanager
 def running(command: list[str], env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen]:
-    """Run ``command`` for the block; on exit SIGINT (as Ctrl-C would), then kill after 30 s."""
+    """Run ``command`` for the block; on exit `interrupt` it (SIGINT, as Ctrl-C would; killed after 30 s)."""
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield process
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            interrupt([process])
+
+
+def interrupt(processes: Iterable[subprocess.Popen], timeout_s: float = 30) -> None:
+    """SIGINT each of ``processes`` still running, all at once, then wait for them; kill any still running
+    ``timeout_s`` after the signal.
+
+    NOTE: a stack's processes stopped together, not one after another as nested ``running`` blocks
+    would, wait out their shutdowns (seconds for a Celery worker on a busy machine) side by side. One
+    SIGINT each: a second one is a Celery worker's cold shutdown.
+    """
+    live = [process for process in processes if process.poll() is None]
+    for process in live:
+        process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for process in live:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def child_processes(pid: int) -> dict[int, list[str]]:

@@ -24,7 +24,17 @@ import httpx
 import pytest
 
 from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL
-from tests.e2e.processes import ROOT, TERMINAL, child_env, cli, free_port, redis_server, running, wait_for_health
+from tests.e2e.processes import (
+    ROOT,
+    TERMINAL,
+    child_env,
+    cli,
+    free_port,
+    interrupt,
+    redis_server,
+    running,
+    wait_for_health,
+)
 from tests.helpers.service import postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -47,11 +57,13 @@ class Deployment:
     def __init__(self, tmp_path: Path, stack: ExitStack, env: dict[str, str]) -> None:
         self.tmp_path, self.stack, self.env = tmp_path, stack, env
         self.logs: list[Path] = []
+        self.processes: list[subprocess.Popen] = []  # API, beat and workers, in start order
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         api_log = self._log("api")
         api = stack.enter_context(running(cli("api", "--host", "127.0.0.1", "--port", str(port)), env, api_log))
-        stack.enter_context(running(cli("beat"), env, self._log("beat")))
+        beat = stack.enter_context(running(cli("beat"), env, self._log("beat")))
+        self.processes += [api, beat]
         wait_for_health(self.base_url, api, api_log)
 
     def _log(self, name: str) -> Path:
@@ -63,7 +75,9 @@ class Deployment:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.logs if p.exists())
 
     def start_worker(self, model: str) -> subprocess.Popen:
-        return self.stack.enter_context(running(cli("worker", "--model", model), self.env, self._log(model)))
+        worker = self.stack.enter_context(running(cli("worker", "--model", model), self.env, self._log(model)))
+        self.processes.append(worker)
+        return worker
 
     def models(self) -> dict[str, tuple[int, int]]:
         """Model id -> (live workers, ready workers), from ``GET /v1/models``."""
@@ -132,7 +146,9 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
             **SETTINGS,
         )
         subprocess.run(cli("db", "upgrade"), env=env, cwd=ROOT, check=True, timeout=120)
-        yield Deployment(tmp_path, stack, env)
+        deployment = Deployment(tmp_path, stack, env)
+        yield deployment
+        interrupt(deployment.processes)
 
 
 def test_each_batch_runs_on_its_models_worker_and_a_model_without_one_waits(deployment: Deployment) -> None:

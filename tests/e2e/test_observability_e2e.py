@@ -16,7 +16,7 @@ import pytest
 
 from jobs.config import BUILTIN_MODEL
 from tests.e2e.processes import child_env, cli, free_port, running, wait_for_batch, wait_for_health
-from tests.e2e.test_service_e2e import _jsonl, _read, redis_url  # noqa: F401  (fixture)
+from tests.e2e.served.test_service_e2e import _jsonl, _read
 from tests.helpers.monitoring import dashboard_metric_names, parse_scrape, sample_names, sample_value
 from tests.helpers.service import postgres_url  # noqa: F401  (fixture)
 

@@ -32,7 +32,17 @@ from sqlalchemy import func, select
 from jobs.config import BUILTIN_MODEL
 from jobs.db import session_scope
 from jobs.models import BatchRequest, BatchShard, RequestState
-from tests.e2e.processes import ROOT, TERMINAL, child_env, cli, free_port, redis_server, running, wait_for_health
+from tests.e2e.processes import (
+    ROOT,
+    TERMINAL,
+    child_env,
+    cli,
+    free_port,
+    interrupt,
+    redis_server,
+    running,
+    wait_for_health,
+)
 from tests.helpers.service import postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -59,6 +69,7 @@ class Service:
         self.env["BATCHINFER_TEST_RUN_LOG"] = str(self.run_log)
         self.database_url = database_url
         self.logs: list[Path] = []
+        self.processes: list[subprocess.Popen] = []  # API, beat and workers, in start order
         self.workers: list[subprocess.Popen] = []
         self.worker_logs: list[Path] = []
         self.redis = stack.enter_context(redis_server(self.redis_port, tmp_path / "redis"))
@@ -70,7 +81,8 @@ class Service:
         api = self.stack.enter_context(
             running(cli("api", "--host", "127.0.0.1", "--port", str(port)), self.env, api_log)
         )
-        self.stack.enter_context(running(cli("beat", "--loglevel", "INFO"), self.env, self._log("beat")))
+        beat = self.stack.enter_context(running(cli("beat", "--loglevel", "INFO"), self.env, self._log("beat")))
+        self.processes += [api, beat]
         self.base_url = f"http://127.0.0.1:{port}"
         wait_for_health(self.base_url, api, api_log)
 
@@ -84,6 +96,7 @@ class Service:
         command = [sys.executable, "-m", "tests.e2e.counting_worker"]
         log = self._log(f"worker{len(self.workers)}")
         worker = self.stack.enter_context(running(command, env, log))
+        self.processes.append(worker)
         self.workers.append(worker)
         self.worker_logs.append(log)
         return worker
@@ -173,7 +186,9 @@ def database_url() -> Iterator[str]:
 @pytest.fixture
 def service(tmp_path, database_url) -> Iterator[Service]:
     with ExitStack() as stack:
-        yield Service(tmp_path, database_url, stack)
+        service = Service(tmp_path, database_url, stack)
+        yield service
+        interrupt(service.processes)
 
 
 def _lines(num: int, *, max_tokens: int = 4, prefix: str = "q") -> list[dict]:

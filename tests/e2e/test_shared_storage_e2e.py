@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import random
 from pathlib import Path
 
 import pytest
@@ -23,13 +21,11 @@ def _files_in(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and "files" in p.parts]
 
 
-def test_a_worker_with_its_own_data_folder_writes_the_output_the_api_serves(tmp_path: Path, postgres_url: str) -> None:
-    import redis
+def test_a_worker_with_its_own_data_folder_writes_the_output_the_api_serves(
+    tmp_path: Path, postgres_url: str, redis_url: str
+) -> None:
     from openai import OpenAI
 
-    base = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    redis_url = base.rsplit("/", 1)[0] + f"/{random.randint(1, 14)}"
-    redis.Redis.from_url(redis_url).flushdb()
     api_dir, worker_dir = tmp_path / "api-host", tmp_path / "worker-host"
     worker_dir.mkdir()
     shared = {"database_url": postgres_url, "broker_url": redis_url, "file_storage": "database"}
@@ -63,4 +59,3 @@ def test_a_worker_with_its_own_data_folder_writes_the_output_the_api_serves(tmp_
     assert all(json.loads(line)["response"]["status_code"] == 200 for line in output)
     # Neither host kept file bytes on its disk: they live in PostgreSQL.
     assert _files_in(api_dir) == [] and _files_in(worker_dir) == []
-    redis.Redis.from_url(redis_url).flushdb()

@@ -15,7 +15,7 @@ import pytest
 
 from jobs.config import BUILTIN_MODEL
 from tests.e2e.processes import child_env, cli, free_port, running, wait_for_health
-from tests.e2e.test_service_e2e import _jsonl, redis_url  # noqa: F401  (fixture)
+from tests.e2e.served.test_service_e2e import _jsonl
 from tests.helpers.service import postgres_url  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]

@@ -1,5 +1,5 @@
-"""Structured outputs end to end: API and worker (the real engine on SmolLM2) as child processes, driven
-through the `openai` SDK, as in tests/e2e/test_service_e2e.py.
+"""Structured outputs end to end: API and worker (the real engine on SmolLM2) as child processes (the shared
+stack of tests/e2e/served/conftest.py), driven through the `openai` SDK, as in tests/e2e/served/test_service_e2e.py.
 
 A chat batch whose lines carry a ``json_schema`` built by the SDK from a pydantic model (the
 ``response_format`` ``client.chat.completions.parse`` would send): every answer that finished (``stop``)
@@ -26,8 +26,7 @@ from openai.types.responses import Response
 
 from examples.classify import SYSTEM, ReviewLabel, reviews
 from jobs.config import BUILTIN_MODEL
-from tests.e2e.test_service_e2e import _read, _run, redis_url, service  # noqa: F401  (fixtures)
-from tests.helpers.service import postgres_url  # noqa: F401  (fixture: a fresh, migrated database)
+from tests.e2e.served.test_service_e2e import _read, _run
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 

@@ -1,5 +1,6 @@
 """Embeddings end to end: API and a worker serving the built-in embedding model (all-MiniLM-L6-v2) as child
-processes, driven through the `openai` SDK, as in tests/e2e/test_service_e2e.py.
+processes (the shared stack of tests/e2e/served/conftest.py), driven through the `openai` SDK, as in
+tests/e2e/served/test_service_e2e.py.
 
 A ``/v1/embeddings`` batch of texts, token ids and lists of both, in float and base64: each response body
 loads into the SDK's ``CreateEmbeddingResponse``, and the vectors read back (base64 decoded as the SDK does)
@@ -16,35 +17,13 @@ import pytest
 from openai.types import CreateEmbeddingResponse
 
 from jobs.config import BUILTIN_EMBEDDING_MODEL
-from tests.e2e.processes import child_env, cli, free_port, running, wait_for_health
-from tests.e2e.test_service_e2e import _read, _run, redis_url  # noqa: F401  (fixture)
-from tests.helpers.service import postgres_url  # noqa: F401  (fixture: a fresh, migrated database)
+from tests.e2e.served.test_service_e2e import _read, _run
 from worker.engine.pooling_engine import build_embedding_engine
 from worker.model_prepare import prepare_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 EMBEDDINGS = "/v1/embeddings"
-
-
-@pytest.fixture(scope="module")
-def embedding_service(tmp_path_factory, postgres_url, redis_url):
-    """An API and one worker serving the built-in embedding model; yields ``(client, log_paths)``."""
-    from openai import OpenAI
-
-    data_dir = tmp_path_factory.mktemp("embedding-service")
-    port = free_port()
-    env = child_env(
-        data_dir=str(data_dir), database_url=postgres_url, broker_url=redis_url, model=BUILTIN_EMBEDDING_MODEL
-    )
-    api_log, worker_log = data_dir / "api.log", data_dir / "worker.log"
-    with (
-        running(cli("api", "--host", "127.0.0.1", "--port", str(port)), env, api_log) as api,
-        running(cli("worker", "--loglevel", "INFO"), env, worker_log),
-    ):
-        base_url = f"http://127.0.0.1:{port}"
-        wait_for_health(base_url, api, api_log)
-        yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60), [api_log, worker_log]
 
 
 def _line(custom_id: str, **body) -> dict:
@@ -56,8 +35,8 @@ def _line(custom_id: str, **body) -> dict:
     }
 
 
-def test_an_embedding_batch_reads_back_the_engines_vectors(embedding_service):
-    client, logs = embedding_service
+def test_an_embedding_batch_reads_back_the_engines_vectors(service):
+    client, logs = service
     texts = ["The river runs to the sea.", "def add(a, b): return a + b", "batch inference on two cores"]
     inputs = {
         "one-text": texts[0],

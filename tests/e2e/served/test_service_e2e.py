@@ -1,61 +1,26 @@
 """The whole service against PostgreSQL and Redis, driven through the `openai` SDK.
 
-API (`batchinfer api`) and worker (`batchinfer worker`: Celery, solo pool, the real engine on
-SmolLM2) run as child processes on a fresh database and a Redis database of their own. Batches, and
-an eval run (the Evals API: its batch, then its grading, on the same worker).
+API (`batchinfer api`), beat and workers (`batchinfer worker`: Celery, solo pool, the real engine on
+SmolLM2) run as child processes on a fresh database and a Redis database of their own: the stack the
+API-only end-to-end tests share (tests/e2e/served/conftest.py, ``service``). Batches, and an eval run (the
+Evals API: its batch, then its grading, on this stack's chat worker).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
-import random
 import time
 
 import pytest
 
 from examples.humaneval import MAX_TOKENS, STOP, build_lines, load_problems
 from jobs.config import BUILTIN_MODEL
-from tests.e2e.processes import TERMINAL, child_env, cli, free_port, running, wait_for_batch, wait_for_health
-from tests.helpers.service import postgres_url  # noqa: F401  (fixture: a fresh, migrated database)
+from tests.e2e.processes import TERMINAL, wait_for_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 CONTEXT_LEN = 8192
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    """A Redis database of its own (1-14; 15 belongs to tests.helpers.service), flushed before and after."""
-    import redis
-
-    base = os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    url = base.rsplit("/", 1)[0] + f"/{random.randint(1, 14)}"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory, postgres_url, redis_url):
-    """Base URL of a running API plus a running worker; yields ``(base_url, log_paths)``."""
-    from openai import OpenAI
-
-    data_dir = tmp_path_factory.mktemp("service")
-    port = free_port()
-    env = child_env(data_dir=str(data_dir), database_url=postgres_url, broker_url=redis_url)
-    api_log, worker_log = data_dir / "api.log", data_dir / "worker.log"
-    with (
-        running(cli("api", "--host", "127.0.0.1", "--port", str(port)), env, api_log) as api,
-        running(cli("worker", "--loglevel", "INFO"), env, worker_log),
-    ):
-        base_url = f"http://127.0.0.1:{port}"
-        wait_for_health(base_url, api, api_log)
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        yield client, [api_log, worker_log]
 
 
 def _jsonl(lines: list[dict]) -> io.BytesIO:
