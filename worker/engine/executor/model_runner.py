@@ -31,7 +31,7 @@ from worker.engine.executor.layers.attention import (
     triton_kernels_apply,
 )
 from worker.engine.executor.layers.attention.kv_cache import kv_cache_bytes_per_token_head
-from worker.engine.executor.kv_calibration import calibrate_key_smoothing
+from worker.engine.executor.kv_calibration import SMOOTHED_KV_CACHE_DTYPES, calibrate_key_smoothing
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, long_rope_positions, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
@@ -241,19 +241,21 @@ class ModelRunner:
                 for _ in range(num_layers)
             ]
         else:
-            key_smoothing = calibrate_key_smoothing(
-                self.model,
-                vocab_size=int(model_config.vocab_size),
-                num_layers=num_layers,
-                num_kv_heads=num_kv_heads,
-                head_size=head_size,
-                num_queries_per_kv=self.num_queries_per_kv,
-                sliding_window=self.sliding_window,
-                dtype=self.dtype,
-                device=self.device,
-                use_cpu_kernels=self.use_cpu_kernels,
-                use_triton_kernels=self.use_triton_kernels,
-            )
+            key_smoothing: SequenceT[torch.Tensor | None] = [None] * num_layers
+            if self.kv_cache_dtype in SMOOTHED_KV_CACHE_DTYPES:
+                key_smoothing = calibrate_key_smoothing(
+                    self.model,
+                    vocab_size=int(model_config.vocab_size),
+                    num_layers=num_layers,
+                    num_kv_heads=num_kv_heads,
+                    head_size=head_size,
+                    num_queries_per_kv=self.num_queries_per_kv,
+                    sliding_window=self.sliding_window,
+                    dtype=self.dtype,
+                    device=self.device,
+                    use_cpu_kernels=self.use_cpu_kernels,
+                    use_triton_kernels=self.use_triton_kernels,
+                )
             self.kv_caches = [
                 QuantizedKVCache.zeros(
                     self.kv_cache_dtype,

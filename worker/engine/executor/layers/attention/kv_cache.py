@@ -56,13 +56,13 @@ class QuantizedKVCache:
         scales: float32 ``[2, num_blocks, block_size, num_kv_heads]``; a value is ``element * scale``.
         kv_cache_dtype: ``"int8"`` or ``"fp8_e4m3"``.
         key_smoothing: float32 ``[num_kv_heads, head_size]``, positive: a stored key is ``k / key_smoothing``
-            (the queries meet it as ``q * key_smoothing``, :meth:`smooth`).
+            (the queries meet it as ``q * key_smoothing``, :meth:`smooth`); None: keys stored as they are.
     """
 
     data: torch.Tensor
     scales: torch.Tensor
     kv_cache_dtype: str
-    key_smoothing: torch.Tensor
+    key_smoothing: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -75,21 +75,28 @@ class QuantizedKVCache:
         device: torch.device,
         key_smoothing: torch.Tensor | None = None,
     ) -> QuantizedKVCache:
-        """A cache of zeros (never-written slots read as 0, as in a float cache); ``key_smoothing``
-        ``[num_kv_heads, head_size]`` (None: ones, keys stored as they are)."""
+        """A cache of zeros (never-written slots read as 0, as in a float cache), with ``key_smoothing``
+        ``[num_kv_heads, head_size]`` or None.
+
+        Raises:
+            ValueError: on a ``key_smoothing`` of another shape or with an entry that is not positive.
+        """
         shape = (2, num_blocks, block_size, num_kv_heads)
         data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
+        scales = torch.zeros(shape, dtype=torch.float32, device=device)
         if key_smoothing is None:
-            key_smoothing = torch.ones(num_kv_heads, head_size)
+            return cls(data, scales, kv_cache_dtype)
         if key_smoothing.shape != (num_kv_heads, head_size) or not bool((key_smoothing > 0).all()):
             raise ValueError(f"key_smoothing must be positive [{num_kv_heads}, {head_size}], got {key_smoothing}")
-        smoothing = key_smoothing.to(device=device, dtype=torch.float32)
-        return cls(data, torch.zeros(shape, dtype=torch.float32, device=device), kv_cache_dtype, smoothing)
+        return cls(data, scales, kv_cache_dtype, key_smoothing.to(device=device, dtype=torch.float32))
 
     def smooth(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(query * key_smoothing, key / key_smoothing)``, the query's heads grouped on their KV head
         (``query: [num_tokens, num_heads, head_size]``, ``key: [num_tokens, num_kv_heads, head_size]``; new
-        tensors in their dtypes): what the cache stores and what attends it, ``q . k`` unchanged."""
+        tensors in their dtypes): what the cache stores and what attends it, ``q . k`` unchanged. Without
+        ``key_smoothing``, the arguments themselves."""
+        if self.key_smoothing is None:
+            return query, key
         num_queries_per_kv = query.shape[1] // key.shape[1]
         smoothing = self.key_smoothing.to(query.dtype)
         query = (query.unflatten(1, (key.shape[1], num_queries_per_kv)) * smoothing[:, None]).flatten(1, 2)
