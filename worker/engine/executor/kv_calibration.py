@@ -100,6 +100,4 @@ def calibrate_key_smoothing(
     ]
     input_ids = torch.tensor([i for ids in token_ids for i in ids], dtype=torch.long, device=device)
     model(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
-    return [
-        smoothing_from_key_absmax(kv_cache[0].float().abs().amax(dim=(0, 1)).cpu()) for kv_cache in kv_caches
-    ]
+    return [smoothing_from_key_absmax(kv_cache[0].float().abs().amax(dim=(0, 1)).cpu()) for kv_cache in kv_caches]

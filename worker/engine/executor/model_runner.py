@@ -23,6 +23,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence
 from worker.engine.core.scheduler import SchedulerOutput
+from worker.engine.executor.kv_calibration import SMOOTHED_KV_CACHE_DTYPES, calibrate_key_smoothing
 from worker.engine.executor.layers.attention import (
     KVCache,
     QuantizedKVCache,
@@ -31,7 +32,6 @@ from worker.engine.executor.layers.attention import (
     triton_kernels_apply,
 )
 from worker.engine.executor.layers.attention.kv_cache import kv_cache_bytes_per_token_head
-from worker.engine.executor.kv_calibration import SMOOTHED_KV_CACHE_DTYPES, calibrate_key_smoothing
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, long_rope_positions, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata

@@ -99,7 +99,9 @@ class QuantizedKVCache:
             return query, key
         num_queries_per_kv = query.shape[1] // key.shape[1]
         smoothing = self.key_smoothing.to(query.dtype)
-        query = (query.unflatten(1, (key.shape[1], num_queries_per_kv)) * smoothing[:, None]).flatten(1, 2)
+        num_tokens, num_heads, head_size = query.shape
+        grouped = query.view(num_tokens, key.shape[1], num_queries_per_kv, head_size)
+        query = (grouped * smoothing[:, None]).view(num_tokens, num_heads, head_size)
         return query, key / smoothing.to(key.dtype)
 
     @property

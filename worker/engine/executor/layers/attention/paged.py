@@ -224,8 +224,9 @@ def paged_attention_forward(
         key, value: ``[num_tokens, num_kv_heads, head_size]``.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, or a :class:`QuantizedKVCache`
             (every path then attends the dequantized stored values, the step's own K/V included, with keys
-            and queries smoothed, :meth:`QuantizedKVCache.smooth`); mutated (new K/V stored). Slots never written must hold finite numbers (allocate with ``torch.zeros``):
-            whole blocks are gathered and masked, and ``0 * NaN`` would poison a row.
+            and queries smoothed, :meth:`QuantizedKVCache.smooth`); mutated (new K/V stored). Slots never
+            written must hold finite numbers (allocate with ``torch.zeros``): whole blocks are gathered and
+            masked, and ``0 * NaN`` would poison a row.
         attn_metadata: the step's :class:`AttentionMetadata`, its plan built for this model's shapes.
         scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
         sliding_window: this layer's window, None for a global layer; must be the metadata's
