@@ -269,7 +269,8 @@ class Worker(Base):
     ``tokens_per_s`` is its generation tokens per second over the last minute; ``metrics_port`` the
     port of its Prometheus ``/metrics`` (None when not served); ``ready_s`` the seconds from its
     process's start until it was ready to take shards (engine loaded and warmed up, consuming
-    messages), None while it is still starting.
+    messages), None while it is still starting. ``kv_cache_dtype``, ``num_kv_blocks`` and ``kv_cache_bytes``
+    describe its engine's KV cache (all layers, K and V, scales included; None until the engine is up).
     """
 
     __tablename__ = "workers"
@@ -286,6 +287,9 @@ class Worker(Base):
     started_at: Mapped[int] = mapped_column(BigInteger)
     last_heartbeat_at: Mapped[int] = mapped_column(BigInteger)
     ready_s: Mapped[float | None] = mapped_column(Float)
+    kv_cache_dtype: Mapped[str | None] = mapped_column(String(16))
+    num_kv_blocks: Mapped[int | None] = mapped_column(Integer)
+    kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_workers_last_heartbeat_at", "last_heartbeat_at"),)
 

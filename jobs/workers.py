@@ -19,6 +19,16 @@ from sqlalchemy.orm import Session
 from jobs.models import Batch, Worker
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSize:
+    """A worker engine's KV cache: its ``kv_cache_dtype``, ``num_blocks`` and ``num_bytes`` (all layers, K and V,
+    scales included; docs/engine.md, "Quantized KV cache")."""
+
+    kv_cache_dtype: str
+    num_blocks: int
+    num_bytes: int
+
+
 class WorkerObject(BaseModel):
     """A live worker as the API returns it (batchinfer's own object; ``*_at`` are Unix seconds)."""
 
@@ -36,6 +46,12 @@ class WorkerObject(BaseModel):
     last_heartbeat_at: int
     ready_s: float | None
     """Seconds from the process's start until it took work; null while it is starting (loading the model)."""
+    kv_cache_dtype: str | None = None
+    """The engine's ``kv_cache_dtype`` (``auto``, ``int8``, ``fp8_e4m3``, ``int4``); null while it is starting."""
+    num_kv_blocks: int | None = None
+    """KV cache blocks (``block_size`` tokens each); null while it is starting."""
+    kv_cache_bytes: int | None = None
+    """KV cache bytes (all layers, K and V, scales included); null while it is starting."""
 
     @classmethod
     def from_row(cls, worker: Worker, *, show_batch: bool = True) -> WorkerObject:
@@ -53,6 +69,9 @@ class WorkerObject(BaseModel):
             started_at=worker.started_at,
             last_heartbeat_at=worker.last_heartbeat_at,
             ready_s=worker.ready_s,
+            kv_cache_dtype=worker.kv_cache_dtype,
+            num_kv_blocks=worker.num_kv_blocks,
+            kv_cache_bytes=worker.kv_cache_bytes,
         )
 
 
@@ -78,9 +97,11 @@ def record_heartbeat(
     started_at: int,
     now: int,
     ready_s: float | None = None,
+    kv_cache: KVCacheSize | None = None,
 ) -> None:
     """Insert or rewrite the worker's row with its current state and ``last_heartbeat_at = now``
-    (``ready_s``: seconds from its start until it was ready; None while starting)."""
+    (``ready_s``: seconds from its start until it was ready; ``kv_cache``: its engine's cache; None while
+    starting)."""
     worker = session.get(Worker, worker_id)
     if worker is None:
         worker = Worker(id=worker_id)
@@ -89,6 +110,9 @@ def record_heartbeat(
     worker.current_batch_id, worker.num_running_requests = current_batch_id, num_running_requests
     worker.tokens_per_s, worker.metrics_port = tokens_per_s, metrics_port
     worker.started_at, worker.last_heartbeat_at, worker.ready_s = started_at, now, ready_s
+    if kv_cache is not None:
+        worker.kv_cache_dtype = kv_cache.kv_cache_dtype
+        worker.num_kv_blocks, worker.kv_cache_bytes = kv_cache.num_blocks, kv_cache.num_bytes
 
 
 def remove_worker(session: Session, *, worker_id: str) -> None:

@@ -286,7 +286,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from jobs.queue import configure_celery
     from worker.bootstrap import KindNotServed, check_served_kind
-    from worker.telemetry import start_heartbeat
+    from worker.telemetry import engine_kv_cache_size, start_heartbeat
 
     # NOTE: through the environment, so every get_settings() of this process is the model's view.
     os.environ["BATCHINFER_WORKER_MODEL"] = args.model
@@ -308,7 +308,11 @@ def _worker(args: argparse.Namespace) -> int:
 
         engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
         stop_telemetry = start_worker_telemetry(
-            settings, heartbeat, device=engine.config.device, max_model_len=engine.max_model_len
+            settings,
+            heartbeat,
+            device=engine.config.device,
+            max_model_len=engine.max_model_len,
+            kv_cache=engine_kv_cache_size(engine),
         )
         worker_ready.connect(lambda **_: heartbeat.mark_ready(), weak=False)
         # NOTE: no mingle (a second's wait for other workers' replies at start; we use no revokes or

@@ -125,7 +125,8 @@ _IMPORTED_AT = time.time()
 @dataclass(slots=True)
 class Heartbeat:
     """Rewrites this process's ``workers`` row every ``settings.worker_heartbeat_s`` seconds until `stop`
-    (which deletes it). ``ready_s`` stays None (the row says *starting*) until `mark_ready`."""
+    (which deletes it). ``ready_s`` stays None (the row says *starting*) until `mark_ready`; ``kv_cache``
+    until the engine is up (`start_worker_telemetry`)."""
 
     settings: Settings
     activity: WorkerActivity
@@ -136,6 +137,7 @@ class Heartbeat:
     pid: int = field(default_factory=os.getpid)
     started_at: int = field(default_factory=lambda: int(time.time()))
     ready_s: float | None = None
+    kv_cache: workers.KVCacheSize | None = None
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _thread: threading.Thread | None = field(init=False, default=None)
 
@@ -160,6 +162,7 @@ class Heartbeat:
                 started_at=self.started_at,
                 now=int(time.time()),
                 ready_s=self.ready_s,
+                kv_cache=self.kv_cache,
             )
 
     def mark_ready(self, started_at: float | None = None) -> float:
@@ -207,12 +210,33 @@ def start_heartbeat(settings: Settings) -> Heartbeat:
     return heartbeat
 
 
+def engine_kv_cache_size(engine: object) -> workers.KVCacheSize | None:
+    """A generating engine's KV cache (`worker.engine.llm_engine.LLMEngine`: its ``kv_cache_dtype``, blocks and
+    bytes); None for an engine without one (`worker.engine.pooling_engine.PoolingEngine`)."""
+    from worker.engine.llm_engine import LLMEngine  # NOTE: here: the engine (and torch) is loaded by now
+
+    if not isinstance(engine, LLMEngine):
+        return None
+    runner = engine.model_runner
+    return workers.KVCacheSize(
+        kv_cache_dtype=engine.config.kv_cache_dtype,
+        num_blocks=runner.num_blocks,
+        num_bytes=runner.num_blocks * runner.bytes_per_block,
+    )
+
+
 def start_worker_telemetry(
-    settings: Settings, heartbeat: Heartbeat, *, device: str, max_model_len: int
+    settings: Settings,
+    heartbeat: Heartbeat,
+    *,
+    device: str,
+    max_model_len: int,
+    kv_cache: workers.KVCacheSize | None = None,
 ) -> Callable[[], None]:
     """For a worker process whose engine is up: serve ``/metrics`` on ``settings.worker_metrics_port``
-    (when set) and let ``heartbeat`` report the engine's device and activity; returns the function to
-    call on shutdown (removes the row, drops live gauges)."""
+    (when set) and let ``heartbeat`` report the engine's device, KV cache (None: an engine without one, an
+    embedding model's) and activity; returns the function to call on shutdown (removes the row, drops live
+    gauges)."""
     from worker.metrics import mark_process_dead, serve_metrics
 
     telemetry = get_telemetry(settings.served_model_name, max_model_len)
@@ -220,6 +244,7 @@ def start_worker_telemetry(
     if port is not None and not serve_metrics(telemetry.metrics.registry, port, settings.worker_metrics_host):
         port = None
     heartbeat.activity, heartbeat.device, heartbeat.metrics_port = telemetry.activity, device, port
+    heartbeat.kv_cache = kv_cache
 
     def stop() -> None:
         heartbeat.stop()

@@ -10,7 +10,15 @@ from jobs.db import session_scope
 from jobs.status import now_s
 
 
-def _beat(settings: Settings, worker_id: str, *, age_s: int, started_at: int, batch_id: str | None = None) -> None:
+def _beat(
+    settings: Settings,
+    worker_id: str,
+    *,
+    age_s: int,
+    started_at: int,
+    batch_id: str | None = None,
+    kv_cache: workers.KVCacheSize | None = None,
+) -> None:
     host, pid = worker_id.split(":")
     with session_scope(settings.database_url) as session:
         workers.record_heartbeat(
@@ -26,6 +34,7 @@ def _beat(settings: Settings, worker_id: str, *, age_s: int, started_at: int, ba
             metrics_port=9400,
             started_at=started_at,
             now=now_s() - age_s,
+            kv_cache=kv_cache,
         )
 
 
@@ -34,7 +43,8 @@ def test_lists_live_workers_newest_first(client: Any, service_settings: Settings
     _beat(service_settings, "a:1", age_s=1, started_at=100, batch_id="batch_1")
     _beat(service_settings, "b:2", age_s=2, started_at=200)
     _beat(service_settings, "c:3", age_s=int(service_settings.worker_live_s) + 5, started_at=300)  # stopped beating
-    _beat(service_settings, "a:1", age_s=0, started_at=100, batch_id="batch_2")  # rewritten, not added
+    int8_cache = workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=10965, num_bytes=10965 * 97920)
+    _beat(service_settings, "a:1", age_s=0, started_at=100, batch_id="batch_2", kv_cache=int8_cache)  # rewritten
 
     body = client.get("/v1/workers").json()
 
@@ -44,3 +54,6 @@ def test_lists_live_workers_newest_first(client: Any, service_settings: Settings
     assert (first["host"], first["pid"], first["device"], first["current_batch_id"]) == ("a", 1, "cpu", "batch_2")
     assert (first["num_running_requests"], first["tokens_per_s"], first["metrics_port"]) == (2, 12.5, 9400)
     assert abs(first["last_heartbeat_at"] - now_s()) <= 2
+    assert (first["kv_cache_dtype"], first["num_kv_blocks"], first["kv_cache_bytes"]) == ("int8", 10965, 10965 * 97920)
+    starting = body["data"][0]  # no engine yet: no cache to report
+    assert (starting["kv_cache_dtype"], starting["num_kv_blocks"], starting["kv_cache_bytes"]) == (None, None, None)

@@ -21,7 +21,7 @@ from tests.worker.test_runner import completion, make_batch, service  # noqa: F4
 from worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics, serve_metrics, token_count_buckets
-from worker.telemetry import Heartbeat, WorkerActivity, WorkerTelemetry, process_started_at
+from worker.telemetry import Heartbeat, WorkerActivity, WorkerTelemetry, engine_kv_cache_size, process_started_at
 
 
 def scrape(registry) -> dict[str, float]:
@@ -158,6 +158,7 @@ def test_heartbeat_writes_then_removes_its_row(service):
     activity = WorkerActivity()
     activity.current_batch_id, activity.num_running_requests = "batch_x", 3
     heartbeat = Heartbeat(service, activity, model="m", device="cpu", metrics_port=9400, host="h", pid=42)
+    heartbeat.kv_cache = workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=7, num_bytes=7 * 97920)
     heartbeat.start()
     try:
         for _ in range(100):
@@ -169,12 +170,26 @@ def test_heartbeat_writes_then_removes_its_row(service):
         assert [(w.id, w.current_batch_id, w.num_running_requests, w.metrics_port) for w in live] == [
             ("h:42", "batch_x", 3, 9400)
         ]
+        assert (live[0].kv_cache_dtype, live[0].num_kv_blocks, live[0].kv_cache_bytes) == ("int8", 7, 7 * 97920)
         with session_scope() as session:
             assert workers.list_live_workers(session, now=heartbeat.started_at + 31, live_s=30) == []
     finally:
         heartbeat.stop()
     with session_scope() as session:
         assert workers.list_live_workers(session, now=heartbeat.started_at, live_s=30) == []
+
+
+def test_the_engines_kv_cache_size_is_its_dtype_blocks_and_bytes(tmp_path):
+    from tests.helpers.tiny_llama import save_tiny_llama
+    from worker.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(save_tiny_llama(tmp_path)), kv_cache_dtype="int8"))
+    runner = engine.model_runner
+
+    assert engine_kv_cache_size(engine) == workers.KVCacheSize(
+        kv_cache_dtype="int8", num_blocks=runner.num_blocks, num_bytes=runner.num_blocks * runner.bytes_per_block
+    )
+    assert engine_kv_cache_size(object()) is None  # not an LLMEngine (an embedding engine): no KV cache
 
 
 def test_a_heartbeat_says_starting_until_the_worker_marks_itself_ready(service):

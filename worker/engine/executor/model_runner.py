@@ -24,6 +24,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence
 from worker.engine.core.scheduler import SchedulerOutput
+from worker.engine.executor.kv_calibration import SMOOTHED_KV_CACHE_DTYPES, calibrate_key_smoothing
 from worker.engine.executor.layers.attention import (
     KVCache,
     QuantizedKVCache,
@@ -245,16 +246,42 @@ class ModelRunner:
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than one KV block ({bytes_per_block} bytes)"
             )
         # NOTE: zeros, not empty: attention gathers whole blocks and masks, and 0 * NaN would poison a row.
-        self.kv_caches: list[KVCache] = [
-            zeros_on_first_touch(
-                (2, self.num_blocks, self.block_size, num_kv_heads, head_size), self.dtype, self.device
-            )
-            if self.kv_cache_dtype == "auto"
-            else QuantizedKVCache.zeros(
-                self.kv_cache_dtype, self.num_blocks, self.block_size, num_kv_heads, head_size, self.device
-            )
-            for _ in range(num_layers)
-        ]
+        self.kv_caches: list[KVCache]
+        if self.kv_cache_dtype == "auto":
+            self.kv_caches = [
+                zeros_on_first_touch(
+                    (2, self.num_blocks, self.block_size, num_kv_heads, head_size), self.dtype, self.device
+                )
+                for _ in range(num_layers)
+            ]
+        else:
+            key_smoothing: SequenceT[torch.Tensor | None] = [None] * num_layers
+            if self.kv_cache_dtype in SMOOTHED_KV_CACHE_DTYPES:
+                key_smoothing = calibrate_key_smoothing(
+                    self.model,
+                    vocab_size=int(model_config.vocab_size),
+                    num_layers=num_layers,
+                    num_kv_heads=num_kv_heads,
+                    head_size=head_size,
+                    num_queries_per_kv=self.num_queries_per_kv,
+                    sliding_window=self.sliding_window,
+                    dtype=self.dtype,
+                    device=self.device,
+                    use_cpu_kernels=self.use_cpu_kernels,
+                    use_triton_kernels=self.use_triton_kernels,
+                )
+            self.kv_caches = [
+                QuantizedKVCache.zeros(
+                    self.kv_cache_dtype,
+                    self.num_blocks,
+                    self.block_size,
+                    num_kv_heads,
+                    head_size,
+                    self.device,
+                    key_smoothing=smoothing,
+                )
+                for smoothing in key_smoothing
+            ]
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._sampling_keys: dict[int, int] = {}

@@ -7,6 +7,12 @@ stored (token, KV head), ``scales: [2, num_blocks, block_size, num_kv_heads]``: 
 the slot, so every operation on block ids (prefix caching, forks, preemption) carries them along.
 Writes quantize (:func:`kernels.reference.quantize_kv`); the C++ kernel reads the blocks in place; the
 PyTorch paths dequantize the blocks they gather (docs/engine.md, "Quantized KV cache").
+
+Keys are smoothed before they are quantized: a layer's ``key_smoothing`` (one factor per KV head and channel,
+calibrated once at load, :mod:`.kv_calibration`) divides every stored key and multiplies every query, so
+``q . k`` is unchanged while the outlier channels of keys no longer set every token's scale (SmoothQuant's
+migration of a channel's range, Xiao et al. 2023, applied to the per-channel outliers of keys that KIVI
+quantizes per channel, Liu et al. 2024). The kernels see the stored keys and the scaled queries only.
 """
 
 from __future__ import annotations
@@ -49,11 +55,14 @@ class QuantizedKVCache:
         data: int8 or float8_e4m3fn ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
         scales: float32 ``[2, num_blocks, block_size, num_kv_heads]``; a value is ``element * scale``.
         kv_cache_dtype: ``"int8"`` or ``"fp8_e4m3"``.
+        key_smoothing: float32 ``[num_kv_heads, head_size]``, positive: a stored key is ``k / key_smoothing``
+            (the queries meet it as ``q * key_smoothing``, :meth:`smooth`); None: keys stored as they are.
     """
 
     data: torch.Tensor
     scales: torch.Tensor
     kv_cache_dtype: str
+    key_smoothing: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -64,11 +73,36 @@ class QuantizedKVCache:
         num_kv_heads: int,
         head_size: int,
         device: torch.device,
+        key_smoothing: torch.Tensor | None = None,
     ) -> QuantizedKVCache:
-        """A cache of zeros (never-written slots read as 0, as in a float cache)."""
+        """A cache of zeros (never-written slots read as 0, as in a float cache), with ``key_smoothing``
+        ``[num_kv_heads, head_size]`` or None.
+
+        Raises:
+            ValueError: on a ``key_smoothing`` of another shape or with an entry that is not positive.
+        """
         shape = (2, num_blocks, block_size, num_kv_heads)
         data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
-        return cls(data, torch.zeros(shape, dtype=torch.float32, device=device), kv_cache_dtype)
+        scales = torch.zeros(shape, dtype=torch.float32, device=device)
+        if key_smoothing is None:
+            return cls(data, scales, kv_cache_dtype)
+        if key_smoothing.shape != (num_kv_heads, head_size) or not bool((key_smoothing > 0).all()):
+            raise ValueError(f"key_smoothing must be positive [{num_kv_heads}, {head_size}], got {key_smoothing}")
+        return cls(data, scales, kv_cache_dtype, key_smoothing.to(device=device, dtype=torch.float32))
+
+    def smooth(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(query * key_smoothing, key / key_smoothing)``, the query's heads grouped on their KV head
+        (``query: [num_tokens, num_heads, head_size]``, ``key: [num_tokens, num_kv_heads, head_size]``; new
+        tensors in their dtypes): what the cache stores and what attends it, ``q . k`` unchanged. Without
+        ``key_smoothing``, the arguments themselves."""
+        if self.key_smoothing is None:
+            return query, key
+        num_queries_per_kv = query.shape[1] // key.shape[1]
+        smoothing = self.key_smoothing.to(query.dtype)
+        num_tokens, num_heads, head_size = query.shape
+        grouped = query.view(num_tokens, key.shape[1], num_queries_per_kv, head_size)
+        query = (grouped * smoothing[:, None]).view(num_tokens, num_heads, head_size)
+        return query, key / smoothing.to(key.dtype)
 
     @property
     def shape(self) -> torch.Size:

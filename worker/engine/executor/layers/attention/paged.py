@@ -223,9 +223,10 @@ def paged_attention_forward(
         query: ``[num_tokens, num_heads, head_size]``.
         key, value: ``[num_tokens, num_kv_heads, head_size]``.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, or a :class:`QuantizedKVCache`
-            (every path then attends the dequantized stored values, the step's own K/V included); mutated
-            (new K/V stored). Slots never written must hold finite numbers (allocate with ``torch.zeros``):
-            whole blocks are gathered and masked, and ``0 * NaN`` would poison a row.
+            (every path then attends the dequantized stored values, the step's own K/V included, with keys
+            and queries smoothed, :meth:`QuantizedKVCache.smooth`); mutated (new K/V stored). Slots never
+            written must hold finite numbers (allocate with ``torch.zeros``): whole blocks are gathered and
+            masked, and ``0 * NaN`` would poison a row.
         attn_metadata: the step's :class:`AttentionMetadata`, its plan built for this model's shapes.
         scale: multiplier of ``q . k``, usually ``head_size ** -0.5``.
         sliding_window: this layer's window, None for a global layer; must be the metadata's
@@ -235,6 +236,8 @@ def paged_attention_forward(
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
     """
+    if isinstance(kv_cache, QuantizedKVCache):
+        query, key = kv_cache.smooth(query, key)
     plan: AttentionPlan | None = attn_metadata.plan
     if sliding_window is not None:
         assert attn_metadata.sliding_window == sliding_window, "metadata built for another sliding window"
