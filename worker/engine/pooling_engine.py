@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.executor.layers.attention import build_attention_metadata
 from worker.engine.executor.layers.pooler import PoolingConfig, finish_embeddings, pool, pooling_config_of
@@ -272,7 +273,15 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     model.requires_grad_(False)
+    if dtype == torch.float32 and device.type == "cpu" and _kernels_fit(config) and cpu_kernels_available():
+        model.enable_cpu_kernels()
     return model
+
+
+def _kernels_fit(config: PretrainedConfig) -> bool:
+    """Whether the C++ encoder kernels take this BERT's shapes (head size and MLP width multiples of 8)."""
+    head_size = int(config.hidden_size) // int(config.num_attention_heads)
+    return head_size % 8 == 0 and int(config.intermediate_size) % 8 == 0
 
 
 def _sentence_transformers_max_len(model_dir: Path) -> int | None:
