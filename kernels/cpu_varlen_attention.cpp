@@ -7,16 +7,19 @@
 // 2022). One work item is one (sequence, head); items are split into one contiguous run per thread of about
 // equal cost (L^2 + a fixed overhead per item) with at::parallel_for, so torch.set_num_threads governs it.
 //
-// Per item, K is packed transposed ([head_size][L], zero padded to a multiple of 16 keys) and V contiguous
+// Per item, K is packed transposed ([head_size][L], zero padded to whole vectors of keys) and V contiguous
 // ([L][head_size]) in a per-thread buffer, so both products are small register-blocked GEMMs:
-// scores = Q K^T for kScoreRows query rows x 16 keys at a time (12 vector accumulators, AVX2's 16
-// registers), then an exact two-pass softmax per row in float32 (max, then exp and sum; vLLM's CPU
-// attention does the same), then P V for kOutRows rows x up to 32 output features (12 accumulators), the
-// division by the row sum applied once at the end. Scores for a row block live in a small buffer (L1).
+// scores = Q K^T for kScoreRows query rows x two vectors of keys at a time (AVX2: 6 x 16, 12 of the 16
+// registers as accumulators; AVX-512: 12 x 32, 24 of 32), then an exact two-pass softmax per row in float32
+// (max, then exp and sum; vLLM's CPU attention does the same), then P V for kOutRows rows x 32 output
+// features (AVX2: 3 x 4 vectors; AVX-512: 12 x 2), the division by the row sum applied once at the end.
+// Scores for a row block live in a small buffer (L1).
 //
 // A row's output is a fixed sequence of float operations on its query and its sequence's K/V (the same
 // tiles and the same order whatever the other sequences of the call or the thread), so it is batch
-// invariant; it differs from torch's scaled_dot_product_attention by float32 rounding only.
+// invariant; every score and output is one chain in order and the softmax runs eight lanes in every build,
+// so the AVX2 and AVX-512 builds give the same bits. It differs from torch's scaled_dot_product_attention by
+// float32 rounding only.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,42 +37,91 @@ namespace {
 using batchinfer_kernels::exp_clamped;
 using batchinfer_kernels::load8;
 using batchinfer_kernels::store8;
+using batchinfer_kernels::vec16;
 using batchinfer_kernels::vec8;
 
-constexpr int64_t kKeyTile = 16;  // keys scored together: two vectors
-constexpr int kScoreRows = 6;     // query rows scored together: 2 x 6 accumulators
-constexpr int kOutRows = 3;       // rows of P V together: 3 x 4 accumulators
-constexpr int kOutVecs = 4;       // output features per P V pass: 4 vectors (32)
-constexpr int64_t kItemOverhead = 64;  // fixed cost of an item (packing, calls), in L^2 units
+// GCC/Clang vector extension of one AVX-512 register (16 floats) or one AVX register (8), as in cpu_gemm.cpp.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+constexpr int kScoreRows = 12;  // query rows scored together: 2 x 12 of the 32 registers hold accumulators
+constexpr int kOutRows = 12;    // rows of P V together: 12 x 2 accumulators
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kScoreRows = 6;  // 2 x 6 of the 16 registers
+constexpr int kOutRows = 3;    // 3 x 4
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int64_t kKeyTile = 2 * kLanes;     // keys scored together: two vectors (K^T rows padded to one)
+constexpr int64_t kOutChunk = 32;            // output features per P V pass (4 AVX or 2 AVX-512 vectors)
+constexpr int64_t kItemOverhead = 64;        // fixed cost of an item (packing, calls), in L^2 units
 
-// scores[r][j0 .. j0 + 16) = scale * q_r . k_j for R query rows (q rows `q_stride` apart) and all key tiles.
-template <int R>
-inline void score_rows(const float* __restrict q, int64_t q_stride, const float* __restrict kt, int64_t head_size,
-                       int64_t padded_len, float scale, float* __restrict scores) {
-  for (int64_t j0 = 0; j0 < padded_len; j0 += kKeyTile) {
-    vec8 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = vec8{};
-    for (int64_t d = 0; d < head_size; ++d) {
-      const vec8 w0 = load8(kt + d * padded_len + j0), w1 = load8(kt + d * padded_len + j0 + 8);
-      for (int r = 0; r < R; ++r) {
-        const float qs = q[r * q_stride + d];
-        acc0[r] += qs * w0;
-        acc1[r] += qs * w1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      store8(scores + r * padded_len + j0, acc0[r] * scale);
-      store8(scores + r * padded_len + j0 + 8, acc1[r] * scale);
-    }
-  }
+template <typename V>
+inline V loadv(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// Row of L scores -> exp(s - max) in place; returns 1 / sum.
+template <typename V>
+inline void storev(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// scores[r][j0 .. j0 + NK vectors) = scale * q_r . k_j for R query rows (q rows `q_stride` apart); each
+// score is one multiply-add chain over d in order.
+template <int R, int NK>
+inline void score_tile(const float* __restrict q, int64_t q_stride, const float* __restrict kt, int64_t head_size,
+                       int64_t padded_len, float scale, float* __restrict scores) {
+  vec acc[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NK; ++n) acc[r][n] = vec{};
+  for (int64_t d = 0; d < head_size; ++d) {
+    vec w[NK];
+    for (int n = 0; n < NK; ++n) w[n] = loadv<vec>(kt + d * padded_len + n * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float qs = q[r * q_stride + d];
+      for (int n = 0; n < NK; ++n) acc[r][n] += qs * w[n];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NK; ++n) storev(scores + r * padded_len + n * kLanes, acc[r][n] * scale);
+}
+
+// All key tiles of R query rows: two vectors of keys at a time, the last vector alone when it is odd.
+template <int R>
+inline void score_rows(const float* q, int64_t q_stride, const float* kt, int64_t head_size, int64_t padded_len,
+                       float scale, float* scores) {
+  int64_t j0 = 0;
+  for (; j0 + kKeyTile <= padded_len; j0 += kKeyTile) {
+    score_tile<R, 2>(q, q_stride, kt + j0, head_size, padded_len, scale, scores + j0);
+  }
+  if (j0 < padded_len) score_tile<R, 1>(q, q_stride, kt + j0, head_size, padded_len, scale, scores + j0);
+}
+
+// Row of L scores -> exp(s - max) in place; returns 1 / sum. The exponentials run a register wide; the sum
+// keeps eight lanes in every build (a wide vector is added as its halves in order), so the bits match.
 inline float softmax_row(float* __restrict s, int64_t L) {
-  float max_score = s[0];
-  for (int64_t j = 1; j < L; ++j) max_score = std::max(max_score, s[j]);
-  vec8 sum8{};
   int64_t j = 0;
+  float max_score = s[0];
+  if (L >= 8) {
+    vec8 max8 = load8(s);
+    for (j = 8; j + 8 <= L; j += 8) {
+      const vec8 x = load8(s + j);
+      max8 = x > max8 ? x : max8;
+    }
+    for (int l = 0; l < 8; ++l) max_score = std::max(max_score, max8[l]);
+  }
+  for (; j < L; ++j) max_score = std::max(max_score, s[j]);
+  vec8 sum8{};
+  j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= L; j += 16) {
+    const vec16 p = exp_clamped(loadv<vec16>(s + j) - max_score);
+    storev(s + j, p);
+    sum8 += __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7);
+    sum8 += __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+#endif
   for (; j + 8 <= L; j += 8) {
     const vec8 p = exp_clamped(load8(s + j) - max_score);
     store8(s + j, p);
@@ -84,34 +136,54 @@ inline float softmax_row(float* __restrict s, int64_t L) {
   return 1.0f / sum;
 }
 
-// out[r][0 .. 8 * NV) = inv_sum[r] * sum_j p[r][j] v[j][0 .. 8 * NV) for R rows (p rows `padded_len` apart,
-// v rows `head_size` apart, out rows `out_stride` apart).
-template <int R, int NV>
+// out[r][0 .. NV vectors of V) = inv_sum[r] * sum_j p[r][j] v[j][...] for R rows (p rows `padded_len` apart,
+// v rows `head_size` apart, out rows `out_stride` apart); each output one chain over j in order.
+template <int R, int NV, typename V>
 inline void weigh_values(const float* __restrict p, int64_t padded_len, const float* __restrict v, int64_t head_size,
                          int64_t L, const float* inv_sum, float* __restrict out, int64_t out_stride) {
-  vec8 acc[R][NV];
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  V acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) acc[r][n] = vec8{};
+    for (int n = 0; n < NV; ++n) acc[r][n] = V{};
   for (int64_t j = 0; j < L; ++j) {
-    vec8 w[NV];
-    for (int n = 0; n < NV; ++n) w[n] = load8(v + j * head_size + 8 * n);
+    V w[NV];
+    for (int n = 0; n < NV; ++n) w[n] = loadv<V>(v + j * head_size + kWidth * n);
     for (int r = 0; r < R; ++r) {
       const float pr = p[r * padded_len + j];
       for (int n = 0; n < NV; ++n) acc[r][n] += pr * w[n];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) store8(out + r * out_stride + 8 * n, acc[r][n] * inv_sum[r]);
+    for (int n = 0; n < NV; ++n) storev(out + r * out_stride + kWidth * n, acc[r][n] * inv_sum[r]);
+}
+
+// R rows of P V over all output features: chunks of kOutChunk, then whole vectors, then (AVX-512, a head
+// size not a multiple of 16) one chunk of eight.
+template <int R>
+void weigh_values_rows(const float* p, int64_t padded_len, const float* v, int64_t head_size, int64_t L,
+                       const float* inv_sum, float* out, int64_t out_stride) {
+  constexpr int kChunkVecs = static_cast<int>(kOutChunk / kLanes);
+  int64_t d0 = 0;
+  for (; d0 + kOutChunk <= head_size; d0 += kOutChunk) {
+    weigh_values<R, kChunkVecs, vec>(p, padded_len, v + d0, head_size, L, inv_sum, out + d0, out_stride);
+  }
+  for (; d0 + kLanes <= head_size; d0 += kLanes) {
+    weigh_values<R, 1, vec>(p, padded_len, v + d0, head_size, L, inv_sum, out + d0, out_stride);
+  }
+  for (; d0 < head_size; d0 += 8) {
+    weigh_values<R, 1, vec8>(p, padded_len, v + d0, head_size, L, inv_sum, out + d0, out_stride);
+  }
 }
 
 template <int R>
-inline void weigh_values_chunk(int nv, const float* p, int64_t padded_len, const float* v, int64_t head_size, int64_t L,
-                               const float* inv_sum, float* out, int64_t out_stride) {
-  switch (nv) {
-    case 4: weigh_values<R, 4>(p, padded_len, v, head_size, L, inv_sum, out, out_stride); break;
-    case 3: weigh_values<R, 3>(p, padded_len, v, head_size, L, inv_sum, out, out_stride); break;
-    case 2: weigh_values<R, 2>(p, padded_len, v, head_size, L, inv_sum, out, out_stride); break;
-    default: weigh_values<R, 1>(p, padded_len, v, head_size, L, inv_sum, out, out_stride); break;
+inline void weigh_block(int rows, const float* p, int64_t padded_len, const float* v, int64_t head_size, int64_t L,
+                        const float* inv_sum, float* out, int64_t out_stride) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      weigh_values_rows<R>(p, padded_len, v, head_size, L, inv_sum, out, out_stride);
+    } else {
+      weigh_block<R - 1>(rows, p, padded_len, v, head_size, L, inv_sum, out, out_stride);
+    }
   }
 }
 
@@ -121,19 +193,8 @@ void finish_rows(int rows, float* scores, int64_t padded_len, const float* v, in
   float inv_sum[kScoreRows];
   for (int r = 0; r < rows; ++r) inv_sum[r] = softmax_row(scores + r * padded_len, L);
   for (int r0 = 0; r0 < rows; r0 += kOutRows) {
-    const int R = std::min(kOutRows, rows - r0);
-    for (int64_t d0 = 0; d0 < head_size; d0 += 8 * kOutVecs) {
-      const int nv = static_cast<int>(std::min<int64_t>(kOutVecs, (head_size - d0) / 8));
-      const float* p = scores + r0 * padded_len;
-      float* o = out + r0 * out_stride + d0;
-      if (R == 3) {
-        weigh_values_chunk<3>(nv, p, padded_len, v + d0, head_size, L, inv_sum + r0, o, out_stride);
-      } else if (R == 2) {
-        weigh_values_chunk<2>(nv, p, padded_len, v + d0, head_size, L, inv_sum + r0, o, out_stride);
-      } else {
-        weigh_values_chunk<1>(nv, p, padded_len, v + d0, head_size, L, inv_sum + r0, o, out_stride);
-      }
-    }
+    weigh_block<kOutRows>(std::min(kOutRows, rows - r0), scores + r0 * padded_len, padded_len, v, head_size, L,
+                          inv_sum + r0, out + r0 * out_stride, out_stride);
   }
 }
 
@@ -153,7 +214,7 @@ inline void score_block(int rows, const float* q, int64_t q_stride, const float*
 void attend_item(const float* q, const float* k, const float* v, int64_t L, int64_t q_stride, int64_t k_stride,
                  int64_t v_stride, int64_t head_size, float scale, float* out, int64_t out_stride, float* kt,
                  float* vpack, float* scores) {
-  const int64_t padded_len = (L + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int64_t padded_len = (L + kLanes - 1) / kLanes * kLanes;
   for (int64_t d = 0; d < head_size; ++d) {
     float* row = kt + d * padded_len;
     for (int64_t j = 0; j < L; ++j) row[j] = k[j * k_stride + d];
@@ -215,7 +276,7 @@ void varlen_attention(const at::Tensor& out, const at::Tensor& query, const at::
   float* op = out.data_ptr<float>();
   const int64_t q_stride = query.stride(0), k_stride = key.stride(0), v_stride = value.stride(0);
   const int64_t qh = query.stride(1), kh = key.stride(1), vh = value.stride(1);
-  const int64_t padded_max = (max_len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int64_t padded_max = (max_len + kLanes - 1) / kLanes * kLanes;
   const float scale_f = static_cast<float>(scale);
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> kt(D * padded_max), vpack(max_len * D), scores(kScoreRows * padded_max);
