@@ -11,6 +11,8 @@ This module imports nothing of batchinfer's, so kernels can be tested on their o
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 # Largest magnitude each quantized KV element type stores, and its torch storage dtype.
@@ -180,7 +182,7 @@ def varlen_attention_reference(
     """
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         q, k, v = (x[start:end].transpose(0, 1).float() for x in (query, key, value))  # [heads, L, head]
         weights = torch.softmax(scale * (q @ k.transpose(1, 2)), dim=-1)
         out[start:end] = (weights @ v).transpose(0, 1).to(query.dtype)

@@ -54,9 +54,7 @@ def test_a_sequence_never_sees_its_neighbours_and_is_batch_invariant():
     query, key, value, cu_seqlens = _packed(seq_lens, 4, 32)
     packed = varlen_attention_cpu(query, key, value, cu_seqlens, 0.2)
 
-    alone = varlen_attention_cpu(
-        query[40:49], key[40:49], value[40:49], torch.tensor([0, 9], dtype=torch.int32), 0.2
-    )
+    alone = varlen_attention_cpu(query[40:49], key[40:49], value[40:49], torch.tensor([0, 9], dtype=torch.int32), 0.2)
 
     assert torch.equal(packed[40:49], alone)  # same bits, whatever shares the call
 

@@ -4,7 +4,9 @@ An embedding needs one forward pass per input and no KV cache kept between steps
 scheduler: :meth:`PoolingEngine.embed` sorts its inputs by length, cuts them into batches of at most
 ``max_num_batched_tokens`` tokens, packs each batch without padding (``[num_tokens, hidden]``, sequence
 after sequence), runs the model and pools each sequence (:mod:`worker.engine.executor.layers.pooler`).
-Sorting keeps equal lengths together, so attention runs as few batched calls
+A BERT in float32 on CPU runs on the C++ encoder kernels (varlen attention over ``cu_seqlens``, fused
+bias/GELU and residual/LayerNorm: :meth:`~worker.engine.executor.models.bert.BertModel.enable_cpu_kernels`);
+otherwise sorting keeps equal lengths together, so attention runs as few batched calls
 (:func:`worker.engine.executor.models.bert.packed_bidirectional_attention`). A decoder runs its ordinary
 forward over a scratch KV cache sized for the batch (every sequence one prefill) and returns its final-norm
 hidden states: the decoder families need no second forward. docs/engine.md, "Embeddings".
@@ -259,9 +261,10 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     """The folder's model, for embeddings.
 
     An encoder architecture (:data:`~worker.engine.executor.models.registry.ENCODER_ARCHITECTURES`: BERT)
-    is loaded as :class:`~worker.engine.executor.models.bert.BertModel` with ``nn.Linear`` layers (MKL's
-    sgemm is the fastest at the thousands of rows a packed batch has); any decoder family the engine serves
-    is loaded as for generation (:func:`~worker.engine.executor.model_loader.load_model`).
+    is loaded as :class:`~worker.engine.executor.models.bert.BertModel` with ``nn.Linear`` weights (MKL's
+    sgemm is the fastest at the thousands of rows a packed batch has), on the C++ encoder kernels when it
+    is float32 on CPU and they are available; any decoder family the engine serves is loaded as for
+    generation (:func:`~worker.engine.executor.model_loader.load_model`).
     """
     config = AutoConfig.from_pretrained(model_dir)
     if not is_encoder_config(config):

@@ -37,7 +37,9 @@ def test_tiny_bert_matches_hugging_face_mean_pooling(tiny_bert_dir, kernels, mon
     if kernels == "torch":
         monkeypatch.setenv(cpu_extension.DISABLE_ENV, "0")
     engine = build_embedding_engine(tiny_bert_dir, max_num_batched_tokens=64)
-    assert engine.model.layers[0].use_cpu_kernels == (kernels == "cpu-kernels" and cpu_extension.cpu_kernels_available())
+    assert engine.model.layers[0].use_cpu_kernels == (
+        kernels == "cpu-kernels" and cpu_extension.cpu_kernels_available()
+    )
     prompts = [[(i * 7 + n) % 256 + 3 for i in range(n)] for n in (1, 5, 5, 5, 17, 40, 90, 128)]
     ours = engine.embed(prompts)
     hf = transformers.BertModel.from_pretrained(tiny_bert_dir).eval()
