@@ -58,8 +58,10 @@ def _cpu_time_peak(size: int = 1024, reps: int = 5) -> float:
 
 
 def _set_cpu_kernels(model: torch.nn.Module, enabled: bool) -> None:
+    from worker.engine.executor.models.bert import BertEmbeddings, BertLayer
+
     for module in model.modules():
-        if hasattr(module, "use_cpu_kernels"):
+        if isinstance(module, (BertEmbeddings, BertLayer)):
             module.use_cpu_kernels = enabled
 
 

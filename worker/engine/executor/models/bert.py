@@ -192,9 +192,9 @@ class BertModel(nn.Module):
         :mod:`kernels.cpu_elementwise`); for a float32 model on CPU with
         :func:`kernels.cpu_extension.cpu_kernels_available` (the caller checks; the head size must be a
         multiple of 8 and the intermediate size too, as BERT's are)."""
-        self.embeddings.use_cpu_kernels = True
-        for layer in self.layers:
-            layer.use_cpu_kernels = True
+        for module in self.modules():
+            if isinstance(module, (BertEmbeddings, BertLayer)):
+                module.use_cpu_kernels = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing query/key/value on the way.
