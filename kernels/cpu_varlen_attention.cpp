@@ -17,9 +17,9 @@
 //
 // A row's output is a fixed sequence of float operations on its query and its sequence's K/V (the same
 // tiles and the same order whatever the other sequences of the call or the thread), so it is batch
-// invariant; every score and output is one chain in order and the softmax runs eight lanes in every build,
-// so the AVX2 and AVX-512 builds give the same bits. It differs from torch's scaled_dot_product_attention by
-// float32 rounding only.
+// invariant. Every score and output is one chain in order and the softmax sums keep eight lanes in every
+// build, so the AVX2 and AVX-512 builds are meant to give the same bits (not yet compared across machines).
+// It differs from torch's scaled_dot_product_attention by float32 rounding only.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
