@@ -1,6 +1,7 @@
-"""C++ paged attention for CPUs: reads K/V from the cache blocks in place.
+"""C++ attention for CPUs: paged attention that reads K/V from the cache blocks in place (decoders), and
+bidirectional attention over packed variable-length sequences (encoders).
 
-The source is ``cpu_attention.cpp`` next to this file, built with the other CPU kernels by
+The sources are ``cpu_attention.cpp`` and ``cpu_varlen_attention.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first).
 
 This module imports nothing of batchinfer's outside ``kernels``.
@@ -77,4 +78,36 @@ def paged_attention_cpu(
         logits_soft_cap,
         kv_scales,
     )
+    return out
+
+
+def varlen_attention_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention of each packed sequence over its own tokens (an encoder's attention).
+
+    Same contract as :func:`kernels.reference.varlen_attention_reference`: sequence ``s`` owns rows
+    ``cu_seqlens[s] : cu_seqlens[s + 1]`` and each of its rows attends to all of them and nothing else
+    (FlashAttention's ``cu_seqlens`` convention, Dao et al. 2022); no padding and no mask are built. Work is
+    one item per (sequence, head), split into one run of about equal cost (``L ** 2``) per
+    ``torch.get_num_threads()`` thread; per item, Q K^T and P V run as register-blocked tiles over a packed
+    copy of the head's K (transposed) and V, with an exact two-pass float32 softmax. A row's result does not
+    depend on the other sequences of the call (batch invariant).
+
+    Args:
+        query, key, value: float32 CPU ``[num_tokens, num_heads, head_size]`` with unit stride in the last
+            dimension (views into a fused QKV projection are fine); ``head_size`` a multiple of 8.
+        cu_seqlens: int32 ``[num_seqs + 1]`` prefix sums of the sequence lengths, from 0 to ``num_tokens``,
+            strictly increasing (no empty sequence).
+        scale: multiplier of ``q . k``.
+
+    Returns:
+        float32 contiguous ``[num_tokens, num_heads, head_size]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on bad shapes, dtypes, strides or ``cu_seqlens``.
+    """
+    require_cpu_kernels()
+    out = torch.empty(query.shape, dtype=torch.float32)
+    torch.ops.batchinfer_cpu.varlen_attention_(out, query, key, value, cu_seqlens, scale)
     return out

@@ -1,5 +1,6 @@
-"""C++ fused elementwise layers for float32 decoders on CPU: RMSNorm (with the residual add), SwiGLU's
-``silu(gate) * up`` and rotary embeddings applied in place.
+"""C++ fused elementwise layers for float32 models on CPU: RMSNorm (with the residual add), SwiGLU's
+``silu(gate) * up`` and rotary embeddings applied in place (decoders); the residual add with LayerNorm and
+the bias with exact GELU (encoders).
 
 The source is ``cpu_elementwise.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Each op
@@ -90,3 +91,49 @@ def rotary_embedding_cpu_(x: torch.Tensor, positions: torch.Tensor, cos: torch.T
     """
     require_cpu_kernels()
     torch.ops.batchinfer_cpu.rotary_embedding_(x, positions, cos, sin)
+
+
+def add_layer_norm_cpu(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """A post-norm residual step in one pass: ``layer_norm(x + delta + bias, weight, beta, eps)`` (Ba et al. 2016;
+    torch's order: mean, then the biased variance of the centred row).
+
+    ``delta`` is typically a projection computed without its bias, which this adds (``None``: no bias).
+
+    Args:
+        x, delta: float32 CPU ``[num_tokens, hidden_size]`` with unit stride in the last dimension.
+        bias: optional float32 contiguous ``[hidden_size]``; weight, beta: float32 contiguous ``[hidden_size]``.
+        eps: added to the variance.
+
+    Returns:
+        float32 contiguous ``[num_tokens, hidden_size]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
+    """
+    require_cpu_kernels()
+    out: torch.Tensor = torch.ops.batchinfer_cpu.add_layer_norm(x, delta, bias, weight, beta, eps)
+    return out
+
+
+def bias_gelu_cpu_(x: torch.Tensor, bias: torch.Tensor) -> None:
+    """``x = gelu(x + bias)`` in place, the exact (erf) GELU (Hendrycks & Gimpel 2016) that BERT's
+    ``hidden_act="gelu"`` names: ``0.5 * v * (1 + erf(v / sqrt(2)))``, with erf by Abramowitz & Stegun 7.1.26
+    (absolute error 1.5e-7, the approximation torch's vectorised erf uses).
+
+    Args:
+        x: float32 CPU ``[num_tokens, width]`` with unit stride in the last dimension, ``width`` a multiple
+            of 8; modified in place.
+        bias: float32 contiguous ``[width]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
+    """
+    require_cpu_kernels()
+    torch.ops.batchinfer_cpu.bias_gelu_(x, bias)

@@ -1,6 +1,7 @@
 """Build and load batchinfer's C++ CPU kernels (one Torch extension library), compiled on first use.
 
-Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, rotary
+Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_varlen_attention.cpp`` (bidirectional attention
+over packed sequences, for encoders), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, GELU, rotary
 embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer), ``cpu_q4.cpp`` (linear layer over a GGUF's
 quantized blocks) and ``cpu_sampling.cpp`` (exponential race), next to this file. The first call builds
 them with :func:`torch.utils.cpp_extension.load`
@@ -38,7 +39,14 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "BATCHINFER_CPU_KERNELS"
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_q4.cpp", "cpu_sampling.cpp")
+    for name in (
+        "cpu_attention.cpp",
+        "cpu_elementwise.cpp",
+        "cpu_gemm.cpp",
+        "cpu_q4.cpp",
+        "cpu_sampling.cpp",
+        "cpu_varlen_attention.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).with_name("cpu_exp.h")]
 # NOTE: -fno-trapping-math lets GCC if-convert float comparisons (the clamp of exp_clamped) on AVX2, where it

@@ -11,6 +11,8 @@ This module imports nothing of batchinfer's, so kernels can be tested on their o
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 # Largest magnitude each quantized KV element type stores, and its torch storage dtype.
@@ -163,6 +165,28 @@ def paged_attention_reference(
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
+
+
+def varlen_attention_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention of each packed sequence over its own tokens, one sequence at a time.
+
+    Twin of :func:`kernels.cpu_attention.varlen_attention_cpu`: sequence ``s`` owns rows
+    ``cu_seqlens[s] : cu_seqlens[s + 1]`` of ``query``, ``key`` and ``value`` (``[num_tokens, num_heads,
+    head_size]``) and every one of its rows attends to all of them (no causal mask), never to another
+    sequence's. Softmax in float32 over ``scale * q . k``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype.
+    """
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        q, k, v = (x[start:end].transpose(0, 1).float() for x in (query, key, value))  # [heads, L, head]
+        weights = torch.softmax(scale * (q @ k.transpose(1, 2)), dim=-1)
+        out[start:end] = (weights @ v).transpose(0, 1).to(query.dtype)
+    return out
 
 
 def _int64(value: int) -> int:

@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from kernels.cpu_elementwise import add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu_, silu_and_mul_cpu
+from kernels.cpu_elementwise import (
+    add_layer_norm_cpu,
+    add_rms_norm_cpu,
+    bias_gelu_cpu_,
+    rms_norm_cpu,
+    rotary_embedding_cpu_,
+    silu_and_mul_cpu,
+)
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -117,3 +124,42 @@ def test_rows_are_batch_invariant_bit_for_bit():
         one = heads[i : i + 1].clone()
         rotary_embedding_cpu_(one, positions[i : i + 1], cos, sin)
         assert torch.equal(rotated[i : i + 1], one)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("width", [8, 37, 384, 1000])
+def test_add_layer_norm_matches_torch(width, with_bias):
+    x, delta = _randn(29, width, scale=3.0), _randn(29, width, seed=1)
+    weight, beta, bias = _randn(width, seed=2), _randn(width, seed=3), _randn(width, seed=4)
+
+    out = add_layer_norm_cpu(x, delta, bias if with_bias else None, weight, beta, 1e-12)
+
+    total = x + delta + bias if with_bias else x + delta
+    torch.testing.assert_close(out, F.layer_norm(total, (width,), weight, beta, 1e-12), atol=1e-5, rtol=1e-5)
+
+
+def test_add_layer_norm_reads_strided_rows_and_is_row_wise():
+    wide, delta = _randn(20, 400, scale=5.0), _randn(20, 384, seed=1)
+    x = wide[:, 8:392]
+    weight, beta = _randn(384, seed=2), _randn(384, seed=3)
+
+    out = add_layer_norm_cpu(x, delta, None, weight, beta, 1e-5)
+
+    assert torch.equal(out[7:9], add_layer_norm_cpu(x[7:9], delta[7:9], None, weight, beta, 1e-5))
+    torch.testing.assert_close(out, F.layer_norm(x + delta, (384,), weight, beta, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_bias_gelu_is_the_exact_erf_gelu_in_place():
+    x, bias = _randn(33, 1536, scale=4.0), _randn(1536, seed=1)
+    expected = F.gelu(x + bias)  # approximate="none": the erf form
+    tanh_form = F.gelu(x + bias, approximate="tanh")
+
+    bias_gelu_cpu_(x, bias)
+
+    torch.testing.assert_close(x, expected, atol=2e-6, rtol=1e-5)
+    assert (x - tanh_form).abs().max() > 1e-5  # the check above can tell the two forms apart
+
+
+def test_bias_gelu_refuses_a_width_not_a_multiple_of_8():
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        bias_gelu_cpu_(_randn(2, 12), _randn(12))

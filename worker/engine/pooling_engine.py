@@ -4,7 +4,9 @@ An embedding needs one forward pass per input and no KV cache kept between steps
 scheduler: :meth:`PoolingEngine.embed` sorts its inputs by length, cuts them into batches of at most
 ``max_num_batched_tokens`` tokens, packs each batch without padding (``[num_tokens, hidden]``, sequence
 after sequence), runs the model and pools each sequence (:mod:`worker.engine.executor.layers.pooler`).
-Sorting keeps equal lengths together, so attention runs as few batched calls
+A BERT in float32 on CPU runs on the C++ encoder kernels (varlen attention over ``cu_seqlens``, fused
+bias/GELU and residual/LayerNorm: :meth:`~worker.engine.executor.models.bert.BertModel.enable_cpu_kernels`);
+otherwise sorting keeps equal lengths together, so attention runs as few batched calls
 (:func:`worker.engine.executor.models.bert.packed_bidirectional_attention`). A decoder runs its ordinary
 forward over a scratch KV cache sized for the batch (every sequence one prefill) and returns its final-norm
 hidden states: the decoder families need no second forward. docs/engine.md, "Embeddings".
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
 from worker.engine.executor.layers.attention import build_attention_metadata
 from worker.engine.executor.layers.pooler import PoolingConfig, finish_embeddings, pool, pooling_config_of
@@ -258,9 +261,10 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     """The folder's model, for embeddings.
 
     An encoder architecture (:data:`~worker.engine.executor.models.registry.ENCODER_ARCHITECTURES`: BERT)
-    is loaded as :class:`~worker.engine.executor.models.bert.BertModel` with ``nn.Linear`` layers (MKL's
-    sgemm is the fastest at the thousands of rows a packed batch has); any decoder family the engine serves
-    is loaded as for generation (:func:`~worker.engine.executor.model_loader.load_model`).
+    is loaded as :class:`~worker.engine.executor.models.bert.BertModel` with ``nn.Linear`` weights (MKL's
+    sgemm is the fastest at the thousands of rows a packed batch has), on the C++ encoder kernels when it
+    is float32 on CPU and they are available; any decoder family the engine serves is loaded as for
+    generation (:func:`~worker.engine.executor.model_loader.load_model`).
     """
     config = AutoConfig.from_pretrained(model_dir)
     if not is_encoder_config(config):
@@ -272,7 +276,15 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     model.requires_grad_(False)
+    if dtype == torch.float32 and device.type == "cpu" and _kernels_fit(config) and cpu_kernels_available():
+        model.enable_cpu_kernels()
     return model
+
+
+def _kernels_fit(config: PretrainedConfig) -> bool:
+    """Whether the C++ encoder kernels take this BERT's shapes (head size and MLP width multiples of 8)."""
+    head_size = int(config.hidden_size) // int(config.num_attention_heads)
+    return head_size % 8 == 0 and int(config.intermediate_size) % 8 == 0
 
 
 def _sentence_transformers_max_len(model_dir: Path) -> int | None:

@@ -3,11 +3,16 @@
 Same mathematics as Hugging Face's ``BertModel`` (absolute position and token-type embeddings, post-norm
 layers, exact-erf GELU), laid out as the decoders are (:mod:`worker.engine.executor.models.llama`): no batch
 dimension and no padding (``[num_tokens, hidden_size]``, sequence by sequence), q/k/v fused into one
-``qkv_proj``. Attention is bidirectional within each sequence: :func:`packed_bidirectional_attention`.
+``qkv_proj``. Attention is bidirectional within each sequence: :func:`packed_bidirectional_attention`, or
+with ``use_cpu_kernels`` (:meth:`BertModel.enable_cpu_kernels`, float32 on CPU) the C++ kernels: varlen
+attention over ``cu_seqlens`` (:func:`kernels.cpu_attention.varlen_attention_cpu`), the residual add with its
+projection's bias and LayerNorm in one pass, and the up projection's bias with GELU in place
+(:mod:`kernels.cpu_elementwise`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PretrainedConfig
 
+from kernels.cpu_attention import varlen_attention_cpu
+from kernels.cpu_elementwise import add_layer_norm_cpu, bias_gelu_cpu_
 from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy_into_layout
 
 # Checkpoint tensors an encoder for embeddings has no use for: the position-id buffer and the pooler head
@@ -67,8 +74,18 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.use_cpu_kernels = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernels:
+            return add_layer_norm_cpu(
+                self.word_embeddings(input_ids),
+                self.position_embeddings(positions),
+                self.token_type_embeddings.weight[0],
+                self.LayerNorm.weight,
+                self.LayerNorm.bias,
+                self.LayerNorm.eps,
+            )
         embedded = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         embedded += self.token_type_embeddings.weight[0]
         out: torch.Tensor = self.LayerNorm(embedded)
@@ -90,8 +107,11 @@ class BertLayer(nn.Module):
         self.up_proj = nn.Linear(hidden, int(config.intermediate_size))
         self.down_proj = nn.Linear(int(config.intermediate_size), hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.use_cpu_kernels = False
 
-    def forward(self, hidden_states: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, seq_lens: list[int], cu_seqlens: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernels:
+            return self._forward_cpu_kernels(hidden_states, cu_seqlens)
         attended = packed_bidirectional_attention(
             self.qkv_proj(hidden_states), seq_lens, self.num_heads, self.head_size, self.scale
         )
@@ -99,6 +119,28 @@ class BertLayer(nn.Module):
         # NOTE: exact (erf) GELU, BERT's ``hidden_act="gelu"``; the tanh form differs in the 4th decimal.
         out: torch.Tensor = self.output_norm(hidden_states + self.down_proj(F.gelu(self.up_proj(hidden_states))))
         return out
+
+    def _forward_cpu_kernels(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The same layer on the C++ kernels: biases of o/up/down added in the fused passes, not by the GEMM."""
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_size)
+        query, key, value = qkv.unbind(1)
+        attended = varlen_attention_cpu(query, key, value, cu_seqlens, self.scale).view(num_tokens, -1)
+        norm = self.attention_norm
+        hidden_states = add_layer_norm_cpu(
+            hidden_states, F.linear(attended, self.o_proj.weight), self.o_proj.bias, norm.weight, norm.bias, norm.eps
+        )
+        intermediate = F.linear(hidden_states, self.up_proj.weight)
+        bias_gelu_cpu_(intermediate, self.up_proj.bias)
+        norm = self.output_norm
+        return add_layer_norm_cpu(
+            hidden_states,
+            F.linear(intermediate, self.down_proj.weight),
+            self.down_proj.bias,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+        )
 
 
 class BertModel(nn.Module):
@@ -140,9 +182,19 @@ class BertModel(nn.Module):
             ``last_hidden_state`` without the padding rows).
         """
         hidden_states: torch.Tensor = self.embeddings(input_ids, positions)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, seq_lens)
+            hidden_states = layer(hidden_states, seq_lens, cu_seqlens)
         return hidden_states
+
+    def enable_cpu_kernels(self) -> None:
+        """Run every layer and the embeddings on the C++ kernels (:mod:`kernels.cpu_attention`,
+        :mod:`kernels.cpu_elementwise`); for a float32 model on CPU with
+        :func:`kernels.cpu_extension.cpu_kernels_available` (the caller checks; the head size must be a
+        multiple of 8 and the intermediate size too, as BERT's are)."""
+        for module in self.modules():
+            if isinstance(module, (BertEmbeddings, BertLayer)):
+                module.use_cpu_kernels = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing query/key/value on the way.
