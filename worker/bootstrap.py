@@ -80,6 +80,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative_method=settings.speculative_method,
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
+        speculative_tree_width=settings.speculative_tree_width,
         quantization=settings.quantization,
         prepared_weights_dir=str(settings.model_cache_dir / "prepared"),
         kv_cache_dtype=settings.kv_cache_dtype,

@@ -12,11 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
 
-from kernels import reference  # noqa: E402
-from kernels.cpu_attention import paged_attention_cpu  # noqa: E402
-from worker.engine.executor.layers.attention.tree import tree_mask_bits  # noqa: E402
+from kernels import reference
+from kernels.cpu_attention import paged_attention_cpu
+from worker.engine.executor.layers.attention.tree import tree_mask_bits
 
 # Per sequence: (cached tokens before the query, the tree's parent_idx or None). A tree sequence's query is its
 # last token then the nodes; None is an ordinary causal query of the given length (a decode or a chain).

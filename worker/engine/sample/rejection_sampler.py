@@ -245,10 +245,8 @@ def _verify_tree_random(
                 break
             residual = _residual_after_rejection(residual, token, None if q is None else q[child])
             total = residual.sum()
-            if not bool(total > 0):  # r == q: this rejection had probability 0, keep the math total
-                residual = p[node + 1]
-            else:
-                residual = residual / total
+            # r == q: this rejection had probability 0, keep the math total
+            residual = residual / total if bool(total > 0) else p[node + 1]
         if accepted is None:
             return path, int(torch.multinomial(residual, 1, generator=generator).item())
         path.append(accepted)

@@ -126,6 +126,10 @@ class Speculator:
         draft_probs = {}
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, ks), strict=True):
             seq.spec_token_ids = list(proposal.token_ids)
+            parents = proposal.parent_idx
+            # A tree that is a chain takes the chain path (no tree mask).
+            is_tree = parents is not None and any(parent != i - 1 for i, parent in enumerate(parents))
+            seq.spec_parent_idx = list(parents) if parents is not None and is_tree and proposal.token_ids else None
             if proposal.probs is not None and proposal.token_ids:
                 draft_probs[seq.seq_id] = proposal.probs
         return draft_probs
@@ -160,7 +164,9 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
         return None
     proposer: Proposer
     if config.speculative_method == "ngram":
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # NOTE: the kernels' tree mask has no sliding window: such models verify chains.
+        tree_width = config.speculative_tree_width if model_runner.sliding_window is None else 1
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, tree_width)
     else:
         from worker.engine.spec_decode.draft_model_proposer import DraftModelProposer
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.worker.engine.spec_decode.stats_helpers import chi_square_p_value
-from worker.engine.sample.metadata import SamplingMetadata
 from worker.engine.sample import rejection_sampler
+from worker.engine.sample.metadata import SamplingMetadata
 from worker.engine.sample.rejection_sampler import RejectionSampler
 from worker.engine.sample.sampler import Sampler, make_sampling_key
 from worker.engine.sampling_params import SamplingParams
@@ -130,11 +130,13 @@ def _tree_draws(one_hot: bool, num_draws: int):
             below = torch.multinomial(q[1], 2, replacement=True, generator=drafts_generator).tolist()
             drafts, probs = top + below, torch.stack([q[0]] * 3 + [q[1]] * 2)
         # Row 0 after the last token; row c + 1 after node c: depth-1 nodes give T[token], deeper ones anything.
-        rows = [first_logits] + [second_logits[drafts[c]] if parents[c] < 0 else first_logits for c in range(len(drafts))]
+        rows = [first_logits] + [
+            second_logits[drafts[c]] if parents[c] < 0 else first_logits for c in range(len(drafts))
+        ]
         logits = torch.stack(rows)
-        out = sampler(
-            logits, _metadata(params, len(rows), make_sampling_key(1, i, ())), [drafts], [probs], [parents]
-        )[0]
+        out = sampler(logits, _metadata(params, len(rows), make_sampling_key(1, i, ())), [drafts], [probs], [parents])[
+            0
+        ]
         accepted += out.num_accepted_tokens
         assert [drafts[node] for node in out.accepted_nodes] == out.token_ids[: out.num_accepted_tokens]
         second = out.token_ids[1] if len(out.token_ids) > 1 else None
@@ -157,7 +159,7 @@ def _plain_pairs(num_draws: int):
 @pytest.mark.parametrize("one_hot", [True, False])
 def test_tree_sampling_preserves_the_target_distribution(one_hot):
     pairs, accepted = _tree_draws(one_hot, TREE_NUM_DRAWS)
-    assert 0 < accepted
+    assert accepted > 0
     plain = _plain_pairs(TREE_NUM_DRAWS)
     assert chi_square_p_value([a for a, _ in pairs], [a for a, _ in plain]) > P_MIN
     assert chi_square_p_value(pairs, plain) > P_MIN

@@ -339,7 +339,9 @@ def build_attention_plan(
     batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
     use_kernel = use_cpu_kernels
     invariant = list(batch_invariant) if use_kernel and batch_invariant is not None else [False] * batch.num_seqs
-    cascade = _build_cascade_plan(batch, block_size, invariant, tree_mask) if use_kernel and sliding_window is None else None
+    cascade = (
+        _build_cascade_plan(batch, block_size, invariant, tree_mask) if use_kernel and sliding_window is None else None
+    )
     if cascade is not None:
         return AttentionPlan(
             block_size=block_size,
