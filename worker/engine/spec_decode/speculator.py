@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence, SequenceStatus
+from worker.engine.executor.layers.attention.tree import tree_depths
 from worker.engine.spec_decode.ngram_proposer import NgramProposer
 from worker.engine.spec_decode.policy import SpecDecodePolicy
 from worker.engine.spec_decode.proposer import Proposer
@@ -135,8 +136,13 @@ class Speculator:
         return draft_probs
 
     def record(self, seq: Sequence, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Count one verification of ``seq`` (counters and the policy's acceptance estimate)."""
+        """Count one verification of ``seq`` (counters and the policy's acceptance estimate).
+
+        The counters count every verified draft, a tree's every node; the policy sees a tree as the chain of its
+        depth (its acceptance rate is per position along one path, which a tree's extra branches only raise)."""
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        if seq.spec_parent_idx is not None:
+            num_draft_tokens = max(tree_depths(seq.spec_parent_idx))
         self.policy.record(seq.seq_id, num_draft_tokens, num_accepted_tokens)
 
     def observe_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], seconds: float) -> None:
