@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 16
+    # Branches of an n-gram draft tree (distinct earlier continuations verified in one pass); 1: chains.
+    speculative_tree_width: int = 1
     torch_num_threads: int | None = None
     # Weight quantization (docs/engine.md, "Quantized weights"): "none", "int8" or "q4".
     quantization: str = "none"

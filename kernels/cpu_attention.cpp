@@ -23,6 +23,12 @@
 // scales [2, num_blocks, block_size, num_kv_heads], one per stored (token, KV head): the kernel converts
 // each K/V row to float32 as it streams in and applies its scale to the row's dot products (K) or to the
 // softmax weight (V), so the blocks are read in place and never dequantized into a copy.
+//
+// A token-tree mask (speculative verification of a draft tree, Miao et al. 2023 "SpecInfer") gives a token
+// a bit set over its sequence's query rows: the token sees every position before the query and the query
+// rows whose bit is set (its ancestors, the sequence's last token and itself). Hidden rows are read like
+// the others (they lie inside the causal range) but score -inf and weigh exactly 0; a token without
+// tree bits pays one predictable branch per position.
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -192,10 +198,11 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
 // it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
 // T is the cache element type; for a quantized cache (T not float) `scales` holds the K half's scales then,
 // `scales_stride_kv` floats on, the V half's, num_kv_heads per slot; for float it is null.
+// tree_bits != 0: positions tree_base + j are visible only where bit j is set (the token-tree mask above).
 template <int64_t kHeadSize, typename T>
 void attend_token(const Shapes& s, const float* query, const T* cache, const float* scales, const int32_t* block_table,
-                  int64_t context_start, int64_t context_end, float scale, float soft_cap, float* out, float* lse,
-                  float* scores, float* q_scaled) {
+                  int64_t context_start, int64_t context_end, float scale, float soft_cap, int64_t tree_base,
+                  uint64_t tree_bits, float* out, float* lse, float* scores, float* q_scaled) {
   const int64_t context_len = context_end - context_start;
   const int64_t r = s.num_queries_per_kv, block_size = s.block_size, num_heads = s.num_heads;
   const int64_t num_kv_heads = s.num_kv_heads;
@@ -227,8 +234,16 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
     tile_len = 0;
   };
   constexpr bool kQuantized = !std::is_same_v<T, float>;
+  const auto tree_hidden = [&](int64_t pos) {
+    return tree_bits != 0 && pos >= tree_base && ((tree_bits >> (pos - tree_base)) & 1) == 0;
+  };
   for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
-                    [&](int64_t, const T* row, int64_t slot) {
+                    [&](int64_t pos, const T* row, int64_t slot) {
+    if (tree_hidden(pos)) {
+      for (int64_t h = 0; h < num_heads; ++h) dots[h * kTile + tile_len] = vec8{} - std::numeric_limits<float>::infinity();
+      if (++tile_len == kTile) reduce_tile();
+      return;
+    }
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       const T* k = row + g * head_size;
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
@@ -254,6 +269,12 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
     } else {
 #pragma omp simd
       for (int64_t i = 0; i < context_len; ++i) row[i] = exp_clamped(row[i] - m);
+    }
+    if (tree_bits != 0) {
+      // exp of a clamped -inf is tiny, not 0 (and a soft-cap maps -inf to -cap): hidden rows weigh exactly 0.
+      for (int64_t pos = std::max(tree_base, context_start); pos < context_end; ++pos) {
+        if (tree_hidden(pos)) row[pos - context_start] = 0.0f;
+      }
     }
     const float sum = lane_sum(row, context_len);
     inv_sum[h] = 1.0f / sum;
@@ -293,7 +314,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables, double scale, const std::optional<at::Tensor>& lse,
                      std::optional<int64_t> sliding_window, std::optional<double> logits_soft_cap,
-                     const std::optional<at::Tensor>& kv_scales) {
+                     const std::optional<at::Tensor>& kv_scales, const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_attention_: CPU tensors only");
   const at::ScalarType cache_type = kv_cache.scalar_type();
@@ -348,6 +369,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "query_start_loc must have num_seqs + 1 entries and block_tables num_seqs rows");
+  const bool with_tree = tree_mask.has_value() && tree_mask->defined();
+  TORCH_CHECK(!with_tree || (tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() &&
+                             tree_mask->dim() == 1 && tree_mask->size(0) == num_tokens),
+              "tree_mask must be a contiguous int64 [num_tokens]");
+  TORCH_CHECK(!with_tree || window == 0, "tree_mask cannot be combined with sliding_window");
+  const int64_t* tree_ptr = with_tree ? tree_mask->data_ptr<int64_t>() : nullptr;
   const int32_t* cu_query = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -356,7 +383,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   // Per token: its sequence and the positions it sees (causal, within the window); validate before any
   // thread reads.
   std::vector<int32_t> token_seq(num_tokens);
-  std::vector<int64_t> token_context(num_tokens), token_start(num_tokens);
+  std::vector<int64_t> token_context(num_tokens), token_start(num_tokens), token_tree_base(num_tokens, 0);
+  std::vector<uint64_t> token_tree_bits(num_tokens, 0);
   int64_t max_context = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t start = cu_query[seq], end = cu_query[seq + 1], seq_len = lens[seq];
@@ -372,6 +400,14 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       token_seq[t] = static_cast<int32_t>(seq);
       token_context[t] = seq_len - (end - t) + 1;
       token_start[t] = window > 0 ? std::max<int64_t>(0, token_context[t] - window) : 0;
+      const uint64_t bits = tree_ptr == nullptr ? 0 : static_cast<uint64_t>(tree_ptr[t]);
+      if (bits != 0) {
+        const int64_t row = t - start;
+        TORCH_CHECK(end - start <= 64 && ((bits >> row) & 1) == 1 && (row == 63 || (bits >> (row + 1)) == 0),
+                    "sequence ", seq, ": a tree row must see itself and no later row (query_len <= 64)");
+        token_tree_bits[t] = bits;
+        token_tree_base[t] = seq_len - (end - start);
+      }
     }
     max_context = std::max(max_context, seq_len);
   }
@@ -406,7 +442,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
         attend(s, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
                tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t], token_context[t], scale_f, soft_cap,
-               out_ptr + t * s.num_heads * s.head_size, lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads,
+               token_tree_base[t], token_tree_bits[t], out_ptr + t * s.num_heads * s.head_size, lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads,
                scores, q_scaled.data());
       }
     });
@@ -426,7 +462,7 @@ TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, float scale, Tensor(b!)? lse=None, int? sliding_window=None, "
-      "float? logits_soft_cap=None, Tensor? kv_scales=None) -> ()");
+      "float? logits_soft_cap=None, Tensor? kv_scales=None, Tensor? tree_mask=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("paged_attention_", paged_attention); }

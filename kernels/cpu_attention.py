@@ -26,6 +26,7 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     kv_scales: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query token over its sequence's cached context (no K/V gather).
 
@@ -55,6 +56,10 @@ def paged_attention_cpu(
         logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
         kv_scales: float32 contiguous ``[2, num_blocks, block_size, num_kv_heads]``, the scale of every stored
             (token, KV head) of a quantized ``kv_cache`` (its value is ``element * scale``); None for float32.
+        tree_mask: contiguous int64 ``[num_tokens]``, the token-tree mask of speculative verification (as
+            :func:`kernels.reference.paged_attention_reference`: 0 = causal row; else bit ``j`` lets the row
+            see its sequence's query row ``j``, positions before the query stay visible); None: all causal.
+            Not with ``sliding_window``.
 
     Returns:
         float32 contiguous ``[num_tokens, num_heads, head_size]``.
@@ -77,6 +82,7 @@ def paged_attention_cpu(
         sliding_window,
         logits_soft_cap,
         kv_scales,
+        tree_mask,
     )
     return out
 

@@ -95,6 +95,7 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     kv_scales: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context, one sequence at a time.
 
@@ -122,6 +123,13 @@ def paged_attention_reference(
         logits_soft_cap: the soft-cap ``cap > 0``, or None for none.
         kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads]`` when ``kv_cache`` is quantized
             (:func:`quantize_kv`): each element stands for ``element * scale``; None for a float cache.
+        tree_mask: int64 ``[num_tokens]`` or None (every row causal). A row whose value is 0 is causal; a
+            nonzero value is a bit set over its sequence's query rows (``query_len <= 64``): bit ``j`` set
+            lets the row see query row ``j``'s key, and every position before the query stays visible. This
+            is the token-tree mask of speculative verification (Miao et al. 2023, "SpecInfer", section 4):
+            a tree node sees the cached context, the sequence's last token (query row 0) and its ancestors.
+            Rows may only see earlier rows and themselves (parents precede children), and not with
+            ``sliding_window``.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -154,6 +162,11 @@ def paged_attention_reference(
         visible = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len - first]
         if sliding_window is not None:
             visible &= positions[None, :] > query_positions[:, None] - sliding_window
+        if tree_mask is not None:
+            bits = tree_mask[start:end].long()
+            row_bit = (bits[:, None] >> (positions[None, :] - (seq_len - query_len)).clamp(0, 63)) & 1
+            in_query = positions[None, :] >= seq_len - query_len
+            visible &= (bits[:, None] == 0) | ~in_query | (row_bit == 1)
         scores = scores.masked_fill(~visible, float("-inf"))
         if lse_out is not None:
             lse_out[start:end] = torch.logsumexp(scores, dim=-1).T

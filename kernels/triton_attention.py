@@ -12,7 +12,9 @@ same contract; CUDA runs these, CPU runs the twins (tests compare the two under 
   tile's last visible position. One kernel serves decode, extend (k + 1 tokens after a cached context)
   and prefill rows of one ragged batch. A sliding window starts the loop at the tile's first visible
   position (blocks before it are never read) and masks per row; a soft-cap maps each scaled score ``s`` to
-  ``cap * tanh(s / cap)`` (Gemma 2). Both are compile-time switches: off, the kernel is unchanged.
+  ``cap * tanh(s / cap)`` (Gemma 2); a token-tree mask (speculative verification of a draft tree, Miao et
+  al. 2023, "SpecInfer") hides the query rows that are not a row's ancestors. All three are compile-time
+  switches: off, the kernel is unchanged.
 - :func:`reshape_and_cache_triton`: store new K/V through ``slot_mapping`` (vLLM's ``reshape_and_cache``).
 - A quantized cache (int8 or float8 e4m3 elements with float32 ``kv_scales: [2, num_blocks, block_size,
   num_kv_heads]``, :func:`kernels.reference.quantize_kv`): the store quantizes each (token, KV head) row
@@ -42,6 +44,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    tree_mask_ptr,
     scale,
     stride_qt,
     stride_qh,
@@ -72,6 +75,7 @@ def _paged_attention_kernel(
     HAS_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    HAS_TREE: tl.constexpr,
     QUANTIZED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -100,6 +104,9 @@ def _paged_attention_kernel(
 
     q_ptrs = query_ptr + token_idx[:, None] * stride_qt + head_idx[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if HAS_TREE:
+        # Bit j: the row sees query row j (0: a causal row; padding rows load 0 and stay causal).
+        tree_bits = tl.load(tree_mask_ptr + token_idx, mask=row_valid, other=0)
 
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
@@ -138,6 +145,11 @@ def _paged_attention_kernel(
         visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
         if HAS_WINDOW:
             visible = visible & (positions[None, :] > q_pos[:, None] - sliding_window)
+        if HAS_TREE:
+            query_row = tl.minimum(tl.maximum(positions - context_start, 0), 63).to(tl.int64)
+            row_bit = (tree_bits[:, None] >> query_row[None, :]) & 1
+            in_query = positions[None, :] >= context_start
+            visible = visible & ((tree_bits[:, None] == 0) | ~in_query | (row_bit != 0))
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -202,6 +214,7 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     kv_scales: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a ragged batch (decode, extend and prefill rows) over a block table.
 
@@ -233,19 +246,24 @@ def paged_attention_triton(
         logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
         kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads]`` of a quantized cache (an
             element stands for ``element * scale``); None for a cache in ``query.dtype``.
+        tree_mask: int64 ``[num_tokens]``, the token-tree mask of speculative verification (as
+            :func:`kernels.reference.paged_attention_reference`: 0 = causal row; else bit ``j`` lets the row see
+            its sequence's query row ``j``); None: every row causal. Not with ``sliding_window``.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
 
     Raises:
-        ValueError: on a cache of the wrong layout, a dtype mismatch, scales missing or misshaped, a block size not a power of two, or a
-            window below 1 or soft-cap not above 0.
+        ValueError: on a cache of the wrong layout, a dtype mismatch, scales missing or misshaped, a block size not a power of two, a
+            window below 1, a soft-cap not above 0, or a tree mask not int64 or beside a window.
     """
     _check_cache(kv_cache)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+    if tree_mask is not None and (sliding_window is not None or tree_mask.dtype != torch.int64):
+        raise ValueError("tree_mask must be int64 and cannot be combined with sliding_window")
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     _check_scales(kv_cache, kv_scales)
@@ -300,6 +318,7 @@ def paged_attention_triton(
         query_start_loc,
         seq_lens,
         block_tables,
+        tree_mask if tree_mask is not None else seq_lens,
         scale,
         query.stride(0),
         query.stride(1),
@@ -328,6 +347,7 @@ def paged_attention_triton(
         HAS_LSE=lse_out is not None or num_kv_splits > 1,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_TREE=tree_mask is not None,
         QUANTIZED=kv_scales is not None,
         # NOTE: float32 products in IEEE precision, not TF32 (Triton's CUDA default), to match the twin;
         # the setting only matters for float32 operands.

@@ -84,6 +84,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative_method=settings.speculative_method,
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
+        speculative_tree_width=settings.speculative_tree_width,
         quantization=settings.quantization,
         prepared_weights_dir=str(prepared_weights_dir(settings)),
         kv_cache_dtype=settings.kv_cache_dtype,

@@ -32,7 +32,9 @@ class EngineConfig:
     (always, at any batch size). ``speculative_method`` is ``"ngram"`` (prompt lookup of
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens) or ``"draft"`` (a draft model: the folder
     ``speculative_model``, or by default the target's first ``speculative_draft_num_layers`` layers with its
-    final norm and LM head). ``num_speculative_tokens`` is the most drafts per step.
+    final norm and LM head). ``num_speculative_tokens`` is the most drafts per step (a tree's depth).
+    ``speculative_tree_width`` (n-gram only): at most this many distinct earlier continuations of the matched
+    n-gram are proposed as the branches of one draft tree, verified in one pass (1: a chain, as before).
 
     Structured outputs (docs/engine.md, "Structured outputs"): ``structured_outputs_compile_timeout_s`` is the
     longest ``add_request`` waits for one grammar compile before it fails that request (seconds).
@@ -67,6 +69,7 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = 16
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 8
+    speculative_tree_width: int = 1
     speculative_model: str | None = None
     speculative_draft_num_layers: int | None = None
     structured_outputs_compile_timeout_s: float = 10.0
@@ -89,7 +92,12 @@ class EngineConfig:
             raise ValueError(f"speculative_mode must be 'off', 'auto' or 'on', got {self.speculative_mode!r}")
         if self.speculative_method not in ("ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
-        for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "prompt_lookup_min"):
+        for name in (
+            "num_speculative_tokens",
+            "speculative_disable_by_batch_size",
+            "prompt_lookup_min",
+            "speculative_tree_width",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_lookup_max < self.prompt_lookup_min:

@@ -391,14 +391,19 @@ class LLMEngine:
         """Cut each constrained sequence's drafts before the first token its grammar does not allow (mutates
         ``spec_token_ids`` and ``draft_probs``): verification then never scores a position the grammar forbids.
         Under jump-forward decoding, drafts also stop before a position where the grammar forces tokens, so the
-        tokens are those of the run without speculation."""
+        tokens are those of the run without speculation. A constrained draft tree keeps its leading chain (the
+        grammar's bitmask rows follow one path)."""
         for seq in self.scheduler.running:
             if seq.grammar is None or not seq.spec_token_ids:
                 continue
             jump_forward = None
             if self._jumps_forward(seq):
                 jump_forward = (self.tokenizer, self.model_config.vocab_size)
-            num_valid = seq.grammar.num_valid_drafts(seq.spec_token_ids, jump_forward)
+            parents, seq.spec_parent_idx = seq.spec_parent_idx, None
+            num_chain = len(seq.spec_token_ids)
+            if parents is not None:
+                num_chain = next((i for i, parent in enumerate(parents) if parent != i - 1), num_chain)
+            num_valid = seq.grammar.num_valid_drafts(seq.spec_token_ids[:num_chain], jump_forward)
             if num_valid == len(seq.spec_token_ids):
                 continue
             del seq.spec_token_ids[num_valid:]

@@ -12,6 +12,7 @@ import torch
 from tests.helpers.tiny_llama import save_tiny_llama
 from tests.worker.engine.spec_decode.stats_helpers import chi_square_p_value
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.spec_decode.proposer import DraftProposal, Proposer
 
 REPEAT = [10] * 30  # the tiny model continues it with long runs of one token
 CYCLE = [5, 6, 7, 8, 9] * 3 + [5, 6]
@@ -20,6 +21,7 @@ KS = [61] * 8  # continued as "kkkk...k!k!" by the tiny model
 PROMPTS = [REPEAT, CYCLE, VARIED]
 METHODS = {
     "ngram": dict(speculative_method="ngram"),
+    "ngram-tree": dict(speculative_method="ngram", speculative_tree_width=3),
     "self-draft-all-layers": dict(speculative_method="draft", speculative_draft_num_layers=2),
     "self-draft-1-layer": dict(speculative_method="draft", speculative_draft_num_layers=1),
 }
@@ -93,7 +95,7 @@ def _dropped_in_run(engine):
     return stats.num_steps + stats.num_accepted_tokens - stats.num_generation_tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "self-draft-all-layers"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree", "self-draft-all-layers"])
 def test_per_token_rules_truncate_inside_accepted_runs(model_dir, plain, method):
     """Stop ids, stop strings (with min_tokens holding them back) and max_tokens on prompts the tiny model
     continues with long runs of one token, so drafts are accepted in runs and a stop lands inside one."""
@@ -155,7 +157,14 @@ def test_penalties_and_logit_bias_apply_at_every_verified_position(model_dir, pl
 
 
 @pytest.mark.parametrize(
-    ("method", "kv_cache_dtype"), [("ngram", "auto"), ("self-draft-all-layers", "auto"), ("ngram", "int8")]
+    ("method", "kv_cache_dtype"),
+    [
+        ("ngram", "auto"),
+        ("self-draft-all-layers", "auto"),
+        ("ngram", "int8"),
+        ("ngram-tree", "auto"),
+        ("ngram-tree", "int8"),
+    ],
 )
 def test_greedy_unchanged_in_a_batch_mixing_sampled_lines_and_under_preemption(
     model_dir, plain, method, kv_cache_dtype
@@ -203,7 +212,7 @@ def _distribution_samples(model_dir, mode, method, num_lines, prompt):
     return [tuple(out.outputs[0].token_ids) for out in outputs], stats
 
 
-@pytest.mark.parametrize("method", ["ngram", "self-draft-1-layer"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree", "self-draft-1-layer"])
 def test_sampling_preserves_the_target_distribution(tmp_path_factory, method):
     """Many seeded lines of 3 tokens on a 12-token vocabulary: the joint distribution of the 3 tokens with
     speculation cannot be told apart from plain sampling's (chi-square, p > 1e-3)."""
@@ -216,3 +225,97 @@ def test_sampling_preserves_the_target_distribution(tmp_path_factory, method):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes were exercised
     assert chi_square_p_value(speculative, plain) > 1e-3
     assert chi_square_p_value([s[1:] for s in speculative], [s[1:] for s in plain]) > 1e-3
+
+
+# Prompts whose last two tokens were followed by four different tokens earlier: the n-gram proposer drafts trees,
+# and the tiny model accepts paths off the latest continuation (so accepted K/V are moved).
+BRANCHY = [
+    [18, 22, 49, 28, 18, 22, 33, 12, 18, 22, 8, 7, 18, 22, 4, 28, 18, 22],
+    [23, 12, 44, 6, 23, 12, 7, 55, 23, 12, 37, 9, 23, 12, 26, 40, 23, 12],
+]
+
+
+def _count_moved_paths(engine):
+    """Wrap the model runner so that it counts verified trees and those whose accepted path left the first
+    branch (K/V moved to consecutive slots)."""
+    counts = {"trees": 0, "moved": 0}
+    keep = engine.model_runner._keep_accepted_paths
+
+    def counting(seqs, block_ids, verified_seqs, verified):
+        for seq, result in zip(verified_seqs, verified):
+            if seq.spec_parent_idx is not None:
+                counts["trees"] += 1
+                counts["moved"] += result.accepted_nodes != list(range(result.num_accepted_tokens))
+        keep(seqs, block_ids, verified_seqs, verified)
+
+    engine.model_runner._keep_accepted_paths = counting
+    return counts
+
+
+def test_tree_verification_is_plain_decoding_with_prefix_caching(model_dir, plain):
+    """Greedy lines with draft trees: the same completions alone and batched; then prompts that extend them hit
+    the prefix cache on blocks written by tree steps (moved K/V included) and still match a plain engine, which
+    computes those positions afresh: the moved cache is what plain decoding writes."""
+    engine = make_engine(model_dir, **METHODS["ngram-tree"])
+    counts = _count_moved_paths(engine)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    expected = [plain.generate([prompt], params)[0] for prompt in BRANCHY]
+    alone = [run_checked(engine, [prompt], params)[0] for prompt in BRANCHY]
+    batched = run_checked(engine, BRANCHY, params)
+    for ref, one, many in zip(expected, alone, batched):
+        assert_same_completion(ref, one)
+        assert_same_completion(ref, many)
+    assert counts["trees"] > 0 and counts["moved"] > 0
+    extended = [prompt + ref.outputs[0].token_ids[:30] for prompt, ref in zip(BRANCHY, expected)]
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    engine.make_stats()
+    got = run_checked(engine, extended, short)
+    assert engine.make_stats().num_cached_tokens >= 2 * 40  # blocks of the tree-decoded outputs were reused
+    for prompt, out in zip(extended, got):
+        ref = plain.generate([prompt], short)[0]
+        assert_same_completion(ref, out)
+
+
+class OracleTreeProposer(Proposer):
+    """A test drafter that knows the plain run's tokens: a tree whose first branch is wrong (the next token + 1) and
+    whose second branch is the plain continuation, with a wrong leaf under its first node; every accepted path
+    then leaves the first branch and its K/V must move."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]]) -> None:
+        self.expected = expected
+
+    def propose(self, seqs, num_spec_tokens):
+        proposals = []
+        for seq, k in zip(seqs, num_spec_tokens):
+            future = self.expected[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :][:k]
+            if not future:
+                proposals.append(DraftProposal([]))
+                continue
+            wrong = [(future[0] + 1) % 64, 3]
+            # nodes: 0-1 the wrong branch, 2.. the right one, then a wrong sibling under node 2
+            parents = [-1, 0, -1] + list(range(2, 2 + len(future) - 1)) + [2]
+            proposals.append(DraftProposal(wrong + future + [(future[1 % len(future)] + 1) % 64], parent_idx=parents))
+        return proposals
+
+
+def test_tree_paths_with_stops_and_max_tokens(model_dir, plain):
+    """Stop ids, stop strings and max_tokens landing inside accepted tree paths (off the first branch, so the
+    path's K/V were moved) end the line exactly there, with the plain run's ids, text and logprobs."""
+    engine = make_engine(model_dir, **METHODS["ngram-tree"])
+    counts = _count_moved_paths(engine)
+    base = dict(temperature=0, max_tokens=40, logprobs=1, ignore_eos=True)
+    expected = {tuple(p): plain.generate([p], SamplingParams(**base))[0].outputs[0].token_ids for p in BRANCHY}
+    engine.speculator.proposer = OracleTreeProposer(expected)
+    dropped = 0
+    for prompt in BRANCHY:
+        ids = expected[tuple(prompt)]
+        text = plain.generate([prompt], SamplingParams(**base))[0].outputs[0].text
+        cases = [dict(max_tokens=m) for m in (3, 7, 13, 22)]
+        cases += [dict(stop_token_ids=[ids[j]], min_tokens=j) for j in (4, 9, 17, 26)]
+        cases += [dict(stop=[text[len(text) // 2 : len(text) // 2 + 3]])]
+        for case in cases:
+            params = SamplingParams(**{**base, **case})
+            engine.make_stats()
+            assert_same_completion(plain.generate([prompt], params)[0], run_checked(engine, [prompt], params)[0])
+            dropped += _dropped_in_run(engine)
+    assert dropped > 0 and counts["moved"] > 0

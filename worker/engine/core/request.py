@@ -49,7 +49,8 @@ class Sequence:
     (core/kv_cache_manager.py; set on branches when forks are disabled).
     ``spec_token_ids`` are draft tokens proposed for this step (speculative decoding, docs/engine.md,
     "Speculative decoding"): the scheduler schedules them after the last token and the step verifies them;
-    they are never part of ``token_ids`` until accepted.
+    they are never part of ``token_ids`` until accepted. ``spec_parent_idx`` is None for a chain of drafts, or the
+    parents of a draft tree (``DraftProposal.parent_idx``), one per ``spec_token_ids`` entry.
     ``grammar`` is the sequence's structured-output matcher (None: unconstrained), advanced with every appended
     output token and forked with the sequence (docs/engine.md, "Structured outputs").
     """
@@ -73,6 +74,7 @@ class Sequence:
     pending_forks: list[Sequence] = field(default_factory=list)
     cache_salt: int | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_parent_idx: list[int] | None = None
     grammar: StructuredOutputGrammar | None = None
 
     def __post_init__(self) -> None:

@@ -127,6 +127,8 @@ class Scheduler:
                 continue
             # Draft tokens beyond the budget are dropped (the verification extends fewer positions).
             del seq.spec_token_ids[max(num_new_tokens - num_known, 0) :]
+            if seq.spec_parent_idx is not None:  # a prefix of a tree's nodes is a tree (parents come first)
+                del seq.spec_parent_idx[len(seq.spec_token_ids) :]
             while not kv.allocate_slots(seq, num_new_tokens):
                 num_handled = handled
                 for position, victim in self._preempt_group(self.running[-1]):
@@ -277,6 +279,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
         seq.spec_token_ids = []
+        seq.spec_parent_idx = None
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -296,6 +299,7 @@ class Scheduler:
             if seq.spec_token_ids:
                 seq.num_computed_tokens = min(seq.num_computed_tokens + num_tokens, seq.num_tokens - 1)
                 seq.spec_token_ids = []
+                seq.spec_parent_idx = None
                 kv.trim_slots(seq)
             else:
                 seq.num_computed_tokens += num_tokens

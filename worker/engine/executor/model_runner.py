@@ -5,7 +5,9 @@ padding), sequence by sequence in the scheduler's order; K/V are written through
 logits are computed only for rows where a token is sampled (the last token of a sequence that reaches
 the end of its known tokens this step: a finished prefill or a decode) and, for requests asking for
 prompt logprobs, at their prompt positions. A sequence with draft tokens (``spec_token_ids``) is one
-extend of ``k + 1`` positions in the same batch; its ``k + 1`` rows go to the rejection sampler. The batch
+extend of ``k + 1`` positions in the same batch; its ``k + 1`` rows go to the rejection sampler. Drafts that
+form a tree (``spec_parent_idx``) take the same ``k + 1`` slots, attend through a tree mask at depth-based
+positions, and the accepted path's K/V are then moved to the sequence's consecutive slots. The batch
 is built with NumPy over per-sequence arrays, so the Python work per step grows with the number of
 sequences, not of tokens.
 """
@@ -29,10 +31,12 @@ from worker.engine.executor.layers.attention import (
     KVCache,
     QuantizedKVCache,
     build_attention_metadata,
+    copy_slots,
     cpu_kernels_apply,
     triton_kernels_apply,
 )
 from worker.engine.executor.layers.attention.kv_cache import kv_cache_bytes_per_token_head
+from worker.engine.executor.layers.attention.tree import tree_path
 from worker.engine.executor.model_loader import load_model
 from worker.engine.executor.models.llama import head_size_of, long_rope_positions, num_kv_heads_of
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
@@ -338,6 +342,9 @@ class ModelRunner:
             batch_invariant=[seq.params.batch_invariant for seq in seqs],
             device=self.device,
             sliding_window=self.sliding_window,
+            tree_parents=(
+                [seq.spec_parent_idx for seq in seqs] if any(seq.spec_parent_idx is not None for seq in seqs) else None
+            ),
         )
         if attn_metadata.num_tokens == len(seqs):  # pure decode: one token per sequence, its last one
             input_ids = [seq.token_ids[-1] for seq in seqs]
@@ -433,6 +440,7 @@ class ModelRunner:
         verified: list[VerifiedTokens] = []
         if verified_seqs:
             verified = self._verify(logits[offset:], verified_seqs, draft_probs or {}, verify_masks)
+            self._keep_accepted_paths(seqs, block_ids, verified_seqs, verified)
         self._synchronize()
         return ModelRunnerOutput(
             sampled_seqs,
@@ -462,11 +470,17 @@ class ModelRunner:
         params, keys, prompts, outputs = [], [], [], []
         for seq in seqs:
             key = self._sampling_key(seq)
-            for j in range(len(seq.spec_token_ids) + 1):
+            drafts, parents = seq.spec_token_ids, seq.spec_parent_idx
+            for j in range(len(drafts) + 1):
                 params.append(seq.params)
                 keys.append(key)
                 prompts.append(seq.prompt_token_ids)
-                outputs.append(seq.output_token_ids + seq.spec_token_ids[:j] if j else seq.output_token_ids)
+                if not j:
+                    outputs.append(seq.output_token_ids)
+                elif parents is None:
+                    outputs.append(seq.output_token_ids + drafts[:j])
+                else:  # a tree's row j follows the path to node j - 1
+                    outputs.append(seq.output_token_ids + [drafts[node] for node in tree_path(parents, j - 1)])
         metadata = SamplingMetadata(params, keys, prompts, outputs, self.eos_token_id)
         if grammar_masks is not None:
             metadata.token_bitmask, metadata.constrained_rows = grammar_masks.bitmask, grammar_masks.rows
@@ -475,7 +489,36 @@ class ModelRunner:
             metadata,
             [seq.spec_token_ids for seq in seqs],
             [draft_probs.get(seq.seq_id) for seq in seqs],
+            [seq.spec_parent_idx for seq in seqs],
         )
+
+    def _keep_accepted_paths(
+        self,
+        seqs: list[Sequence],
+        block_ids: list[list[int]],
+        verified_seqs: list[Sequence],
+        verified: list[VerifiedTokens],
+    ) -> None:
+        """Move each verified tree's accepted nodes to the slots right after the last token (node ``i`` was
+        written at the ``i``-th slot after it), so the cache holds what plain decoding would have written; the
+        slots after the path are rolled back by the scheduler like rejected chain drafts."""
+        table_of = {id(seq): table for seq, table in zip(seqs, block_ids)}
+        src: list[int] = []
+        dst: list[int] = []
+        for seq, result in zip(verified_seqs, verified):
+            first = seq.num_computed_tokens + 1  # the first draft's position (the last token is not counted yet)
+            table = table_of[id(seq)]
+            for depth, node in enumerate(result.accepted_nodes):
+                if node != depth:
+                    for position, slots in ((first + node, src), (first + depth, dst)):
+                        slots.append(table[position // self.block_size] * self.block_size + position % self.block_size)
+        if not src:
+            return
+        # NOTE: nodes precede their children, so no destination is a source read later; copy_slots reads first anyway.
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for kv_cache in self.kv_caches:
+            copy_slots(kv_cache, src_t, dst_t)
 
     def _rope_positions(self, seqs: list[Sequence], query_lens: list[int], positions: torch.Tensor) -> torch.Tensor:
         """The positions the model's rotary tables are read at: ``positions`` itself, except under ``longrope``

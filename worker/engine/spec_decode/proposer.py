@@ -2,8 +2,9 @@
 
 A proposer looks at running sequences about to decode and proposes up to ``k`` tokens each, with the
 distributions it drew them from (None for a deterministic draft, which the rejection sampler treats as
-one-hot). It may keep per-sequence state (an index, a KV cache), which :meth:`Proposer.free` drops when a
-sequence finishes or is preempted.
+one-hot). The tokens form a chain, or a tree (``parent_idx``) verified in the same single pass with a tree
+attention mask (docs/engine.md, "Speculative decoding"). It may keep per-sequence state (an index, a KV
+cache), which :meth:`Proposer.free` drops when a sequence finishes or is preempted.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class DraftProposal:
     """Draft tokens for one sequence: ``token_ids`` (possibly empty: nothing to propose) and ``probs``,
-    float32 ``[len(token_ids), vocab_size]``, the distribution each was drawn from, or None (one-hot)."""
+    float32 ``[len(token_ids), vocab_size]``, the distribution each was drawn from given its parent path, or
+    None (one-hot).
+
+    ``parent_idx`` None: the tokens are a chain. Otherwise a tree of ``len(token_ids)`` nodes (at most 63):
+    ``token_ids[i]`` follows ``token_ids[parent_idx[i]]``, or the sequence's last token when ``parent_idx[i]`` is
+    ``-1``; parents come before children. Siblings are tried in their order, so the likeliest goes first; a
+    sibling drawn from ``probs`` must have been drawn independently of its siblings (otherwise pass None:
+    ``worker/engine/sample/rejection_sampler.py``). The scheduler may keep only a prefix of the nodes.
+    """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parent_idx: list[int] | None = None
 
 
 class Proposer(abc.ABC):

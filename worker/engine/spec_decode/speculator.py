@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence, SequenceStatus
+from worker.engine.executor.layers.attention.tree import tree_depths
 from worker.engine.spec_decode.ngram_proposer import NgramProposer
 from worker.engine.spec_decode.policy import SpecDecodePolicy
 from worker.engine.spec_decode.proposer import Proposer
@@ -126,13 +127,22 @@ class Speculator:
         draft_probs = {}
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, ks), strict=True):
             seq.spec_token_ids = list(proposal.token_ids)
+            parents = proposal.parent_idx
+            # A tree that is a chain takes the chain path (no tree mask).
+            is_tree = parents is not None and any(parent != i - 1 for i, parent in enumerate(parents))
+            seq.spec_parent_idx = list(parents) if parents is not None and is_tree and proposal.token_ids else None
             if proposal.probs is not None and proposal.token_ids:
                 draft_probs[seq.seq_id] = proposal.probs
         return draft_probs
 
     def record(self, seq: Sequence, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Count one verification of ``seq`` (counters and the policy's acceptance estimate)."""
+        """Count one verification of ``seq`` (counters and the policy's acceptance estimate).
+
+        The counters count every verified draft, a tree's every node; the policy sees a tree as the chain of its
+        depth (its acceptance rate is per position along one path, which a tree's extra branches only raise)."""
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        if seq.spec_parent_idx is not None:
+            num_draft_tokens = max(tree_depths(seq.spec_parent_idx))
         self.policy.record(seq.seq_id, num_draft_tokens, num_accepted_tokens)
 
     def observe_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], seconds: float) -> None:
@@ -160,7 +170,9 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
         return None
     proposer: Proposer
     if config.speculative_method == "ngram":
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # NOTE: the kernels' tree mask has no sliding window: such models verify chains.
+        tree_width = config.speculative_tree_width if model_runner.sliding_window is None else 1
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, tree_width)
     else:
         from worker.engine.spec_decode.draft_model_proposer import DraftModelProposer
 

@@ -2,7 +2,13 @@
 
 import pytest
 
+from worker.engine.core.request import Sequence
+from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode.ngram_proposer import NgramProposer
+
+
+def _seq(token_ids: list[int]) -> Sequence:
+    return Sequence(0, "r0", 0, SamplingParams(temperature=0.0), token_ids)
 
 
 def test_longest_suffix_match_proposes_what_followed_its_latest_occurrence():
@@ -49,3 +55,22 @@ def test_bad_bounds_refused():
         NgramProposer(3, 2)
     with pytest.raises(ValueError):
         NgramProposer(0, 2)
+
+
+def test_tree_width_proposes_distinct_continuations_latest_first():
+    tokens = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7, 1, 2, 8, 9, 1, 2]
+    # "1 2" was followed by 3 (latest at 10), 5, 8 (latest); width 3 keeps 8, 3 and 5, latest first.
+    assert NgramProposer(1, 4, tree_width=3).propose_branches(0, tokens, 2) == [[8, 9], [3, 7], [5, 6]]
+    assert NgramProposer(1, 4, tree_width=2).propose_branches(0, tokens, 3) == [[8, 9, 1], [3, 7, 1]]
+    assert NgramProposer(1, 4).propose_branches(0, tokens, 2) == [[8, 9]]  # width 1: today's chain
+    proposal = NgramProposer(1, 4, tree_width=3).propose([_seq(tokens)], [2])[0]
+    assert proposal.token_ids == [8, 9, 3, 7, 5, 6]
+    assert proposal.parent_idx == [-1, 0, -1, 2, -1, 4]
+
+
+def test_tree_branches_grow_incrementally_like_a_fresh_index():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2]
+    proposer = NgramProposer(1, 4, tree_width=3)
+    assert proposer.propose_branches(0, tokens, 2) == [[4, 1], [3, 1]]
+    tokens += [3, 5, 1, 2]
+    assert proposer.propose_branches(0, tokens, 2) == NgramProposer(1, 4, tree_width=3).propose_branches(1, tokens, 2)

@@ -185,6 +185,8 @@ def test_greedy_with_speculation_preemption_and_chunks_equals_plain(served_model
     plain = engine.generate(prompts, greedy)
     variants = {
         "speculation": make_engine(served_model_dir, speculative_mode="on"),
+        # n-gram trees: a constrained line keeps each tree's leading chain
+        "speculation with trees": make_engine(served_model_dir, speculative_mode="on", speculative_tree_width=3),
         "preemption": make_engine(
             served_model_dir, num_gpu_blocks_override=24, max_model_len=128, enable_prefix_caching=False
         ),

@@ -1,6 +1,11 @@
 """Attention over the paged KV cache: per-step metadata and plan, the paged path, cascade (shared-prefix) attention."""
 
-from worker.engine.executor.layers.attention.kv_cache import KVCache, QuantizedKVCache, check_kv_cache_dtype
+from worker.engine.executor.layers.attention.kv_cache import (
+    KVCache,
+    QuantizedKVCache,
+    check_kv_cache_dtype,
+    copy_slots,
+)
 from worker.engine.executor.layers.attention.metadata import (
     AttentionMetadata,
     build_attention_metadata,
@@ -15,6 +20,7 @@ __all__ = [
     "QuantizedKVCache",
     "build_attention_metadata",
     "check_kv_cache_dtype",
+    "copy_slots",
     "cpu_kernels_apply",
     "paged_attention_forward",
     "triton_kernels_apply",

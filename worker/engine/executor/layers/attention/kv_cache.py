@@ -158,6 +158,19 @@ def gather_kv_blocks(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dt
     return kv_cache.index_select(1, block_ids)
 
 
+def copy_slots(kv_cache: KVCache, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Slot ``dst_slots[i]`` (``block_id * block_size + offset``) becomes slot ``src_slots[i]``, K and V (and a
+    quantized cache's scales), all read before any is written (mutates ``kv_cache``): the accepted path of a
+    verified draft tree moves to the sequence's consecutive slots."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        num_kv_heads, head_size = kv_cache.data.shape[3], kv_cache.data.shape[4]
+        parts = [kv_cache._bytes.view(2, -1, num_kv_heads, head_size), kv_cache.scales.view(2, -1, num_kv_heads)]
+    else:
+        parts = [kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])]
+    for flat in parts:
+        flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
+
+
 def kv_cache_data_and_scales(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The arguments of the attention kernels: the element tensor and its scales (None for a float cache)."""
     if isinstance(kv_cache, QuantizedKVCache):

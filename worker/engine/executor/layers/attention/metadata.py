@@ -20,6 +20,7 @@ import torch
 
 from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.executor.layers.attention.plan import AttentionPlan, build_attention_plan
+from worker.engine.executor.layers.attention.tree import tree_depths, tree_mask_bits
 
 
 def cpu_kernels_apply(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -55,6 +56,8 @@ class AttentionMetadata:
         sliding_window: the window of the model's sliding-window layers, or None when it has none.
         sliding_plan: the plan those layers use: ``plan`` itself when no context is longer than the window,
             else one built with the window (:mod:`.plan`); None without ``sliding_window``.
+        tree_mask: ``LongTensor[num_tokens]``, the token-tree mask of sequences verifying a draft tree (:mod:`.tree`;
+            0 for every causal row), or None when no sequence has a tree (every path then runs unchanged).
 
     All tensors live on the model's device.
     """
@@ -69,6 +72,7 @@ class AttentionMetadata:
     plan: AttentionPlan
     sliding_window: int | None = None
     sliding_plan: AttentionPlan | None = None
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +101,7 @@ def build_attention_metadata(
     batch_invariant: Sequence[bool] | None = None,
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
+    tree_parents: Sequence[Sequence[int] | None] | None = None,
 ) -> AttentionMetadata:
     """Build one step's :class:`AttentionMetadata` from host-side lists (what the scheduler hands out).
 
@@ -115,10 +120,14 @@ def build_attention_metadata(
             ``None``: no sequence.
         device: where the tensors go.
         sliding_window: the window of the model's sliding-window layers (``>= 1``), None when it has none.
+        tree_parents: per sequence, None or the ``parent_idx`` of the draft tree it verifies (:mod:`.tree`):
+            its query is its last token then the ``len(parent_idx)`` nodes, each node's position is the last
+            token's plus its depth, and its rows attend through the tree mask. None: no trees.
 
     Raises:
-        ValueError: on mismatched lengths, a query longer than its context, a block table too short, or a
-            window below 1.
+        ValueError: on mismatched lengths, a query longer than its context, a block table too short, a
+            window below 1, a tree whose query is not ``1 + num_nodes`` rows or not in topological order, or a
+            tree beside a sliding window.
     """
     num_seqs = len(query_lens)
     if not num_seqs == len(seq_lens) == len(block_tables):
@@ -148,6 +157,20 @@ def build_attention_metadata(
     positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_query_lens[:-1] - num_computed, query_lens_np)
     token_seq_idx = np.repeat(np.arange(num_seqs), query_lens_np)
     slot_mapping = tables[token_seq_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    tree_mask_np = None
+    if tree_parents is not None and any(parents is not None for parents in tree_parents):
+        if sliding_window is not None:
+            raise ValueError("draft trees cannot be verified with sliding-window layers")
+        tree_mask_np = np.zeros(num_tokens, dtype=np.int64)
+        for i, parents in enumerate(tree_parents):
+            if parents is None:
+                continue
+            if query_lens_np[i] != 1 + len(parents):
+                raise ValueError(f"sequence {i}: a tree of {len(parents)} nodes needs a query of {1 + len(parents)}")
+            first = int(cu_query_lens[i])
+            tree_mask_np[first : first + 1 + len(parents)] = tree_mask_bits(list(parents))
+            # Slots stay consecutive; rotary positions follow depth (siblings share a position).
+            positions[first + 1 : first + 1 + len(parents)] = positions[first] + np.asarray(tree_depths(list(parents)))
 
     if use_cpu_kernels is None:
         use_cpu_kernels = cpu_kernels_apply(device, dtype)
@@ -158,6 +181,8 @@ def build_attention_metadata(
     block_tables_t = torch.from_numpy(tables).to(device)
     query_start_loc = torch.from_numpy(cu_query_lens.astype(np.int32)).to(device)
     seq_lens_t = torch.from_numpy(seq_lens_np.astype(np.int32)).to(device)
+
+    tree_mask = None if tree_mask_np is None else torch.from_numpy(tree_mask_np).to(device)
 
     def plan(window: int | None) -> AttentionPlan:
         return build_attention_plan(
@@ -173,6 +198,7 @@ def build_attention_metadata(
             use_triton_kernels=use_triton_kernels,
             batch_invariant=batch_invariant,
             sliding_window=window,
+            tree_mask=tree_mask,
         )
 
     full_plan = plan(None)
@@ -192,4 +218,5 @@ def build_attention_metadata(
         plan=full_plan,
         sliding_window=sliding_window,
         sliding_plan=sliding_plan,
+        tree_mask=tree_mask,
     )

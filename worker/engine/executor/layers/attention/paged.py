@@ -126,6 +126,7 @@ def _attend_cascade(
         lse_out=suffix_lse,
         logits_soft_cap=logits_soft_cap,
         kv_scales=kv_scales,
+        tree_mask=suffix.tree_mask,
     )
     for group in cascade.groups:
         rows = group.token_idx
@@ -172,6 +173,7 @@ def _attend_triton(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         kv_scales=kv_scales,
+        tree_mask=attn_metadata.tree_mask,
     )
 
 
@@ -270,6 +272,7 @@ def paged_attention_forward(
             sliding_window=plan.sliding_window,
             logits_soft_cap=soft_cap,
             kv_scales=kv_scales,
+            tree_mask=kernel.tree_mask,
         )
 
     if kernel is not None and kernel.token_idx is None:

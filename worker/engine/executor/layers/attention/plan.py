@@ -31,6 +31,10 @@ Paths (executed by :mod:`.paged`):
   (docs/engine.md, "Batch-invariant numerics"). Without the kernels (not float32, or not built) the
   sequence takes the ordinary paths.
 
+A sequence verifying a draft tree (:mod:`.tree`, at most 64 rows) takes the same paths as a chain's
+verification: the kernels apply the step's ``tree_mask`` to its rows, and the group mask hides the query rows
+that are not a row's ancestors. A step without trees builds exactly what it did before.
+
 The index tensors and masks depend only on the batch, so they are built once per step, by
 :func:`~.metadata.build_attention_metadata`, and reused by every layer.
 
@@ -103,13 +107,15 @@ class KernelPlan:
 
     ``token_idx``: ``[num_kernel_tokens]`` flat batch index of each of those rows, sequence by sequence
     (``None`` when they are the whole batch, in order); ``query_start_loc`` (``[num_kernel_seqs + 1]``),
-    ``seq_lens`` and ``block_tables``: int32 metadata of those sequences only.
+    ``seq_lens`` and ``block_tables``: int32 metadata of those sequences only; ``tree_mask``: int64 of those rows
+    (:mod:`.tree`), None when the step has no tree.
     """
 
     token_idx: torch.Tensor | None
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -162,6 +168,7 @@ def _build_group(
     num_queries_per_kv: int,
     dtype: torch.dtype,
     sliding_window: int | None,
+    tree_mask: torch.Tensor | None,
 ) -> GroupPlan:
     device = batch.block_tables.device
     query_lens = [batch.query_lens_list[i] for i in seq_ids]
@@ -191,11 +198,18 @@ def _build_group(
     visible = (key_pos <= query_pos) & (key_pos < seq_lens_t)  # [G, max_query_len, L]
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
+    query_idx = torch.tensor(query_idx_rows, dtype=torch.long, device=device)
+    if tree_mask is not None:
+        # A tree row sees the query rows whose bit is set (padding rows repeat row 0, which sees itself only).
+        bits = tree_mask[query_idx][:, :, None]  # [G, max_query_len, 1]
+        query_row = (key_pos - (seq_lens_t - query_lens_t)).clamp(0, 63)
+        in_query = key_pos >= seq_lens_t - query_lens_t
+        visible &= (bits == 0) | ~in_query | (((bits >> query_row) & 1) == 1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     mask = mask[:, None].expand(-1, num_queries_per_kv, -1, -1).reshape(len(seq_ids), 1, -1, visible.shape[-1])
 
     return GroupPlan(
-        query_idx=torch.tensor(query_idx_rows, dtype=torch.long, device=device),
+        query_idx=query_idx,
         valid_rows=(
             None
             if len(valid_rows) == len(seq_ids) * max_query_len
@@ -209,27 +223,34 @@ def _build_group(
     )
 
 
-def _build_kernel_plan(batch: _Batch, kernel_ids: list[int], cu_query_lens: list[int]) -> KernelPlan:
+def _build_kernel_plan(
+    batch: _Batch, kernel_ids: list[int], cu_query_lens: list[int], tree_mask: torch.Tensor | None
+) -> KernelPlan:
     if len(kernel_ids) == batch.num_seqs:
         return KernelPlan(
             token_idx=None,
             query_start_loc=batch.query_start_loc.to(torch.int32).contiguous(),
             seq_lens=batch.seq_lens.to(torch.int32).contiguous(),
             block_tables=batch.block_tables.to(torch.int32).contiguous(),
+            tree_mask=tree_mask,
         )
     device = batch.block_tables.device
     seq_ids = torch.tensor(kernel_ids, dtype=torch.long, device=device)
     token_idx = [t for i in kernel_ids for t in range(cu_query_lens[i], cu_query_lens[i + 1])]
     query_start_loc = list(accumulate((batch.query_lens_list[i] for i in kernel_ids), initial=0))
+    token_idx_t = torch.tensor(token_idx, dtype=torch.long, device=device)
     return KernelPlan(
-        token_idx=torch.tensor(token_idx, dtype=torch.long, device=device),
+        token_idx=token_idx_t,
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         seq_lens=batch.seq_lens.index_select(0, seq_ids).to(torch.int32),
         block_tables=batch.block_tables.index_select(0, seq_ids).to(torch.int32).contiguous(),
+        tree_mask=None if tree_mask is None else tree_mask.index_select(0, token_idx_t),
     )
 
 
-def _build_cascade_plan(batch: _Batch, block_size: int, batch_invariant: list[bool]) -> CascadePlan | None:
+def _build_cascade_plan(
+    batch: _Batch, block_size: int, batch_invariant: list[bool], tree_mask: torch.Tensor | None
+) -> CascadePlan | None:
     if batch.num_seqs < cascade_attention.MIN_SEQS:
         return None
     # A batch-invariant sequence counts as having no cached prefix: it never joins a group.
@@ -266,6 +287,7 @@ def _build_cascade_plan(batch: _Batch, block_size: int, batch_invariant: list[bo
             query_start_loc=batch.query_start_loc.to(torch.int32).contiguous(),
             seq_lens=(batch.seq_lens - shift_t * block_size).to(torch.int32),
             block_tables=tables.gather(1, columns).contiguous(),
+            tree_mask=tree_mask,
         ),
     )
 
@@ -284,6 +306,7 @@ def build_attention_plan(
     use_triton_kernels: bool = False,
     batch_invariant: Sequence[bool] | None = None,
     sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """Split a step's sequences among the execution paths and build their index tensors and masks.
 
@@ -299,6 +322,7 @@ def build_attention_plan(
             docstring); ``None``: no sequence. Ignored without ``use_cpu_kernels``.
         sliding_window: the plan of sliding-window layers: each query sees its last ``sliding_window``
             positions; no cascade (module docstring).
+        tree_mask: ``LongTensor[num_tokens]``, the step's token-tree mask (:mod:`.tree`), or None without trees.
     """
     if use_triton_kernels:
         return AttentionPlan(
@@ -315,7 +339,9 @@ def build_attention_plan(
     batch = _Batch(query_lens_list, seq_lens_list, query_start_loc, seq_lens, block_tables)
     use_kernel = use_cpu_kernels
     invariant = list(batch_invariant) if use_kernel and batch_invariant is not None else [False] * batch.num_seqs
-    cascade = _build_cascade_plan(batch, block_size, invariant) if use_kernel and sliding_window is None else None
+    cascade = (
+        _build_cascade_plan(batch, block_size, invariant, tree_mask) if use_kernel and sliding_window is None else None
+    )
     if cascade is not None:
         return AttentionPlan(
             block_size=block_size,
@@ -340,9 +366,9 @@ def build_attention_plan(
         for i, q in enumerate(query_lens_list)
         if q > short and not q == seq_lens_list[i] <= fresh_limit and not invariant[i]
     ]
-    kernel = _build_kernel_plan(batch, kernel_ids, cu_query_lens) if use_kernel and kernel_ids else None
+    kernel = _build_kernel_plan(batch, kernel_ids, cu_query_lens, tree_mask) if use_kernel and kernel_ids else None
     groups = [
-        _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype, sliding_window)
+        _build_group(batch, seq_ids, cu_query_lens, block_size, num_queries_per_kv, dtype, sliding_window, tree_mask)
         for seq_ids in ([] if kernel else decode_ids, other_ids)
         if seq_ids
     ]
