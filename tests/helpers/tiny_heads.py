@@ -10,7 +10,14 @@ from transformers import AutoConfig
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.executor.model_loader import load_model
 from worker.engine.spec_decode.heads.storage import default_heads_dir, save_head
-from worker.engine.spec_decode.heads.train import TrainConfig, TrainResult, new_head, target_features, target_weights, train_heads
+from worker.engine.spec_decode.heads.train import (
+    TrainConfig,
+    TrainResult,
+    new_head,
+    target_features,
+    target_weights,
+    train_heads,
+)
 
 TRAIN_PROMPTS = [[10] * 12, [5, 6, 7, 8, 9] * 2, list(range(3, 20)), [61] * 6, list(range(40, 60)), [30, 31] * 5]
 

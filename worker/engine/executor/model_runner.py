@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence as SequenceT
 from collections.abc import Callable
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from itertools import accumulate
 

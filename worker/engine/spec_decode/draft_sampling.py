@@ -47,7 +47,9 @@ class DraftDrawer:
                 continue
             key = self._keys.get(seq.seq_id)
             if key is None:
-                key = self._keys[seq.seq_id] = make_sampling_key(seq.params.seed, seq.sample_index, seq.prompt_token_ids)
+                key = self._keys[seq.seq_id] = make_sampling_key(
+                    seq.params.seed, seq.sample_index, seq.prompt_token_ids
+                )
             position = len(seq.output_token_ids) + len(drafts[row])
             generator = counter_generator(key, position, DRAFT_STREAM, q.device)
             tokens[row] = int(torch.multinomial(q[row], 1, generator=generator).item())

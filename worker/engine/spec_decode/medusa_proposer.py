@@ -37,9 +37,7 @@ class MedusaProposer(Proposer):
         # All heads run once per proposal; each draft costs about one LM head.
         block_params = sum(p.numel() for p in heads.parameters()) / heads.num_heads
         lm_head_params = int(target.config.vocab_size) * int(target.config.hidden_size)
-        self.cost_per_token = (block_params + lm_head_params) / sum(
-            p.numel() for p in target.parameters()
-        )
+        self.cost_per_token = (block_params + lm_head_params) / sum(p.numel() for p in target.parameters())
         self._last_rows: dict[int, tuple[int, torch.Tensor]] = {}
 
     def observe(

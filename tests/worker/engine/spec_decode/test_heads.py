@@ -20,8 +20,9 @@ HIDDEN = 64
 
 def _eagle(seed=0):
     torch.manual_seed(seed)
-    config = EagleHeadConfig(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16)
+    config = EagleHeadConfig(
+        hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
     return EagleHead(config).eval()
 
 
@@ -65,8 +66,15 @@ def test_published_eagle_layout_loads(tmp_path):
     state = dict(eagle.state_dict())
     state["embed_tokens.weight"] = torch.randn(259, HIDDEN)
     torch.save(state, tmp_path / "pytorch_model.bin")
-    llama_config = dict(architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, intermediate_size=128,
-                        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, vocab_size=259)
+    llama_config = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=259,
+    )
     (tmp_path / "config.json").write_text(json.dumps(llama_config))
     loaded = load_head(tmp_path, hidden_size=HIDDEN, dtype=torch.float32, device="cpu")
     torch.testing.assert_close(_eagle_out(loaded), _eagle_out(eagle))
@@ -91,7 +99,7 @@ def test_published_medusa_layout_loads_with_its_own_lm_heads(tmp_path, file_name
 
 
 def test_load_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_head(tmp_path, hidden_size=HIDDEN, dtype=torch.float32, device="cpu")
     save_head(_eagle(), tmp_path)
     with pytest.raises(ValueError, match="hidden size 64 is not the target's 128"):

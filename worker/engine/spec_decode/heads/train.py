@@ -155,7 +155,7 @@ def target_weights(model_dir: str | Path, model: Any) -> tuple[torch.Tensor, tor
         return embed, embed
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            if "lm_head.weight" in handle.keys():
+            if "lm_head.weight" in handle.keys():  # noqa: SIM118 (a safetensors handle has no __contains__)
                 return embed, handle.get_tensor("lm_head.weight").float()
     raise ValueError(f"{model_dir} has no lm_head.weight")
 
@@ -169,13 +169,20 @@ def new_head(method: str, target_config: Any, train_config: TrainConfig) -> Eagl
     if method == "eagle":
         return EagleHead(EagleHeadConfig.for_target(target_config))
     if method == "medusa":
-        return MedusaHeads(int(target_config.hidden_size), train_config.num_medusa_heads, train_config.num_medusa_layers)
+        return MedusaHeads(
+            int(target_config.hidden_size), train_config.num_medusa_heads, train_config.num_medusa_layers
+        )
     raise ValueError(f"method must be 'eagle' or 'medusa', got {method!r}")
 
 
 def _eagle_loss(
-    head: EagleHead, embed: torch.Tensor, lm_head: torch.Tensor, tokens: torch.Tensor, f: torch.Tensor,
-    teacher: torch.Tensor, rows: torch.Tensor,
+    head: EagleHead,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    tokens: torch.Tensor,
+    f: torch.Tensor,
+    teacher: torch.Tensor,
+    rows: torch.Tensor,
 ) -> torch.Tensor:
     num = tokens.shape[0] - 1
     pred, _ = head(f[:num], F.embedding(tokens[1:], embed), torch.arange(num))
@@ -278,9 +285,9 @@ def train_heads(
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         step += 1
-        result.losses.append(float(loss))
+        result.losses.append(float(loss.detach()))
         if on_step is not None:
-            on_step(step, float(loss))
+            on_step(step, result.losses[-1])
         if step % config.checkpoint_every == 0 or step == config.num_steps:
             save()
     if not state_path.is_file():  # num_steps 0: the fresh head
