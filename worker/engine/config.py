@@ -91,7 +91,9 @@ class EngineConfig:
         if self.speculative_mode not in ("off", "auto", "on"):
             raise ValueError(f"speculative_mode must be 'off', 'auto' or 'on', got {self.speculative_mode!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}")
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
+            )
         for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "prompt_lookup_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
