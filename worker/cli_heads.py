@@ -99,7 +99,8 @@ def generate_sequences(model_dir: Path, prompts: list[list[int]], max_tokens: in
 
     max_model_len = max(len(prompt) for prompt in prompts) + max_tokens
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_bytes=256 << 20, max_model_len=max_model_len))
-    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    requests: list[str | list[int]] = list(prompts)
+    outputs = engine.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens))
     return [prompt + list(out.outputs[0].token_ids) for prompt, out in zip(prompts, outputs, strict=True)]
 
 
@@ -123,7 +124,7 @@ class _Progress:
     def __init__(self, total: int, initial: int, label: str) -> None:
         self.total, self.label, self.start = total, label, time.perf_counter()
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]
         except ImportError:
             self.bar: Any = None
         else:

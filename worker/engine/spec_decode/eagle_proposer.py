@@ -128,13 +128,13 @@ class EagleProposer(Proposer):
         for j in range(max(num_spec_tokens[i] for i in active)):
             step = [n for n in step if num_spec_tokens[active[n]] > j]
             logits = self.target.compute_logits(torch.cat([features[n] for n in step]))
-            tokens, q = self.drawer.draw([seqs[active[n]] for n in step], logits, [drafts[n] for n in step])
+            drawn, q = self.drawer.draw([seqs[active[n]] for n in step], logits, [drafts[n] for n in step])
             for row, n in enumerate(step):
-                drafts[n].append(tokens[row])
+                drafts[n].append(drawn[row])
                 probs[n].append(q[row])
                 if num_spec_tokens[active[n]] > j + 1:
                     position = seqs[active[n]].num_tokens - 1 + j
-                    token = torch.tensor([tokens[row]], dtype=torch.long, device=logits.device)
+                    token = torch.tensor([drawn[row]], dtype=torch.long, device=logits.device)
                     features[n], pasts[n] = self.head(
                         features[n], embed(token), torch.tensor([position], device=logits.device), pasts[n]
                     )

@@ -181,6 +181,7 @@ class EagleHead(nn.Module):
         """
         x = self.fc(torch.cat((next_token_embeds, features), dim=-1))
         layer = self.layers[0]
+        assert isinstance(layer, _DecoderLayer)
         normed = layer.input_layernorm(x) if layer.input_layernorm is not None else x
         attn, present = layer.self_attn(normed, positions, past)
         x = x + attn

@@ -281,7 +281,7 @@ def train_heads(
                 losses.append(_medusa_loss(head, lm_head, f, teacher, rows))
         loss = torch.stack(losses).mean()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         step += 1
