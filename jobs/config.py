@@ -91,7 +91,8 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     # Speculative decoding (docs/engine.md, "Speculative decoding"): "auto" speculates while the batch is
-    # small and drafts are accepted; "on" / "off" force it. No request can turn it on for itself.
+    # small and drafts are accepted; "on" / "off" force it. No request can turn it on for itself. The method is
+    # "ngram", "draft", "eagle" or "medusa" (the last two need heads beside the model: `batchinfer heads train`).
     speculative_mode: str = "auto"
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 12

@@ -631,3 +631,27 @@ def _envelope_lines(session: Session, batch_id: str, state: RequestState) -> Ite
 def num_rows_updated(result: Result[Any]) -> int:
     """Rows an UPDATE matched (``session.execute`` types its result as ``Result``; an UPDATE's is a ``CursorResult``)."""
     return cast(CursorResult[Any], result).rowcount
+
+
+def completed_lines(session: Session, *, model: str, limit: int) -> list[tuple[dict[str, Any], str]]:
+    """Up to ``limit`` completed completions or chat lines for ``model``, newest first, as ``(request body, the
+    first choice's text)`` (``batchinfer heads train --from-db``: the model's own outputs)."""
+    rows = session.execute(
+        select(BatchRequest.body, BatchRequest.response)
+        .where(BatchRequest.state == RequestState.COMPLETED.value)
+        .order_by(BatchRequest.finished_at.desc())
+    )
+    lines: list[tuple[dict[str, Any], str]] = []
+    for body, response in rows:
+        if len(lines) >= limit:
+            break
+        if not isinstance(body, dict) or body.get("model") != model or not response:
+            continue
+        choices = (response.get("body") or {}).get("choices") or []
+        if not choices:
+            continue
+        choice = choices[0]
+        text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
+        if isinstance(text, str) and text:
+            lines.append((body, text))
+    return lines

@@ -17,6 +17,7 @@
     batchinfer keys ls                every API key (id, name, first characters, created, revoked)
     batchinfer keys revoke KEY_ID     revoke a key
     batchinfer eval create|run|ls|show evals over the HTTP API (`worker.cli_evals`)
+    batchinfer heads train             train EAGLE or Medusa draft heads on the model's own outputs (`worker.cli_heads`)
 
 Everything is configured by ``BATCHINFER_*`` environment variables (`jobs.config.Settings`);
 ``submit``, ``status`` and ``ls`` send ``BATCHINFER_API_KEY`` (else ``OPENAI_API_KEY``) as the
@@ -139,8 +140,10 @@ def _parser() -> argparse.ArgumentParser:
     revoke_key.set_defaults(handler=_keys_revoke)
 
     from worker.cli_evals import add_eval_commands
+    from worker.cli_heads import add_heads_commands
 
     add_eval_commands(commands, settings)
+    add_heads_commands(commands, settings)
     return parser
 
 

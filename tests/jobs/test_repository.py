@@ -14,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.orm import Session
 
-from jobs.config import Settings
+from jobs.config import BUILTIN_MODEL, Settings
 from jobs.db import get_engine, session_scope
 from jobs.errors import InvalidRequest, NotFound
 from jobs.files import file_chunks, get_file, write_file
@@ -25,6 +25,7 @@ from jobs.repository import (
     apply_validation,
     batch_status,
     cancel_batch,
+    completed_lines,
     create_batch,
     finalize_batch,
     get_batch,
@@ -285,3 +286,23 @@ def test_get_batch_and_status_of_unknown_id_raise_not_found(service_settings: Se
             get_batch(session, batch_id="batch_nope")
         with pytest.raises(NotFound):
             batch_status(session, batch_id="batch_nope")
+
+
+def test_completed_lines_are_the_models_own_answers(service_settings: Settings) -> None:
+    """``batchinfer heads train --from-db``: completed lines of the model, newest first, with their answer."""
+    with session_scope() as session:
+        batch_id = _new_batch(session, service_settings, num_lines=3).id
+    with session_scope() as session:
+        assert _claim(session)
+        rows = pending_requests(session, batch_id=batch_id)
+        for n, row in enumerate(rows[:2]):
+            body = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": f"a{n}"}}]}
+            response = {"status_code": 200, "request_id": "r", "body": body}
+            record_result(session, request_id=row.id, response=response, error=None, now=T0 + 10 + n)
+        record_result(session, request_id=rows[2].id, response=None, error={"code": "internal_error", "message": "x"})
+    with session_scope() as session:
+        lines = completed_lines(session, model=BUILTIN_MODEL, limit=5)
+        assert [text for _, text in lines] == ["a1", "a0"]
+        assert lines[0][0]["messages"] == [{"role": "user", "content": "Say hi."}]
+        assert completed_lines(session, model=BUILTIN_MODEL, limit=1) == lines[:1]
+        assert completed_lines(session, model="another", limit=5) == []

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from worker.engine.executor.layers.attention.kv_cache import check_kv_cache_dtype
 from worker.engine.executor.layers.quantization import check_quantization
 
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle", "medusa")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -32,7 +34,9 @@ class EngineConfig:
     (always, at any batch size). ``speculative_method`` is ``"ngram"`` (prompt lookup of
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens) or ``"draft"`` (a draft model: the folder
     ``speculative_model``, or by default the target's first ``speculative_draft_num_layers`` layers with its
-    final norm and LM head). ``num_speculative_tokens`` is the most drafts per step (a tree's depth).
+    final norm and LM head), ``"eagle"`` (an EAGLE head) or ``"medusa"`` (Medusa heads): the heads' folder is
+    ``speculative_model``, by default ``<model>/heads/<method>`` (``batchinfer heads train`` writes it).
+    ``num_speculative_tokens`` is the most drafts per step (a tree's depth; Medusa drafts at most one per head).
     ``speculative_tree_width`` (n-gram only): at most this many distinct earlier continuations of the matched
     n-gram are proposed as the branches of one draft tree, verified in one pass (1: a chain, as before).
 
@@ -90,8 +94,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.speculative_mode not in ("off", "auto", "on"):
             raise ValueError(f"speculative_mode must be 'off', 'auto' or 'on', got {self.speculative_mode!r}")
-        if self.speculative_method not in ("ngram", "draft"):
-            raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
+            )
         for name in (
             "num_speculative_tokens",
             "speculative_disable_by_batch_size",

@@ -10,6 +10,11 @@ form a tree (``spec_parent_idx``) take the same ``k + 1`` slots, attend through 
 positions, and the accepted path's K/V are then moved to the sequence's consecutive slots. The batch
 is built with NumPy over per-sequence arrays, so the Python work per step grows with the number of
 sequences, not of tokens.
+
+A proposer that drafts from the target's features (EAGLE, Medusa) sets :attr:`ModelRunner.hidden_states_sink`:
+after each forward it receives the final-norm hidden states of every row the step computed (the features the
+LM head reads, as EAGLE's and Medusa's training data take them from Hugging Face models); without one nothing
+is kept.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 import mmap
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -44,6 +50,7 @@ from worker.engine.sample.rejection_sampler import RejectionSampler, VerifiedTok
 from worker.engine.sample.sampler import Sampler, compute_prompt_logprobs, make_sampling_key
 
 PromptLogprobEntry = tuple[float, list[tuple[int, float]]]
+HiddenStatesSink = Callable[[list[Sequence], list[int], list[int], torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -289,6 +296,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._sampling_keys: dict[int, int] = {}
+        # Called as sink(seqs, num_computed_tokens, num_scheduled_tokens, hidden_states) after each forward:
+        # hidden_states is [num_tokens, hidden_size] (model dtype), seqs[i]'s rows at its positions
+        # num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (drafts included), sequence by sequence.
+        self.hidden_states_sink: HiddenStatesSink | None = None
 
     def free_seqs(self, seqs: list[Sequence]) -> None:
         """Forget per-sequence state (sampling keys) of finished or aborted sequences."""
@@ -384,6 +395,8 @@ class ModelRunner:
             self.kv_caches,
             attn_metadata,
         )
+        if self.hidden_states_sink is not None:
+            self.hidden_states_sink(seqs, num_computed_list, query_lens_list, hidden_states)
         rows = logits_rows + [row for rows_of_seq in prompt_rows for row in rows_of_seq] + verify_rows
         if not rows:  # only prefill chunks that sample nothing yet
             self._synchronize()

@@ -33,8 +33,7 @@ from worker.engine.core.kv_cache_manager import cdiv
 from worker.engine.core.request import Sequence
 from worker.engine.executor.layers.attention import build_attention_metadata
 from worker.engine.executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
-from worker.engine.sample.metadata import SamplingMetadata
-from worker.engine.sample.sampler import DRAFT_STREAM, Sampler, counter_generator, make_sampling_key
+from worker.engine.spec_decode.draft_sampling import DraftDrawer
 from worker.engine.spec_decode.proposer import DraftProposal, Proposer
 
 if TYPE_CHECKING:
@@ -85,7 +84,6 @@ class _DraftSeq:
 
     block_ids: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
-    sampling_key: int | None = None  # of the draft's own samples (sampled lines)
 
 
 class DraftModelProposer(Proposer):
@@ -127,8 +125,7 @@ class DraftModelProposer(Proposer):
         self.cost_per_token = cost_per_token
         self.use_cpu_kernels = use_cpu_kernels
         self.use_triton_kernels = use_triton_kernels
-        self.eos_token_id = eos_token_id
-        self.sampler = Sampler()
+        self.drawer = DraftDrawer(eos_token_id)
         self._free_blocks: deque[int] = deque(range(num_blocks))
         self._seqs: dict[int, _DraftSeq] = {}
 
@@ -173,6 +170,7 @@ class DraftModelProposer(Proposer):
 
     def free(self, seqs: Iterable[Sequence]) -> None:
         for seq in seqs:
+            self.drawer.free(seq.seq_id)
             state = self._seqs.pop(seq.seq_id, None)
             if state is not None:
                 self._free_blocks.extend(reversed(state.block_ids))
@@ -262,26 +260,8 @@ class DraftModelProposer(Proposer):
         drafts: dict[int, list[int]],
         probs: dict[int, list[torch.Tensor]],
     ) -> None:
-        """Append one draft per sequence: the processed argmax (greedy) or a draw from ``q`` (kept in ``probs``)."""
-        metadata = SamplingMetadata(
-            params=[seqs[i].params for i in step_seqs],
-            sampling_keys=[0] * len(step_seqs),
-            prompt_token_ids=[seqs[i].prompt_token_ids for i in step_seqs],
-            output_token_ids=[seqs[i].output_token_ids + drafts[i] for i in step_seqs],
-            eos_token_id=self.eos_token_id,
-        )
-        q = self.sampler.probs(logits, metadata)
-        argmax: list[int] = q.argmax(dim=-1).tolist()
+        """Append one draft per sequence (:class:`DraftDrawer`), keeping ``q`` in ``probs``."""
+        tokens, q = self.drawer.draw([seqs[i] for i in step_seqs], logits, [drafts[i] for i in step_seqs])
         for row, i in enumerate(step_seqs):
-            seq = seqs[i]
-            if seq.params.is_greedy:
-                drafts[i].append(argmax[row])
-                continue
-            state = self._seqs[seq.seq_id]
-            if state.sampling_key is None:
-                state.sampling_key = make_sampling_key(seq.params.seed, seq.sample_index, seq.prompt_token_ids)
-            # The draft's own stream (apart from the target's draws), keyed by the position it drafts.
-            position = len(seq.output_token_ids) + len(drafts[i])
-            generator = counter_generator(state.sampling_key, position, DRAFT_STREAM, self.device)
-            drafts[i].append(int(torch.multinomial(q[row], 1, generator=generator).item()))
+            drafts[i].append(tokens[row])
             probs[i].append(q[row])

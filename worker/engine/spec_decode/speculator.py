@@ -164,7 +164,8 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
     """The engine's speculator for ``config`` (None when ``speculative_mode`` is ``"off"``).
 
     Raises:
-        ValueError: as the draft-model proposer (a draft that cannot serve this target).
+        ValueError: as the draft-model proposer (a draft that cannot serve this target), or as
+            :func:`build_head_proposer`.
     """
     if config.speculative_mode == "off":
         return None
@@ -173,6 +174,8 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
         # NOTE: the kernels' tree mask has no sliding window: such models verify chains.
         tree_width = config.speculative_tree_width if model_runner.sliding_window is None else 1
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, tree_width)
+    elif config.speculative_method in ("eagle", "medusa"):
+        proposer = build_head_proposer(config, model_runner)
     else:
         from worker.engine.spec_decode.draft_model_proposer import DraftModelProposer
 
@@ -185,3 +188,42 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
         proposer_cost_per_token=proposer.cost_per_token,
     )
     return Speculator(proposer, policy, force=force, max_model_len=max_model_len)
+
+
+def build_head_proposer(config: EngineConfig, model_runner: ModelRunner) -> Proposer:
+    """The EAGLE or Medusa proposer (``config.speculative_method``) over the heads in ``speculative_model``, by
+    default ``<model>/heads/<method>`` (written by ``batchinfer heads train``); it receives the target's hidden
+    states through the model runner's ``hidden_states_sink``.
+
+    Raises:
+        ValueError: no heads in that folder (naming ``batchinfer heads train``), or heads of the other method,
+            or heads that do not fit the target (their hidden size).
+    """
+    from worker.engine.spec_decode.eagle_proposer import EagleProposer
+    from worker.engine.spec_decode.heads.eagle import EagleHead
+    from worker.engine.spec_decode.heads.storage import default_heads_dir, load_head
+    from worker.engine.spec_decode.medusa_proposer import MedusaProposer
+
+    method = config.speculative_method
+    folder = config.speculative_model or str(default_heads_dir(config.model, method))
+    target = model_runner.model
+    try:
+        head = load_head(
+            folder, hidden_size=int(target.config.hidden_size), dtype=model_runner.dtype, device=model_runner.device
+        )
+    except FileNotFoundError as exc:
+        raise ValueError(
+            f"speculative_method={method!r} needs trained heads: {exc}; train them with `batchinfer heads train "
+            f"--method {method}`"
+        ) from None
+    proposer: EagleProposer | MedusaProposer
+    if method == "eagle":
+        if not isinstance(head, EagleHead):
+            raise ValueError(f"{folder} holds Medusa heads, not an EAGLE head")
+        proposer = EagleProposer(head, target, model_runner.eos_token_id)
+    else:
+        if isinstance(head, EagleHead):
+            raise ValueError(f"{folder} holds an EAGLE head, not Medusa heads")
+        proposer = MedusaProposer(head, target, model_runner.eos_token_id)
+    model_runner.hidden_states_sink = proposer.observe
+    return proposer

@@ -1,0 +1,126 @@
+"""Speculative decoding with learned heads (EAGLE, Medusa) end to end on a tiny random Llama.
+
+Greedy lines give the plain completions (ids, text, finish and stop reasons, logprobs) alone, batched, with
+stops and max_tokens landing inside accepted drafts, beside sampled lines and under preemption; sampled lines
+keep the target distribution (chi-square); a method without heads fails at start naming the training command.
+The heads are trained briefly on the tiny model's own outputs (acceptance well above zero).
+"""
+
+import pytest
+import torch
+
+from tests.helpers.tiny_heads import save_random_heads, train_tiny_heads
+from tests.helpers.tiny_llama import save_tiny_llama
+from tests.worker.engine.spec_decode.stats_helpers import chi_square_p_value
+from tests.worker.engine.test_spec_decode import (
+    CYCLE,
+    KS,
+    PROMPTS,
+    REPEAT,
+    VARIED,
+    _dropped_in_run,
+    assert_same_completion,
+    make_engine,
+    run_checked,
+)
+from worker.engine import SamplingParams
+
+METHODS = ["eagle", "medusa"]
+
+
+@pytest.fixture(scope="module")
+def heads_model_dir(tmp_path_factory):
+    model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny_heads"))
+    for method in METHODS:
+        train_tiny_heads(model_dir, method, 60)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def plain_engine(heads_model_dir):
+    return make_engine(heads_model_dir, mode="off")
+
+
+def _engine(model_dir, method, **overrides):
+    return make_engine(model_dir, speculative_method=method, num_speculative_tokens=4, **overrides)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_alone_and_batched(heads_model_dir, plain_engine, method):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    engine = _engine(heads_model_dir, method)
+    expected = [plain_engine.generate([prompt], params)[0] for prompt in PROMPTS]
+    alone = [run_checked(engine, [prompt], params)[0] for prompt in PROMPTS]
+    batched = run_checked(engine, PROMPTS, params)
+    for ref, one, many in zip(expected, alone, batched):
+        assert_same_completion(ref, one)
+        assert_same_completion(ref, many)
+    stats = engine.make_stats()
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert stats.mean_accepted_length > 1.2
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stops_and_max_tokens_inside_accepted_drafts(heads_model_dir, plain_engine, method):
+    engine = _engine(heads_model_dir, method)
+    base = dict(temperature=0, max_tokens=40, logprobs=1, ignore_eos=True)
+    ids = plain_engine.generate([REPEAT], SamplingParams(**base))[0].outputs[0].token_ids
+    cases = [(REPEAT, dict(stop_token_ids=[ids[j]], min_tokens=j)) for j in (5, 9, 14)]
+    cases += [(KS, dict(stop=["kkk"], min_tokens=j)) for j in (5, 9)]
+    cases += [(KS, dict(stop=["kk"], min_tokens=7, include_stop_str_in_output=True))]
+    cases += [(REPEAT, dict(max_tokens=m)) for m in (5, 11, 23)]
+    dropped = 0
+    for prompt, case in cases:
+        params = SamplingParams(**{**base, **case})
+        expected = plain_engine.generate([prompt], params)[0]
+        engine.make_stats()
+        assert_same_completion(expected, run_checked(engine, [prompt], params)[0])
+        dropped += _dropped_in_run(engine)
+    assert dropped > 0, "no case finished inside an accepted run"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_unchanged_beside_sampled_lines_and_under_preemption(heads_model_dir, plain_engine, method):
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.9, max_tokens=48, ignore_eos=True, seed=s) for s in range(3)]
+    prompts = PROMPTS + [VARIED[5:], CYCLE[2:], REPEAT[:20]]
+    expected = [plain_engine.generate([prompt], greedy)[0] for prompt in PROMPTS]
+    # 14 blocks of 8 tokens cannot hold every line: the youngest are preempted and recomputed.
+    engine = _engine(heads_model_dir, method, num_gpu_blocks_override=14, max_model_len=96)
+    outputs = run_checked(engine, prompts, [greedy] * 3 + sampled)
+    for ref, out in zip(expected, outputs[:3]):
+        assert_same_completion(ref, out)
+    stats = engine.make_stats()
+    assert stats.num_preemptions > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_a_method_without_heads_names_the_training_command(tmp_path):
+    model_dir = save_tiny_llama(tmp_path / "bare")
+    with pytest.raises(ValueError, match="batchinfer heads train --method eagle"):
+        _engine(model_dir, "eagle")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_sampling_preserves_the_target_distribution(tmp_path_factory, method):
+    """Seeded lines of 3 tokens on a 12-token vocabulary: the joint distribution with the head's drafts (drawn
+    from its ``q``) cannot be told apart from plain sampling's (chi-square, p > 1e-3)."""
+    model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny_vocab12"), seed=1, vocab_size=12)
+    save_random_heads(model_dir)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 6, 7, 3, 4]
+    torch.manual_seed(0)
+    num_lines = 2000
+    samples = {}
+    for mode in ("on", "off"):
+        engine = _engine(model_dir, method, mode=mode, speculative_disable_by_batch_size=num_lines)
+        params = [
+            SamplingParams(temperature=1.0, repetition_penalty=1.2, max_tokens=3, ignore_eos=True, seed=seed)
+            for seed in range(num_lines)
+        ]
+        outputs = engine.generate([prompt] * num_lines, params)
+        samples[mode] = [tuple(out.outputs[0].token_ids) for out in outputs]
+        if mode == "on":
+            stats = engine.make_stats()
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert chi_square_p_value(samples["on"], samples["off"]) > 1e-3
+    assert chi_square_p_value([s[1:] for s in samples["on"]], [s[1:] for s in samples["off"]]) > 1e-3
