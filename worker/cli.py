@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("file", type=Path)
     submit.add_argument(
         "--endpoint",
-        choices=["/v1/completions", "/v1/chat/completions", "/v1/responses"],
+        choices=["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"],
         help="the batch's endpoint (default: the `url` of the file's first line)",
     )
     _add_base_url_arg(submit, settings.api_host, settings.api_port)

@@ -148,8 +148,9 @@ def _check_schema(schema: Any) -> None:
 
 def _check_enforceable(node: dict[str, Any]) -> None:
     """Refuse what xgrammar would accept and not enforce in one (sub)schema: an ``allOf`` of several schemas
-    (it keeps the first's constraints only), a ``required`` name that ``properties`` does not declare (only
-    declared properties are generated, so it would be left out), a ``$ref`` outside the document (never fetched).
+    (it keeps the first's constraints only), a ``required`` name that ``properties`` does not declare or a
+    ``minProperties`` above their number (only declared properties are generated), a ``$ref`` outside the
+    document (never fetched).
     """
     all_of = node.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
@@ -159,8 +160,15 @@ def _check_enforceable(node: dict[str, Any]) -> None:
             PARAM,
         )
     required, properties = node.get("required"), node.get("properties")
+    declared = properties if isinstance(properties, dict) else {}
+    min_properties = node.get("minProperties")
+    if isinstance(min_properties, int) and min_properties > len(declared):
+        raise InvalidParameterError(
+            f"the JSON schema asks for minProperties {min_properties} but its properties declare {len(declared)}: "
+            "structured outputs generate declared properties only",
+            PARAM,
+        )
     if isinstance(required, list):
-        declared = properties if isinstance(properties, dict) else {}
         undeclared = [name for name in required if name not in declared]
         if undeclared:
             names = ", ".join(repr(name) for name in undeclared[:5])

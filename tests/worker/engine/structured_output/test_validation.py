@@ -33,6 +33,7 @@ BAD_CONSTRAINTS = {
     "unsupported dependentRequired": dict(json={"type": "object", "dependentRequired": {"a": ["b"]}}),
     "allOf of several schemas": dict(json={"allOf": [{"type": "integer"}, {"minimum": 10}]}),
     "required but undeclared": dict(json={"type": "object", "required": ["xa"]}),
+    "minProperties above the declared": dict(json={"type": "object", "minProperties": 1}),
     "remote $ref": dict(json={"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}),
     "regex does not compile": dict(regex="a(b"),
     "regex bad repetition": dict(regex="a{3,1}"),
@@ -82,6 +83,8 @@ def test_refusals_name_what_to_do_and_enforced_forms_pass():
         validate_structured_outputs(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}]}))
     with pytest.raises(InvalidParameterError, match="requires 'xa', which its properties do not declare"):
         validate_structured_outputs(StructuredOutputsParams(json={"type": "object", "required": ["xa"]}))
+    with pytest.raises(InvalidParameterError, match="asks for minProperties 1 but its properties declare 0"):
+        validate_structured_outputs(StructuredOutputsParams(json={"type": "object", "minProperties": 1}))
     # One schema in allOf (pydantic's wrapper of a $ref) and local references are enforced as they are.
     enforced = {
         "type": "object",
