@@ -35,9 +35,9 @@ DATA_FILE = "train_data.pt"
 def add_heads_commands(commands: Any, settings: Settings) -> None:
     """Add ``heads train`` to the ``batchinfer`` sub-command parsers ``commands``."""
     from worker.cli import _positive_int
-    from worker.engine.spec_decode.heads.train import TrainConfig
 
-    defaults = TrainConfig()
+    # NOTE: TrainConfig's defaults apply when an option is left out (None): importing it here would load torch
+    # for every `batchinfer` command.
     actions = commands.add_parser("heads", help="draft heads for speculative decoding (docs/engine.md)").add_subparsers(
         required=True, metavar="ACTION"
     )
@@ -49,10 +49,10 @@ def add_heads_commands(commands: Any, settings: Settings) -> None:
     train.add_argument("--num-prompts", type=_positive_int, default=96, help="prompts (or database lines) used")
     train.add_argument("--skip-prompts", type=int, default=0, help="skip the first N lines of each prompt file")
     train.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
-    train.add_argument("--steps", type=int, default=defaults.num_steps, help="optimizer steps")
-    train.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size, help="sequences per step")
-    train.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
-    train.add_argument("--medusa-heads", type=_positive_int, default=defaults.num_medusa_heads)
+    train.add_argument("--steps", type=int, help="optimizer steps (default 400)")
+    train.add_argument("--batch-size", type=_positive_int, help="sequences per step (default 4)")
+    train.add_argument("--lr", type=float, help="peak AdamW learning rate (default 1e-3)")
+    train.add_argument("--medusa-heads", type=_positive_int, help="Medusa heads (default 3)")
     train.add_argument("--out", type=Path, help="the heads' folder (default <model>/heads/<method>)")
     train.set_defaults(handler=_train)
 
@@ -175,13 +175,13 @@ def _train(args: argparse.Namespace) -> int:
     model = load_model(model_dir, torch.float32, "cpu")
     data = target_features(model, sequences)
     embed, lm_head = target_weights(model_dir, model)
-    config = TrainConfig(
-        method=args.method,
-        num_steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        num_medusa_heads=args.medusa_heads,
-    )
+    given = {
+        "num_steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "num_medusa_heads": args.medusa_heads,
+    }
+    config = TrainConfig(method=args.method, **{name: value for name, value in given.items() if value is not None})
     progress = _Progress(config.num_steps, 0, f"{args.method} heads")
     result = train_heads(
         data,
