@@ -64,6 +64,18 @@ def assert_same_completion(expected, got, logprob_tol=1e-4):
                 assert pos_b[token_id].logprob == pytest.approx(pos_a[token_id].logprob, abs=logprob_tol)
 
 
+def assert_alone_and_batched_match_plain(engine, plain, prompts, params):
+    """``engine`` completes ``prompts`` alone and all at once exactly as ``plain`` does each alone; returns
+    ``plain``'s completions."""
+    expected = [plain.generate([prompt], params)[0] for prompt in prompts]
+    alone = [run_checked(engine, [prompt], params)[0] for prompt in prompts]
+    batched = run_checked(engine, prompts, params)
+    for ref, one, many in zip(expected, alone, batched, strict=True):
+        assert_same_completion(ref, one)
+        assert_same_completion(ref, many)
+    return expected
+
+
 @pytest.fixture(scope="module")
 def plain(model_dir):
     return make_engine(model_dir, mode="off")
@@ -73,12 +85,7 @@ def plain(model_dir):
 def test_greedy_ids_identical_alone_and_batched(model_dir, plain, method):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     engine = make_engine(model_dir, **METHODS[method])
-    expected = [plain.generate([prompt], params)[0] for prompt in PROMPTS]
-    alone = [run_checked(engine, [prompt], params)[0] for prompt in PROMPTS]
-    batched = run_checked(engine, PROMPTS, params)
-    for ref, one, many in zip(expected, alone, batched):
-        assert_same_completion(ref, one)
-        assert_same_completion(ref, many)
+    expected = assert_alone_and_batched_match_plain(engine, plain, PROMPTS, params)
     stats = engine.make_stats()
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     assert stats.num_drafts > 0 and stats.mean_accepted_length > 1.0
@@ -259,12 +266,7 @@ def test_tree_verification_is_plain_decoding_with_prefix_caching(model_dir, plai
     engine = make_engine(model_dir, **METHODS["ngram-tree"])
     counts = _count_moved_paths(engine)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    expected = [plain.generate([prompt], params)[0] for prompt in BRANCHY]
-    alone = [run_checked(engine, [prompt], params)[0] for prompt in BRANCHY]
-    batched = run_checked(engine, BRANCHY, params)
-    for ref, one, many in zip(expected, alone, batched):
-        assert_same_completion(ref, one)
-        assert_same_completion(ref, many)
+    expected = assert_alone_and_batched_match_plain(engine, plain, BRANCHY, params)
     assert counts["trees"] > 0 and counts["moved"] > 0
     extended = [prompt + ref.outputs[0].token_ids[:30] for prompt, ref in zip(BRANCHY, expected)]
     short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

@@ -19,6 +19,7 @@ from tests.worker.engine.test_spec_decode import (
     REPEAT,
     VARIED,
     _dropped_in_run,
+    assert_alone_and_batched_match_plain,
     assert_same_completion,
     make_engine,
     run_checked,
@@ -49,12 +50,7 @@ def _engine(model_dir, method, **overrides):
 def test_greedy_identical_alone_and_batched(heads_model_dir, plain_engine, method):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     engine = _engine(heads_model_dir, method)
-    expected = [plain_engine.generate([prompt], params)[0] for prompt in PROMPTS]
-    alone = [run_checked(engine, [prompt], params)[0] for prompt in PROMPTS]
-    batched = run_checked(engine, PROMPTS, params)
-    for ref, one, many in zip(expected, alone, batched):
-        assert_same_completion(ref, one)
-        assert_same_completion(ref, many)
+    assert_alone_and_batched_match_plain(engine, plain_engine, PROMPTS, params)
     stats = engine.make_stats()
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     assert stats.mean_accepted_length > 1.2
