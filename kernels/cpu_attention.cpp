@@ -48,11 +48,13 @@
 #include <vector>
 
 #include "cpu_exp.h"
+#include "cpu_lanes.h"
 
 namespace {
 
 using batchinfer_kernels::exp_clamped;
 using batchinfer_kernels::ivec8;
+using batchinfer_kernels::lane_sum;
 using batchinfer_kernels::load8;
 using batchinfer_kernels::store8;
 using batchinfer_kernels::vec8;
@@ -140,22 +142,6 @@ inline vec8 transpose_sum8(const vec8* x) {
   const vec8 sums = __builtin_shuffle(quads[0], quads[1], ivec8{0, 2, 8, 10, 4, 6, 12, 14}) +
                     __builtin_shuffle(quads[0], quads[1], ivec8{1, 3, 9, 11, 5, 7, 13, 15});
   return __builtin_shuffle(sums, ivec8{0, 4, 1, 5, 2, 6, 3, 7});  // sums held x[0, 2, 4, 6, 1, 3, 5, 7]
-}
-
-// sum of x[0 .. n-1] with kLanes partial sums (element i goes to lane i % kLanes), added lane by lane:
-// the order depends on n only, never on the pointer's alignment.
-inline float lane_sum(const float* __restrict x, int64_t n) {
-  constexpr int64_t kLanes = 16;
-  float partial[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) partial[l] += x[i + l];
-  }
-  for (int64_t l = 0; i + l < n; ++l) partial[l] += x[i + l];
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
-  return sum;
 }
 
 constexpr int64_t kMaxHeads = 256;

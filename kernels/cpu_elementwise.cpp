@@ -30,10 +30,12 @@
 #include <tuple>
 
 #include "cpu_exp.h"
+#include "cpu_lanes.h"
 
 namespace {
 
 using batchinfer_kernels::exp_clamped;
+using batchinfer_kernels::lane_sum;
 using batchinfer_kernels::load8;
 using batchinfer_kernels::store8;
 using batchinfer_kernels::vec16;
@@ -149,7 +151,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // LayerNorm (Ba et al. 2016) of s = x + delta (+ bias) for one row, as torch's layer_norm: mean, then the
 // biased variance of (s - mean), out = (s - mean) * rsqrt(var + eps) * weight + beta. Both sums have the
-// fixed lane structure of sum_of_squares. s is written to `out` first, then normalised in place.
+// fixed lane structure of lane_sum (cpu_lanes.h) and sum_of_squares. s is written to `out` first, then normalised in place.
 inline void add_layer_norm_row(const float* __restrict x, const float* __restrict delta, const float* __restrict bias,
                                const float* __restrict weight, const float* __restrict beta, int64_t n, float eps,
                                float* __restrict out) {
@@ -160,16 +162,7 @@ inline void add_layer_norm_row(const float* __restrict x, const float* __restric
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] + delta[i];
   }
-  float partial[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) partial[l] += out[i + l];
-  }
-  for (int64_t l = 0; i + l < n; ++l) partial[l] += out[i + l];
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
-  const float mean = sum / static_cast<float>(n);
+  const float mean = lane_sum(out, n) / static_cast<float>(n);
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) out[j] -= mean;
   const float inv_std = 1.0f / std::sqrt(sum_of_squares(out, n) / static_cast<float>(n) + eps);

@@ -48,7 +48,7 @@ _SOURCES = [
         "cpu_varlen_attention.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("cpu_exp.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_lanes.h")]
 # NOTE: -fno-trapping-math lets GCC if-convert float comparisons (the clamp of exp_clamped) on AVX2, where it
 # would otherwise leave the exp loops of the softmax and SiLU scalar; it only drops the assumption that
 # floating-point exceptions are observed, so every value computed is unchanged.
