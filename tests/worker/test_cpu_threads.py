@@ -101,9 +101,15 @@ def test_passive_wait_set_before_torch_unless_chosen() -> None:
     assert out.stdout.split()[:2] == ["True", "ACTIVE"]
 
 
-def test_worker_command_sets_passive_wait_before_anything_loads_torch(tmp_path: Path) -> None:
-    """``batchinfer worker`` imports torch early (its telemetry and tasks do); the policy must be set by then,
-    or every OpenMP thread of the worker spins (seconds of CPU in the warm-up alone on shared cores)."""
+@pytest.mark.parametrize(
+    "start",
+    ["from worker import cli\ncli.main(['worker'])\n", "import worker.tasks\n"],
+    ids=["batchinfer worker", "celery -A worker.tasks"],
+)
+def test_worker_start_sets_passive_wait_before_anything_loads_torch(tmp_path: Path, start: str) -> None:
+    """``batchinfer worker`` imports torch early (its telemetry and tasks do), and ``celery -A worker.tasks worker``
+    starts at the tasks module; the policy must be set by then, or every OpenMP thread of the worker spins
+    (seconds of CPU in the warm-up alone on shared cores)."""
     code = (
         "import os, sys\n"
         "class StopAtTorch:\n"
@@ -111,9 +117,7 @@ def test_worker_command_sets_passive_wait_before_anything_loads_torch(tmp_path: 
         "        if name == 'torch':\n"
         "            print(os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
         "            os._exit(0)\n"
-        "sys.meta_path.insert(0, StopAtTorch())\n"
-        "from worker import cli\n"
-        "cli.main(['worker'])\n"
+        "sys.meta_path.insert(0, StopAtTorch())\n" + start
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY" and not k.startswith("BATCHINFER_")}
     env["BATCHINFER_DATA_DIR"] = str(tmp_path)
