@@ -28,7 +28,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.errors import Conflict, InvalidRequest, NotFound
-from jobs.evals.criteria import EMBEDDING_METRICS, CriteriaError, parse_testing_criteria
+from jobs.evals.criteria import EMBEDDING_METRICS, CriteriaError, TextSimilarityCriterion, parse_testing_criteria
 from jobs.evals.data_sources import check_template_fields, line_body, load_rows, parse_data_source
 from jobs.evals.templates import TemplateError
 from jobs.files import write_file
@@ -117,7 +117,9 @@ def create_eval(
         message = str(exc)
         raise InvalidRequest(message, param=message.split(":", 1)[0]) from None
     for index, parsed in enumerate(criteria):
-        metric = getattr(parsed, "evaluation_metric", None)
+        if not isinstance(parsed, TextSimilarityCriterion):
+            continue
+        metric = parsed.evaluation_metric
         if metric in EMBEDDING_METRICS and not has_embedding_model:
             raise InvalidRequest(
                 f"testing_criteria[{index}].evaluation_metric: {metric!r} needs an embedding model (kind embed) in "
