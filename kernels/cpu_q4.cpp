@@ -1,23 +1,32 @@
-// Linear layer over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0), y = x W^T + b, for CPUs with AVX2,
-// FMA and F16C (issue #27). The weight stays as the file holds it: row n of W [N, K] is K / 32 blocks of 32
-// weights, each block a float16 scale d (and for Q4_1 a float16 minimum m) and its packed quants
-// (ggml's block_q4_0 / block_q4_1 / block_q8_0 layout, 18 / 20 / 34 bytes), so a decode step reads 0.56-1.06
-// bytes a weight instead of float32's 4.
+// Linear layer over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0), y = x W^T + b, on CPUs with AVX2,
+// FMA and F16C, with an AVX-512 VNNI path where the CPU has AVX-512 F/BW/VL/VNNI (issue #27). The weight stays
+// as the file holds it: row n of W [N, K] is K / 32 blocks of 32 weights, each block a float16 scale d (and for
+// Q4_1 a float16 minimum m) and its packed quants (ggml's block_q4_0 / block_q4_1 / block_q8_0 layout,
+// 18 / 20 / 34 bytes), so a decode step reads 0.56-1.06 bytes a weight instead of float32's 4.
 //
-// Registered as `batchinfer_cpu::gguf_linear` and `batchinfer_cpu::gguf_linear_isa` (built and loaded by
-// cpu_extension.py). Two ways to multiply, chosen per call (llama.cpp's two designs for AVX2):
+// Registered as `batchinfer_cpu::gguf_linear` and `batchinfer_cpu::gguf_linear_isas` (built and loaded by
+// cpu_extension.py). Two ways to multiply, chosen per call (llama.cpp's two designs):
 //   - float32 activations: each block is dequantized in registers (nibbles -> int32 -> float, w = d q + m as one
 //     FMA) and multiplied with float32 FMAs; only the summation order differs from a dequantize-matmul.
 //   - Q8 activations: each activation row is quantized per block of 32 to int8 with a float scale
 //     (d_x = max|x| / 127, llama.cpp's block_q8_1, whose s_x = d_x sum q_x carries Q4_1's minimum and Q4_0's
-//     offset of 8), and a block's dot is an integer dot (vpmaddubsw unsigned nibbles x signed int8, vpmaddwd)
-//     scaled once by d_w d_x: a quarter of the instructions, at the cost of the activations' rounding.
+//     offset of 8), and a block's dot is an integer dot scaled once by d_w d_x: a fraction of the
+//     instructions, at the cost of the activations' rounding.
+// Two instruction-set paths, chosen per call at run time (`isa`: "" takes the first of gguf_linear_isas(), the
+// best this CPU runs; a name forces that path, which the tests use to check each one here):
+//   - "avx512vnni": a 512-bit register holds two blocks. Float32 activations: 16 weights per widen, convert and
+//     FMA. Q8 activations: one vpdpbusd (unsigned weight bytes x signed activation bytes, summed in fours into
+//     int32) per two blocks, where AVX2 needs vpmaddubsw + vpmaddwd per block; the pair's scales d_w d_x and
+//     minimum terms m_w s_x come from one 4-lane multiply. Q8_0 weights are signed: their sign moves onto the
+//     activation (masked negate) and their magnitude is the unsigned operand, as AVX2's vpsignb does.
+//   - "avx2": 256-bit registers, one block at a time (vpmaddubsw + vpmaddwd for Q8 activations).
 // Output rows are split across torch's threads; every activation row group (up to kMR rows) reuses each
 // expanded weight block, and activations are visited in blocks of kRowBlock rows so a prefill chunk stays in
 // L2 while a thread's weight rows stream past it.
 //
 // The build is -march=native: on a CPU without AVX2/FMA/F16C the ops exist but refuse with an error naming the
-// instruction sets (gguf_linear_isa() returns "" there, which callers check at load).
+// instruction sets (gguf_linear_isas() is empty there, which callers check at load); the AVX-512 path is built
+// when the compiler targets it and offered only when the CPU reports it (__builtin_cpu_supports).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +43,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define BATCHINFER_GGUF_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define BATCHINFER_GGUF_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -44,17 +56,10 @@ constexpr int64_t kBlock = 32;     // weights per block
 constexpr int kMR = 4;             // activation rows sharing one expanded weight block
 constexpr int64_t kRowBlock = 64;  // activation rows per pass over a thread's weight rows
 
-int64_t block_bytes(int64_t type) {
-  switch (type) {
-    case kQ4_0:
-      return 18;
-    case kQ4_1:
-      return 20;
-    case kQ8_0:
-      return 34;
-    default:
-      return 0;
-  }
+enum class Isa { kAvx2, kAvx512Vnni };
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
 }
 
 #if defined(BATCHINFER_GGUF_AVX2)
@@ -66,11 +71,60 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float half_at(const uint8_t* p) {
+inline uint16_t half_bits(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
-  return _cvtsh_ss(h);
+  return h;
 }
+
+inline float half_at(const uint8_t* p) { return _cvtsh_ss(half_bits(p)); }
+
+// Activation rows quantized per block (see quantize_rows_q8): int8 q [M, K]; per block the pair (d, d * sum(q))
+// interleaved, ds [M, nb, 2].
+struct Q8Rows {
+  const int8_t* q;
+  const float* ds;
+  int64_t K, nb;
+};
+
+// Rows of x [M, K] to int8 per block of 32: d = max|x| / 127, q = round-half-even(x / d) (0 for an all-zero
+// block), s = d * sum(q) (llama.cpp's quantize_row_q8_1). Shared by both paths (a row is read once a call).
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* ds) {
+  const int64_t nb = K / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * ldx + b * kBlock;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+        mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+        const float dd = _mm_cvtss_f32(mx) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+        __m256i iv[4];
+        for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // MXCSR: half to even
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        // packs work within 128-bit lanes; the permutation puts the 32 bytes back in order.
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * K + b * kBlock), packed);
+        ds[2 * (m * nb + b)] = dd;
+        ds[2 * (m * nb + b) + 1] = dd * static_cast<float>(_mm_cvtsi128_si32(t));
+      }
+    }
+  });
+}
+
+namespace avx2 {
 
 // A Q4 block's 16 bytes as 32 unsigned nibbles in weight order: ggml puts weight j in the low nibble of byte j
 // and weight j + 16 in its high nibble.
@@ -104,7 +158,7 @@ inline void dequantize_block(const uint8_t* block, __m256 w[4]) {
 template <int64_t T, int MR>
 void dot_rows_f32(const float* x, int64_t ldx, const uint8_t* wrow, int64_t nb, float* out) {
   constexpr int kChains = MR >= 4 ? 1 : 4 / MR;
-  constexpr int64_t kBytes = T == kQ8_0 ? 34 : (T == kQ4_1 ? 20 : 18);
+  constexpr int64_t kBytes = block_bytes(T);
   __m256 acc[MR][kChains];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -123,18 +177,10 @@ void dot_rows_f32(const float* x, int64_t ldx, const uint8_t* wrow, int64_t nb, 
   }
 }
 
-// Activation rows quantized per block (see quantize_rows_q8): int8 q [M, K], scale d and d * sum(q) s [M, nb].
-struct Q8Rows {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  int64_t K, nb;
-};
-
 // out[r] = sum over blocks of d_w d_x (q_w . q_x) + m_w s_x for MR quantized rows over one weight row.
 template <int64_t T, int MR>
 void dot_rows_q8(const Q8Rows& xq, int64_t row, const uint8_t* wrow, float* out) {
-  constexpr int64_t kBytes = T == kQ8_0 ? 34 : (T == kQ4_1 ? 20 : 18);
+  constexpr int64_t kBytes = block_bytes(T);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][2];
   float offsets[MR] = {};
@@ -157,74 +203,185 @@ void dot_rows_q8(const Q8Rows& xq, int64_t row, const uint8_t* wrow, float* out)
       __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + (row + r) * xq.K + b * kBlock));
       if constexpr (T == kQ8_0) qx = _mm256_sign_epi8(qx, qw);
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(uw, qx), ones));
-      acc[r][b & 1] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xq.d[at]), acc[r][b & 1]);
-      if constexpr (T != kQ8_0) offsets[r] += mw * xq.s[at];
+      acc[r][b & 1] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xq.ds[2 * at]), acc[r][b & 1]);
+      if constexpr (T != kQ8_0) offsets[r] += mw * xq.ds[2 * at + 1];
     }
   }
   for (int r = 0; r < MR; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets[r];
 }
 
-// Rows of x [M, K] to int8 per block of 32: d = max|x| / 127, q = round-half-even(x / d) (0 for an all-zero
-// block), s = d * sum(q) (llama.cpp's quantize_row_q8_1).
-void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
-  const int64_t nb = K / kBlock;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + m * ldx + b * kBlock;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          v[i] = _mm256_loadu_ps(xb + 8 * i);
-          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
-        mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-        const float dd = _mm_cvtss_f32(mx) / 127.0f;
-        const __m256 inv = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
-        __m256i iv[4];
-        for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // MXCSR: half to even
-        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        t = _mm_hadd_epi32(t, t);
-        t = _mm_hadd_epi32(t, t);
-        // packs work within 128-bit lanes; the permutation puts the 32 bytes back in order.
-        const __m256i packed = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * K + b * kBlock), packed);
-        d[m * nb + b] = dd;
-        s[m * nb + b] = dd * static_cast<float>(_mm_cvtsi128_si32(t));
-      }
-    }
-  });
+}  // namespace avx2
+
+#if defined(BATCHINFER_GGUF_AVX512)
+namespace avx512 {
+
+// Blocks b0 and b1's quants as 64 bytes in activation order (block b0's 32, then b1's): Q4 nibbles unsigned
+// 0..15; Q8_0's signed int8 as stored.
+template <int64_t T>
+inline __m512i quants_pair(const uint8_t* b0, const uint8_t* b1) {
+  if constexpr (T == kQ8_0) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+  } else {
+    constexpr int64_t kAt = T == kQ4_1 ? 4 : 2;
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kAt))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kAt)), 1);
+    // 128-bit lanes [lo0, lo1, hi0, hi1] after the mask; the shuffle orders them [lo0, hi0, lo1, hi1].
+    const __m512i both = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+                                          _mm512_set1_epi8(0x0F));
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+  }
 }
 
+// The pair's weight scales as 4 floats [d0, m0, d1, m1] (Q4_0: m = -8 d; Q8_0: m = 0).
+template <int64_t T>
+inline __m128 scales_pair(const uint8_t* b0, const uint8_t* b1) {
+  uint32_t h0, h1;
+  if constexpr (T == kQ4_1) {
+    std::memcpy(&h0, b0, 4);
+    std::memcpy(&h1, b1, 4);
+  } else {
+    h0 = half_bits(b0) * (T == kQ4_0 ? 0x10001u : 1u);
+    h1 = half_bits(b1) * (T == kQ4_0 ? 0x10001u : 1u);
+  }
+  const __m128 v = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(static_cast<int>(h0)), static_cast<int>(h1), 1));
+  return T == kQ4_0 ? _mm_mul_ps(v, _mm_setr_ps(1.0f, -8.0f, 1.0f, -8.0f)) : v;
+}
+
+// out[r] = sum over blocks of d_w d_x (q_w . q_x) + m_w s_x for MR quantized rows over one weight row; blocks
+// in pairs, an odd last block with the upper half masked off.
+template <int64_t T, int MR>
+void dot_rows_q8(const Q8Rows& xq, int64_t row, const uint8_t* wrow, float* out) {
+  constexpr int64_t kBytes = block_bytes(T);
+  constexpr int kChains = MR >= 2 ? 1 : 2;
+  // Lanes 0-7 take the pair's first scale product, lanes 8-15 its second.
+  const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  __m512 acc[MR][kChains];
+  __m128 terms[MR];  // lanes 1 and 3 sum m_w s_x
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < kChains; ++c) acc[r][c] = _mm512_setzero_ps();
+    terms[r] = _mm_setzero_ps();
+  }
+  auto pair = [&](int64_t b, int chain, bool tail) {
+    const uint8_t* b0 = wrow + b * kBytes;
+    const uint8_t* b1 = tail ? b0 : b0 + kBytes;
+    __m512i qw = quants_pair<T>(b0, b1);
+    __mmask64 negative = 0;
+    if constexpr (T == kQ8_0) {
+      negative = _mm512_movepi8_mask(qw);
+      qw = _mm512_abs_epi8(qw);
+    }
+    const __m128 sw = scales_pair<T>(b0, b1);
+    const __mmask64 bytes = tail ? 0xFFFFFFFFull : ~0ull;
+    const __mmask8 halves = tail ? 0x3 : 0xF;
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (row + r) * xq.nb + b;
+      __m512i qx = _mm512_maskz_loadu_epi8(bytes, xq.q + (row + r) * xq.K + b * kBlock);
+      if constexpr (T == kQ8_0) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, qx);
+      const __m128 prod = _mm_mul_ps(sw, _mm_maskz_loadu_ps(halves, xq.ds + 2 * at));
+      const __m512 scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(prod));
+      acc[r][chain] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][chain]);
+      if constexpr (T != kQ8_0) terms[r] = _mm_add_ps(terms[r], prod);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= xq.nb; b += 2) pair(b, static_cast<int>((b >> 1) % kChains), false);
+  if (b < xq.nb) pair(b, 0, true);
+  for (int r = 0; r < MR; ++r) {
+    __m512 sum = acc[r][0];
+    for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[r][c]);
+    float t[4];
+    _mm_storeu_ps(t, terms[r]);
+    out[r] = _mm512_reduce_add_ps(sum) + (t[1] + t[3]);
+  }
+}
+
+// One block as two vectors of 16 float32 weights (w = d q + m).
+template <int64_t T>
+inline void dequantize_block(const uint8_t* block, __m512 w[2]) {
+  const float d = half_at(block);
+  const __m512 vd = _mm512_set1_ps(d);
+  if constexpr (T == kQ8_0) {
+    for (int i = 0; i < 2; ++i) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * i));
+      w[i] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    }
+  } else {
+    const __m512 vm = _mm512_set1_ps(T == kQ4_1 ? half_at(block + 2) : -8.0f * d);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (T == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i parts[2] = {_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask)};
+    for (int i = 0; i < 2; ++i) w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[i])), vd, vm);
+  }
+}
+
+// out[r] = sum_k x[r, k] w[k] for MR rows (stride ldx) over one weight row of nb blocks, float32 activations;
+// at least two independent FMA chains per row.
+template <int64_t T, int MR>
+void dot_rows_f32(const float* x, int64_t ldx, const uint8_t* wrow, int64_t nb, float* out) {
+  constexpr int64_t kBytes = block_bytes(T);
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w[2];
+    dequantize_block<T>(wrow + b * kBytes, w);
+    for (int r = 0; r < MR; ++r) {
+      const float* xb = x + r * ldx + b * kBlock;
+      for (int i = 0; i < 2; ++i) acc[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16 * i), w[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+}  // namespace avx512
+#endif  // BATCHINFER_GGUF_AVX512
+
 // Rows [m, m + rows) (rows <= kMR) against weight row n, written to y[:, n] (+ bias).
-template <int64_t T, bool kQ8>
+template <Isa I, int64_t T, bool kQ8, int R>
+inline void dot_rows(const float* x, int64_t ldx, const Q8Rows& xq, int64_t m, const uint8_t* wrow, int64_t nb,
+                     float* out) {
+#if defined(BATCHINFER_GGUF_AVX512)
+  if constexpr (I == Isa::kAvx512Vnni) {
+    if constexpr (kQ8) {
+      avx512::dot_rows_q8<T, R>(xq, m, wrow, out);
+    } else {
+      avx512::dot_rows_f32<T, R>(x + m * ldx, ldx, wrow, nb, out);
+    }
+    return;
+  }
+#endif
+  if constexpr (kQ8) {
+    avx2::dot_rows_q8<T, R>(xq, m, wrow, out);
+  } else {
+    avx2::dot_rows_f32<T, R>(x + m * ldx, ldx, wrow, nb, out);
+  }
+}
+
+template <Isa I, int64_t T, bool kQ8>
 void group(int rows, const float* x, int64_t ldx, const Q8Rows& xq, int64_t m, const uint8_t* wrow, int64_t nb,
            float* y, int64_t N, int64_t n, float bias) {
   float out[kMR];
   switch (rows) {
-#define BATCHINFER_GGUF_ROWS(R)                                   \
-  case R:                                                         \
-    if constexpr (kQ8) {                                          \
-      dot_rows_q8<T, R>(xq, m, wrow, out);                        \
-    } else {                                                      \
-      dot_rows_f32<T, R>(x + m * ldx, ldx, wrow, nb, out);        \
-    }                                                             \
-    break;
-    BATCHINFER_GGUF_ROWS(1)
-    BATCHINFER_GGUF_ROWS(2)
-    BATCHINFER_GGUF_ROWS(3)
-    BATCHINFER_GGUF_ROWS(4)
-#undef BATCHINFER_GGUF_ROWS
+    case 1:
+      dot_rows<I, T, kQ8, 1>(x, ldx, xq, m, wrow, nb, out);
+      break;
+    case 2:
+      dot_rows<I, T, kQ8, 2>(x, ldx, xq, m, wrow, nb, out);
+      break;
+    case 3:
+      dot_rows<I, T, kQ8, 3>(x, ldx, xq, m, wrow, nb, out);
+      break;
+    default:
+      dot_rows<I, T, kQ8, 4>(x, ldx, xq, m, wrow, nb, out);
+      break;
   }
   for (int r = 0; r < rows; ++r) y[(m + r) * N + n] = out[r] + bias;
 }
 
-template <int64_t T, bool kQ8>
+template <Isa I, int64_t T, bool kQ8>
 void run(const float* x, int64_t ldx, const Q8Rows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
          const float* bias, float* y) {
   const int64_t nb = K / kBlock, row_bytes = nb * block_bytes(T);
@@ -234,26 +391,52 @@ void run(const float* x, int64_t ldx, const Q8Rows& xq, int64_t M, int64_t K, co
       for (int64_t n = n0; n < n1; ++n) {
         const float b = bias == nullptr ? 0.0f : bias[n];
         for (int64_t m = m0; m < m1; m += kMR) {
-          group<T, kQ8>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), x, ldx, xq, m, w + n * row_bytes, nb, y, N,
-                        n, b);
+          group<I, T, kQ8>(static_cast<int>(std::min<int64_t>(kMR, m1 - m)), x, ldx, xq, m, w + n * row_bytes, nb,
+                           y, N, n, b);
         }
       }
     }
   });
 }
 
+template <Isa I>
+void run_type(int64_t type, bool q8, const float* x, int64_t ldx, const Q8Rows& xq, int64_t M, int64_t K,
+              const uint8_t* w, int64_t N, const float* bias, float* y) {
+#define BATCHINFER_GGUF_RUN(T)                        \
+  if (q8) {                                           \
+    run<I, T, true>(x, ldx, xq, M, K, w, N, bias, y);  \
+  } else {                                            \
+    run<I, T, false>(x, ldx, xq, M, K, w, N, bias, y); \
+  }
+  if (type == kQ4_0) {
+    BATCHINFER_GGUF_RUN(kQ4_0)
+  } else if (type == kQ4_1) {
+    BATCHINFER_GGUF_RUN(kQ4_1)
+  } else {
+    BATCHINFER_GGUF_RUN(kQ8_0)
+  }
+#undef BATCHINFER_GGUF_RUN
+}
+
 #endif  // BATCHINFER_GGUF_AVX2
 
-std::string gguf_linear_isa() {
-#if defined(BATCHINFER_GGUF_AVX2)
-  return "avx2";
-#else
-  return "";
+// The paths this build offers on this CPU, best first ("avx512vnni", "avx2"); empty without AVX2/FMA/F16C.
+std::vector<std::string> gguf_linear_isas() {
+  std::vector<std::string> isas;
+#if defined(BATCHINFER_GGUF_AVX512)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni")) {
+    isas.emplace_back("avx512vnni");
+  }
 #endif
+#if defined(BATCHINFER_GGUF_AVX2)
+  isas.emplace_back("avx2");
+#endif
+  return isas;
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
-                       const std::optional<at::Tensor>& bias, bool quantize_activations) {
+                       const std::optional<at::Tensor>& bias, bool quantize_activations, c10::string_view isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be a float32 CPU tensor [num_rows, in_features]");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "x must have unit stride in its last dimension");
@@ -271,6 +454,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
     TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "bias must be float32 [out_features]");
     b = bias_c.data_ptr<float>();
   }
+  const std::vector<std::string> isas = gguf_linear_isas();
+  TORCH_CHECK(!isas.empty(), "the GGUF block kernels need AVX2, FMA and F16C, which this CPU (or build) lacks");
+  const std::string chosen = isa.empty() ? isas.front() : std::string(isa);
+  TORCH_CHECK(std::find(isas.begin(), isas.end(), chosen) != isas.end(), "instruction set '", chosen,
+              "' is not available for the GGUF block kernels on this CPU (or build); available: ", isas.front(),
+              isas.size() > 1 ? ", " + isas.back() : std::string());
 #if defined(BATCHINFER_GGUF_AVX2)
   at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
@@ -279,33 +468,24 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   float* yp = y.data_ptr<float>();
   const int64_t nb = K / kBlock;
   std::vector<int8_t> q;
-  std::vector<float> d, s;
-  Q8Rows xq{nullptr, nullptr, nullptr, K, nb};
+  std::vector<float> ds;
+  Q8Rows xq{nullptr, nullptr, K, nb};
   if (quantize_activations) {
     q.resize(M * K);
-    d.resize(M * nb);
-    s.resize(M * nb);
-    quantize_rows_q8(xp, x.stride(0), M, K, q.data(), d.data(), s.data());
-    xq = Q8Rows{q.data(), d.data(), s.data(), K, nb};
+    ds.resize(2 * M * nb);
+    quantize_rows_q8(xp, x.stride(0), M, K, q.data(), ds.data());
+    xq = Q8Rows{q.data(), ds.data(), K, nb};
   }
-#define BATCHINFER_GGUF_RUN(T)                                     \
-  if (quantize_activations) {                                      \
-    run<T, true>(xp, x.stride(0), xq, M, K, w, N, b, yp);          \
-  } else {                                                         \
-    run<T, false>(xp, x.stride(0), xq, M, K, w, N, b, yp);         \
+#if defined(BATCHINFER_GGUF_AVX512)
+  if (chosen == "avx512vnni") {
+    run_type<Isa::kAvx512Vnni>(type, quantize_activations, xp, x.stride(0), xq, M, K, w, N, b, yp);
+    return y;
   }
-  if (type == kQ4_0) {
-    BATCHINFER_GGUF_RUN(kQ4_0)
-  } else if (type == kQ4_1) {
-    BATCHINFER_GGUF_RUN(kQ4_1)
-  } else {
-    BATCHINFER_GGUF_RUN(kQ8_0)
-  }
-#undef BATCHINFER_GGUF_RUN
+#endif
+  run_type<Isa::kAvx2>(type, quantize_activations, xp, x.stride(0), xq, M, K, w, N, b, yp);
   return y;
 #else
   (void)quantize_activations;
-  TORCH_CHECK(false, "the GGUF block kernels need AVX2, FMA and F16C, which this CPU (or build) lacks");
   return at::Tensor();
 #endif
 }
@@ -313,8 +493,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int type, int out_features, Tensor? bias, bool quantize_activations) -> Tensor");
-  m.def("gguf_linear_isa() -> str", gguf_linear_isa);  // no tensor argument: a catch-all kernel
+  m.def(
+      "gguf_linear(Tensor x, Tensor blocks, int type, int out_features, Tensor? bias, bool quantize_activations, "
+      "str isa=\"\") -> Tensor");
+  m.def("gguf_linear_isas() -> str[]", gguf_linear_isas);  // no tensor argument: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("gguf_linear", gguf_linear); }

@@ -1,10 +1,13 @@
-"""C++ linear layer over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0) for CPUs with AVX2 (issue #27).
+"""C++ linear layer over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0) for CPUs with AVX2 or AVX-512 VNNI
+(issue #27).
 
 The source is ``cpu_q4.cpp`` next to this file, built with the other CPU kernels by :mod:`kernels.cpu_extension`
 (check :func:`kernels.cpu_extension.cpu_kernels_available` first). The weight is ggml's block layout as the
 file holds it (one ``uint8`` row of ``in_features / 32`` blocks per output feature); the method is llama.cpp's
-(``ggml-cpu``'s AVX2 dot products): dequantization in registers against float32 activations, or activations
-quantized per block to int8 and an integer dot. The twin is :func:`kernels.reference.linear_gguf_reference`.
+(``ggml-cpu``'s dot products): dequantization in registers against float32 activations, or activations
+quantized per block to int8 and an integer dot (``vpdpbusd`` on AVX-512 VNNI, ``vpmaddubsw`` on AVX2). The
+instruction set is chosen per call at run time, the best this CPU runs unless one is named
+(:func:`gguf_kernel_isas`). The twin is :func:`kernels.reference.linear_gguf_reference`.
 
 This module imports nothing of batchinfer's outside ``kernels``.
 """
@@ -20,16 +23,27 @@ GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per block of 3
 GGUF_BLOCK_SIZE = 32
 
 
-def gguf_kernel_isa() -> str:
-    """The instruction set the GGUF block kernels were built for here: ``"avx2"`` (AVX2 + FMA + F16C), or
-    ``""`` where this CPU lacks them (the kernels then refuse every call).
+def gguf_kernel_isas() -> list[str]:
+    """The instruction-set paths of the GGUF block kernels this build and CPU run, best first:
+    ``"avx512vnni"`` (AVX-512 F/BW/VL/VNNI), ``"avx2"`` (AVX2 + FMA + F16C); empty where the CPU lacks AVX2
+    (the kernels then refuse every call).
 
     Raises:
         RuntimeError: when the kernels are unavailable.
     """
     require_cpu_kernels()
-    isa: str = torch.ops.batchinfer_cpu.gguf_linear_isa()
-    return isa
+    isas: list[str] = torch.ops.batchinfer_cpu.gguf_linear_isas()
+    return isas
+
+
+def gguf_kernel_isa() -> str:
+    """The path :func:`linear_gguf` takes by default here (the first of :func:`gguf_kernel_isas`), or ``""``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable.
+    """
+    isas = gguf_kernel_isas()
+    return isas[0] if isas else ""
 
 
 def linear_gguf(
@@ -39,6 +53,7 @@ def linear_gguf(
     out_features: int,
     bias: torch.Tensor | None = None,
     quantize_activations: bool = False,
+    isa: str = "",
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` held as GGUF blocks, dequantized in registers.
 
@@ -55,17 +70,18 @@ def linear_gguf(
         out_features: rows of the weight.
         bias: optional float32 ``[out_features]``.
         quantize_activations: the int8-activation path (see above).
+        isa: ``""`` (the best of :func:`gguf_kernel_isas`) or one of them by name (tests check each path).
 
     Returns:
         float32 contiguous ``[..., out_features]``.
 
     Raises:
-        RuntimeError: when the kernels are unavailable, the CPU lacks AVX2/FMA/F16C (named), a block type is
-            not served, or on mismatched shapes or dtypes.
+        RuntimeError: when the kernels are unavailable, the CPU lacks AVX2/FMA/F16C (named), ``isa`` names a
+            path this CPU does not run (named), a block type is not served, or on mismatched shapes or dtypes.
     """
     require_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
     out: torch.Tensor = torch.ops.batchinfer_cpu.gguf_linear(
-        rows, blocks, block_type, out_features, bias, quantize_activations
+        rows, blocks, block_type, out_features, bias, quantize_activations, isa
     )
     return out.view(*x.shape[:-1], out_features)

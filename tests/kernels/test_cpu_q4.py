@@ -1,7 +1,8 @@
 """The GGUF block linear layer (kernels/cpu_q4.cpp) against a plain torch dequantize-matmul (kernels/reference.py).
 
-One case per instruction-set path the machine builds (AVX2: float32 activations and int8 activations) and
-block type; blocks come from the ``gguf`` package's own quantizers, so the layout is ggml's.
+One case per instruction-set path (AVX-512 VNNI, AVX2; each forced by name, so a machine with AVX-512 checks
+both), activation path (float32, int8) and block type; blocks come from the ``gguf`` package's own quantizers,
+so the layout is ggml's. A path this CPU does not run is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.cpu_q4 import GGUF_BLOCK_TYPES, gguf_kernel_isa, linear_gguf
+from kernels.cpu_q4 import GGUF_BLOCK_TYPES, gguf_kernel_isa, gguf_kernel_isas, linear_gguf
 from kernels.reference import (
     dequantize_gguf_blocks,
     linear_gguf_reference,
@@ -54,22 +55,38 @@ def test_quantize_q8_0_matches_gguf():
 @pytest.mark.parametrize("quantize_activations", [False, True], ids=["f32-activations", "q8-activations"])
 @pytest.mark.parametrize("type_name", list(GGUF_BLOCK_TYPES))
 @pytest.mark.parametrize("num_rows", [1, 3, 4, 9, 70])
-def test_avx2_matches_dequantize_matmul(type_name, quantize_activations, num_rows):
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
+def test_each_isa_matches_dequantize_matmul(isa, type_name, quantize_activations, num_rows):
+    # in_features 160 is 5 blocks: the AVX-512 path's pairs of blocks and its odd last block.
     out_features, in_features = 37, 160
     _, blocks = _blocks(type_name, out_features, in_features)
     gen = torch.Generator().manual_seed(1)
     x, bias = torch.randn(num_rows, in_features, generator=gen), torch.randn(out_features, generator=gen)
-    if not gguf_kernel_isa():  # a CPU without AVX2/FMA/F16C: the kernel refuses, naming them
+    block_type = GGUF_BLOCK_TYPES[type_name]
+    if not gguf_kernel_isas():  # a CPU without AVX2/FMA/F16C: the kernel refuses, naming them
         with pytest.raises(RuntimeError, match="AVX2, FMA and F16C"):
-            linear_gguf(x, blocks, GGUF_BLOCK_TYPES[type_name], out_features, bias, quantize_activations)
+            linear_gguf(x, blocks, block_type, out_features, bias, quantize_activations, isa)
         return
-    got = linear_gguf(x, blocks, GGUF_BLOCK_TYPES[type_name], out_features, bias, quantize_activations)
-    want = linear_gguf_reference(x, blocks, GGUF_BLOCK_TYPES[type_name], bias, quantize_activations)
+    if isa not in gguf_kernel_isas():
+        pytest.skip(f"this CPU (or build) does not run the {isa} path")
+    got = linear_gguf(x, blocks, block_type, out_features, bias, quantize_activations, isa)
+    want = linear_gguf_reference(x, blocks, block_type, bias, quantize_activations)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     if not quantize_activations:
         # Weight-only: the plain torch dequantize-matmul is the reference itself.
-        plain = torch.nn.functional.linear(x, dequantize_gguf_blocks(blocks, GGUF_BLOCK_TYPES[type_name]), bias)
+        plain = torch.nn.functional.linear(x, dequantize_gguf_blocks(blocks, block_type), bias)
         torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-4)
+
+
+def test_default_isa_is_the_best_and_an_unknown_one_is_refused_by_name():
+    _, blocks = _blocks("Q4_1", 4, 64)
+    x = torch.randn(2, 64)
+    if not gguf_kernel_isas():
+        pytest.skip("no GGUF kernel path on this CPU")
+    assert gguf_kernel_isa() == gguf_kernel_isas()[0] and gguf_kernel_isas()[-1] == "avx2"
+    assert torch.equal(linear_gguf(x, blocks, 3, 4), linear_gguf(x, blocks, 3, 4, isa=gguf_kernel_isa()))
+    with pytest.raises(RuntimeError, match="instruction set 'sse2' is not available"):
+        linear_gguf(x, blocks, 3, 4, isa="sse2")
 
 
 def test_activation_quantizer_rounds_half_to_even_and_keeps_zero_blocks():
