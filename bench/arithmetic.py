@@ -16,8 +16,9 @@ last sampled token is never fed back) and samples ``T`` rows through the LM head
 a request's prompt tokens that an earlier request (in sorted order) already holds are not fed again: the
 prompts form a trie and each of its nodes is computed once, the least any prefix cache can compute.
 
-**Peak**: a square float32 product through our packed kernel (``kernels/cpu_gemm.py``) and through
-``torch.matmul``, best of ``reps`` each, the larger of the two.
+**Peak**: a square float32 product through our packed kernel (``kernels/cpu_gemm.py``), through
+``torch.matmul`` (MKL) and through oneDNN with a prepacked weight (the ops torch's inductor emits for a frozen CPU
+graph; on AMD Zen 4 MKL does not reach oneDNN's AVX-512 rate), best of ``reps`` each, the largest of them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from workload import Workload
 
 from kernels.cpu_extension import cpu_kernels_available
 from kernels.cpu_gemm import linear_packed, pack_linear_weight
+from worker.engine.executor.layers.onednn_linear import onednn_linear_available, packed_linear
+from worker.engine.executor.layers.onednn_linear import pack_linear_weight as pack_onednn_weight
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 
 
@@ -87,8 +90,9 @@ def workload_flops(dims: dict[str, int], workload: Workload, *, shared_prefixes:
 
 
 def calibrate_peak(size: int, reps: int) -> dict[str, float]:
-    """Best GFLOP/s of a ``size`` x ``size`` x ``size`` float32 product: our packed kernel and ``torch.matmul``
-    (keys ``torch_matmul_gflops``, ``packed_gemm_gflops`` where the kernels are built, ``peak_gflops``)."""
+    """Best GFLOP/s of a ``size`` x ``size`` x ``size`` float32 product: our packed kernel, ``torch.matmul`` and
+    oneDNN (keys ``torch_matmul_gflops``, ``packed_gemm_gflops`` where the kernels are built,
+    ``onednn_gflops`` where torch has oneDNN, ``peak_gflops``)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator)
     w = torch.randn(size, size, generator=generator)
@@ -96,6 +100,9 @@ def calibrate_peak(size: int, reps: int) -> dict[str, float]:
     if cpu_kernels_available():
         packed = pack_linear_weight(w)
         candidates["packed_gemm"] = lambda: linear_packed(a, packed, size)
+    if onednn_linear_available():
+        onednn_weight = pack_onednn_weight(w, size)
+        candidates["onednn"] = lambda: packed_linear(a, onednn_weight, None)
     result = {}
     for name, run in candidates.items():
         run()

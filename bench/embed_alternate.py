@@ -40,20 +40,31 @@ from embed import make_texts, workload_flops  # noqa: E402
 from embed_peer import ST_BATCH_SIZE  # noqa: E402
 
 from jobs.config import BUILTIN_EMBEDDING_MODEL  # noqa: E402
+from worker.engine.executor.layers.onednn_linear import (  # noqa: E402
+    onednn_linear_available,
+    pack_linear_weight,
+    packed_linear,
+)
 from worker.model_prepare import prepare_model  # noqa: E402
 
 
 def _cpu_time_peak(size: int = 1024, reps: int = 5) -> float:
-    """GFLOP per CPU second of a float32 ``size``-cubed ``torch.matmul`` on one thread (best of ``reps``): the
+    """GFLOP per CPU second of a float32 ``size``-cubed product on one thread, the better of ``torch.matmul``
+    (MKL) and oneDNN with a prepacked weight (best of ``reps`` each; bench/arithmetic.py's candidates): the
     one-core peak measured in CPU time, which other processes on the machine inflate far less than wall time."""
     generator = torch.Generator().manual_seed(0)
     a, w = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
-    torch.matmul(a, w.T)
+    candidates: list[Callable[[], torch.Tensor]] = [lambda: torch.matmul(a, w.T)]
+    if onednn_linear_available():
+        packed = pack_linear_weight(w, size)
+        candidates.append(lambda: packed_linear(a, packed, None))
     best = float("inf")
-    for _ in range(reps):
-        start = time.process_time()
-        torch.matmul(a, w.T)
-        best = min(best, time.process_time() - start)
+    for run in candidates:
+        run()
+        for _ in range(reps):
+            start = time.process_time()
+            run()
+            best = min(best, time.process_time() - start)
     return 2.0 * size**3 / best / 1e9
 
 

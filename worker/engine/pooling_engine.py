@@ -5,7 +5,8 @@ scheduler: :meth:`PoolingEngine.embed` sorts its inputs by length, cuts them int
 ``max_num_batched_tokens`` tokens, packs each batch without padding (``[num_tokens, hidden]``, sequence
 after sequence), runs the model and pools each sequence (:mod:`worker.engine.executor.layers.pooler`).
 A BERT in float32 on CPU runs on the C++ encoder kernels (varlen attention over ``cu_seqlens``, fused
-bias/GELU and residual/LayerNorm: :meth:`~worker.engine.executor.models.bert.BertModel.enable_cpu_kernels`);
+bias/GELU and residual/LayerNorm, oneDNN's prepacked linears:
+:meth:`~worker.engine.executor.models.bert.BertModel.enable_cpu_kernels`);
 otherwise sorting keeps equal lengths together, so attention runs as few batched calls
 (:func:`worker.engine.executor.models.bert.packed_bidirectional_attention`). A decoder runs its ordinary
 forward over a scratch KV cache sized for the batch (every sequence one prefill) and returns its final-norm
@@ -63,7 +64,7 @@ class EmbeddingEngineConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
 
 
@@ -244,7 +245,7 @@ def build_embedding_engine(
     *,
     dtype: str = "float32",
     device: str = "cpu",
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int = 4096,
     max_model_len: int | None = None,
 ) -> PoolingEngine:
     """A :class:`PoolingEngine` over the Hugging Face (or sentence-transformers) folder ``model_dir``
@@ -261,10 +262,10 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     """The folder's model, for embeddings.
 
     An encoder architecture (:data:`~worker.engine.executor.models.registry.ENCODER_ARCHITECTURES`: BERT)
-    is loaded as :class:`~worker.engine.executor.models.bert.BertModel` with ``nn.Linear`` weights (MKL's
-    sgemm is the fastest at the thousands of rows a packed batch has), on the C++ encoder kernels when it
-    is float32 on CPU and they are available; any decoder family the engine serves is loaded as for
-    generation (:func:`~worker.engine.executor.model_loader.load_model`).
+    is loaded as :class:`~worker.engine.executor.models.bert.BertModel` with ``nn.Linear`` weights, on the C++
+    encoder kernels (with oneDNN's prepacked linears where torch has oneDNN) when it is float32 on CPU and the
+    kernels are available; any decoder family the engine serves is loaded as for generation
+    (:func:`~worker.engine.executor.model_loader.load_model`).
     """
     config = AutoConfig.from_pretrained(model_dir)
     if not is_encoder_config(config):

@@ -11,6 +11,7 @@ from jobs.config import BUILTIN_EMBEDDING_MODEL
 from kernels import cpu_extension
 from tests.helpers.tiny_models import save_tiny_bert, save_tiny_model
 from worker.engine.errors import InvalidParameterError
+from worker.engine.executor.models import bert
 from worker.engine.pooling_engine import InputTooLongError, build_embedding_engine
 from worker.model_prepare import prepare_model
 
@@ -32,14 +33,17 @@ def tiny_bert_dir(tmp_path_factory):
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
-@pytest.mark.parametrize("kernels", ["cpu-kernels", "torch"])
+@pytest.mark.parametrize("kernels", ["cpu-kernels", "cpu-kernels-mkl", "torch"])
 def test_tiny_bert_matches_hugging_face_mean_pooling(tiny_bert_dir, kernels, monkeypatch):
+    """On the C++ kernels with oneDNN's linears (padded batches), with MKL's, and on torch's ops."""
     if kernels == "torch":
         monkeypatch.setenv(cpu_extension.DISABLE_ENV, "0")
+    if kernels == "cpu-kernels-mkl":
+        monkeypatch.setattr(bert, "onednn_linear_available", lambda: False)
     engine = build_embedding_engine(tiny_bert_dir, max_num_batched_tokens=64)
-    assert engine.model.layers[0].use_cpu_kernels == (
-        kernels == "cpu-kernels" and cpu_extension.cpu_kernels_available()
-    )
+    layer = engine.model.layers[0]
+    assert layer.use_cpu_kernels == (kernels != "torch" and cpu_extension.cpu_kernels_available())
+    assert (layer.onednn_weights is not None) == (layer.use_cpu_kernels and kernels == "cpu-kernels")
     prompts = [[(i * 7 + n) % 256 + 3 for i in range(n)] for n in (1, 5, 5, 5, 17, 40, 90, 128)]
     ours = engine.embed(prompts)
     hf = transformers.BertModel.from_pretrained(tiny_bert_dir).eval()

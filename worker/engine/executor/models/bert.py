@@ -6,8 +6,11 @@ dimension and no padding (``[num_tokens, hidden_size]``, sequence by sequence), 
 ``qkv_proj``. Attention is bidirectional within each sequence: :func:`packed_bidirectional_attention`, or
 with ``use_cpu_kernels`` (:meth:`BertModel.enable_cpu_kernels`, float32 on CPU) the C++ kernels: varlen
 attention over ``cu_seqlens`` (:func:`kernels.cpu_attention.varlen_attention_cpu`), the residual add with its
-projection's bias and LayerNorm in one pass, and the up projection's bias with GELU in place
-(:mod:`kernels.cpu_elementwise`).
+projection's bias and LayerNorm in one pass (:mod:`kernels.cpu_elementwise`), and the four linears on oneDNN
+with prepacked weights, the up projection's bias and GELU in its GEMM
+(:mod:`worker.engine.executor.layers.onednn_linear`; MKL's ``F.linear`` and the C++ bias+GELU where oneDNN is
+absent). On oneDNN a packed batch is padded to a multiple of 64 rows by one extra sequence of [PAD] tokens,
+dropped before returning.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from transformers import PretrainedConfig
 
 from kernels.cpu_attention import varlen_attention_cpu
 from kernels.cpu_elementwise import add_layer_norm_cpu, bias_gelu_cpu_
+from worker.engine.executor.layers.onednn_linear import (
+    onednn_linear_available,
+    pack_linear_weight,
+    packed_linear,
+    padded_rows,
+)
 from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy_into_layout
 
 # Checkpoint tensors an encoder for embeddings has no use for: the position-id buffer and the pooler head
@@ -29,6 +38,7 @@ from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy
 _IGNORED_PREFIXES = ("embeddings.position_ids", "pooler.")
 # Wrappers (``BertForMaskedLM``, ``BertForSequenceClassification``) store the encoder under ``bert.``.
 _WRAPPER_PREFIX = "bert."
+_ONEDNN_BATCH_HINT = 4096  # rows oneDNN lays the packed weights out for (the engine's batches: 1-8192 tokens)
 
 
 def packed_bidirectional_attention(
@@ -108,6 +118,7 @@ class BertLayer(nn.Module):
         self.down_proj = nn.Linear(int(config.intermediate_size), hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.use_cpu_kernels = False
+        self.onednn_weights: tuple[torch.Tensor, ...] | None = None  # qkv, o, up, down: pack_onednn_weights
 
     def forward(self, hidden_states: torch.Tensor, seq_lens: list[int], cu_seqlens: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_kernels:
@@ -121,26 +132,41 @@ class BertLayer(nn.Module):
         return out
 
     def _forward_cpu_kernels(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """The same layer on the C++ kernels: biases of o/up/down added in the fused passes, not by the GEMM."""
+        """The same layer on the C++ kernels: biases of o/down added in the fused residual+LayerNorm passes."""
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_size)
-        query, key, value = qkv.unbind(1)
+        qkv = self._linear(0, hidden_states, self.qkv_proj.bias)
+        query, key, value = qkv.view(num_tokens, 3, self.num_heads, self.head_size).unbind(1)
         attended = varlen_attention_cpu(query, key, value, cu_seqlens, self.scale).view(num_tokens, -1)
         norm = self.attention_norm
-        hidden_states = add_layer_norm_cpu(
-            hidden_states, F.linear(attended, self.o_proj.weight), self.o_proj.bias, norm.weight, norm.bias, norm.eps
-        )
-        intermediate = F.linear(hidden_states, self.up_proj.weight)
-        bias_gelu_cpu_(intermediate, self.up_proj.bias)
+        projected = self._linear(1, attended)
+        hidden_states = add_layer_norm_cpu(hidden_states, projected, self.o_proj.bias, norm.weight, norm.bias, norm.eps)
+        projected = self._linear(3, self._linear(2, hidden_states, self.up_proj.bias, gelu=True))
         norm = self.output_norm
-        return add_layer_norm_cpu(
-            hidden_states,
-            F.linear(intermediate, self.down_proj.weight),
-            self.down_proj.bias,
-            norm.weight,
-            norm.bias,
-            norm.eps,
-        )
+        return add_layer_norm_cpu(hidden_states, projected, self.down_proj.bias, norm.weight, norm.bias, norm.eps)
+
+    def _linear(
+        self, index: int, x: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False
+    ) -> torch.Tensor:
+        """Projection ``index`` (0 qkv, 1 o, 2 up, 3 down) of ``x`` plus ``bias``, then exact GELU when ``gelu``:
+        on oneDNN's packed weights (:meth:`pack_onednn_weights`; bias and GELU in the GEMM's pass), else
+        ``F.linear`` (MKL) with GELU by the C++ bias+GELU pass."""
+        if self.onednn_weights is not None:
+            return packed_linear(x, self.onednn_weights[index], bias, gelu=gelu)
+        weight = self._linears()[index].weight
+        if not gelu:
+            return F.linear(x, weight, bias)
+        assert bias is not None  # NOTE: GELU follows the up projection only, which has a bias
+        out = F.linear(x, weight)
+        bias_gelu_cpu_(out, bias)
+        return out
+
+    def _linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+        return self.qkv_proj, self.o_proj, self.up_proj, self.down_proj
+
+    def pack_onednn_weights(self, batch_size_hint: int) -> None:
+        """Reorder qkv, o, up and down weights for oneDNN (:func:`pack_linear_weight`); the parameters stay as
+        they are (the torch path and ``load_weights`` use them), so re-pack after loading new weights."""
+        self.onednn_weights = tuple(pack_linear_weight(linear.weight, batch_size_hint) for linear in self._linears())
 
 
 class BertModel(nn.Module):
@@ -181,20 +207,35 @@ class BertModel(nn.Module):
             Last hidden states ``[num_tokens, hidden_size]`` in the model dtype (Hugging Face's
             ``last_hidden_state`` without the padding rows).
         """
+        num_tokens = input_ids.shape[0]
+        cu_lens = [0, *itertools.accumulate(seq_lens)]
+        first = self.layers[0]
+        on_onednn = first.use_cpu_kernels and first.onednn_weights is not None
+        padding = padded_rows(num_tokens) - num_tokens if on_onednn else 0
+        if padding:
+            # NOTE: one extra sequence of [PAD] rows (its own attention, dropped at the end), so that oneDNN
+            # sees few distinct heights and reuses its compiled primitives (onednn_linear.padded_rows).
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(padding)])
+            positions = torch.cat([positions, torch.arange(padding, dtype=positions.dtype, device=positions.device)])
+            cu_lens.append(num_tokens + padding)
         hidden_states: torch.Tensor = self.embeddings(input_ids, positions)
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
+        cu_seqlens = torch.tensor(cu_lens, dtype=torch.int32)
         for layer in self.layers:
             hidden_states = layer(hidden_states, seq_lens, cu_seqlens)
-        return hidden_states
+        return hidden_states[:num_tokens]
 
     def enable_cpu_kernels(self) -> None:
         """Run every layer and the embeddings on the C++ kernels (:mod:`kernels.cpu_attention`,
         :mod:`kernels.cpu_elementwise`); for a float32 model on CPU with
         :func:`kernels.cpu_extension.cpu_kernels_available` (the caller checks; the head size must be a
-        multiple of 8 and the intermediate size too, as BERT's are)."""
+        multiple of 8 and the intermediate size too, as BERT's are), the linears on oneDNN's prepacked weights
+        where :func:`onednn_linear_available` (call again after loading new weights: it packs them)."""
+        use_onednn = onednn_linear_available()
         for module in self.modules():
             if isinstance(module, (BertEmbeddings, BertLayer)):
                 module.use_cpu_kernels = True
+            if use_onednn and isinstance(module, BertLayer):
+                module.pack_onednn_weights(_ONEDNN_BATCH_HINT)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing query/key/value on the way.
