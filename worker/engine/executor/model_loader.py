@@ -136,8 +136,8 @@ def load_model(
         quantized = quantize_linear_layers(model)
     elif quantization == "q4":
         quantized = quantize_linear_layers_q4(model, find_gguf(model_dir))
-    if (pack_linear_layers(model) or quantized) and dtype == torch.float32:  # float32 on CPU, kernels built
-        enable_cpu_kernels(model)  # NOTE: the fused norms, rotary and SwiGLU kernels are float32 only
+    if pack_linear_layers(model) or quantized:  # float32 on CPU (bf16 with AVX512_BF16), kernels built
+        enable_cpu_kernels(model)
         if cache is not None:
             save_prepared(model, cache)
     return model
