@@ -249,7 +249,7 @@ def _prefix_agreement(test: list[list[int]], reference: list[list[int]]) -> floa
     """Fraction of positions, up to and including each sequence's first divergence, where the ids agree."""
     same = total = 0
     for a, b in zip(test, reference):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for x, y in zip(a, b):
             total += 1
             same += x == y
             if x != y:
@@ -271,7 +271,11 @@ def test_smollm2_bfloat16_kernels_agree_with_the_bfloat16_torch_path(served_mode
     questions = ["def fibonacci(n):", "Write a haiku about the sea.", "List three prime numbers.", "import numpy"]
     prompts = [served_tokenizer(q)["input_ids"] for q in questions] + [[1] * 40, list(range(100, 160))]
     runs = {}
-    for name, dtype, kernels in [("kernels", torch.bfloat16, "1"), ("torch", torch.bfloat16, "0"), ("fp32", torch.float32, "1")]:
+    for name, dtype, kernels in [
+        ("kernels", torch.bfloat16, "1"),
+        ("torch", torch.bfloat16, "0"),
+        ("fp32", torch.float32, "1"),
+    ]:
         monkeypatch.setenv(DISABLE_ENV, kernels)
         model = load_model(served_model_dir, dtype, torch.device("cpu"))
         runs[name] = _greedy(PagedDriver(model, block_size=16, num_blocks=64, seed=3, dtype=dtype), prompts, 24)

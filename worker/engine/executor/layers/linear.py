@@ -66,11 +66,7 @@ def pack_linear_layers(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (
-                isinstance(child, nn.Linear)
-                and child.weight.device.type == "cpu"
-                and child.weight.dtype in dtypes
-            ):
+            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced

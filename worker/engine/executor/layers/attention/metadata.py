@@ -29,11 +29,7 @@ def cpu_kernels_apply(device: torch.device | str, dtype: torch.dtype) -> bool:
 
     Decided once per engine (the model runner) and passed to every :func:`build_attention_metadata`.
     """
-    return (
-        torch.device(device).type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and cpu_kernels_available()
-    )
+    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels_available()
 
 
 def triton_kernels_apply(device: torch.device | str) -> bool:
