@@ -19,6 +19,9 @@
 // those are read: blocks before the window may have been returned to the pool. A soft-cap replaces each
 // scaled score s by cap * tanh(s / cap) (Gemma 2); without one the softmax pass is unchanged.
 //
+// A bfloat16 cache (a bfloat16 model's, or a float32 model's halved) is read the same way, each element widened
+// to float32 exactly (its 16 bits become the high half of a float32), with no scales.
+//
 // A quantized cache (int8 or fp8 e4m3 elements, docs/engine.md "Quantized KV cache") comes with float32
 // scales [2, num_blocks, block_size, num_kv_heads], one per stored (token, KV head): the kernel converts
 // each K/V row to float32 as it streams in and applies its scale to the row's dot products (K) or to the
@@ -76,13 +79,25 @@ struct Fp8Table {
 };
 const Fp8Table kFp8Table;
 
-// A cache element type: float, int8_t, or Fp8 (the byte of a float8_e4m3fn).
+// A cache element type: float, Bf16 (the 16 bits of a bfloat16), int8_t, or Fp8 (the byte of a float8_e4m3fn).
 struct Fp8 {
   uint8_t bits;
 };
+struct Bf16 {
+  uint16_t bits;
+};
 inline float to_float(float x) { return x; }
+inline float to_float(Bf16 x) {
+  const uint32_t wide = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(Fp8 x) { return kFp8Table.value[x.bits]; }
+// Whether a cache element type carries a float32 scale per (token, KV head).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8>;
 
 typedef int8_t i8vec8 __attribute__((vector_size(8)));
 inline vec8 load8_float(const float* p) { return load8(p); }
@@ -96,6 +111,16 @@ inline vec8 load8_float(const int8_t* p) {
   i8vec8 raw;
   std::memcpy(&raw, p, sizeof(raw));
   return __builtin_convertvector(raw, vec8);
+#endif
+}
+inline vec8 load8_float(const Bf16* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<vec8>(_mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16)));
+#else
+  vec8 v;
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+  return v;
 #endif
 }
 inline vec8 load8_float(const Fp8* p) {
@@ -182,8 +207,8 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
 // (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
 // 64-byte aligned; `q_scaled` num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads
 // it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
-// T is the cache element type; for a quantized cache (T not float) `scales` holds the K half's scales then,
-// `scales_stride_kv` floats on, the V half's, num_kv_heads per slot; for float it is null.
+// T is the cache element type; for a quantized cache (kScaled<T>) `scales` holds the K half's scales then,
+// `scales_stride_kv` floats on, the V half's, num_kv_heads per slot; otherwise it is null.
 // tree_bits != 0: positions tree_base + j are visible only where bit j is set (the token-tree mask above).
 template <int64_t kHeadSize, typename T>
 void attend_token(const Shapes& s, const float* query, const T* cache, const float* scales, const int32_t* block_table,
@@ -219,7 +244,8 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
     tile_start += kTile;
     tile_len = 0;
   };
-  constexpr bool kQuantized = !std::is_same_v<T, float>;
+  constexpr bool kQuantized = kScaled<T>;
+  constexpr bool kConverted = !std::is_same_v<T, float>;  // widened to float32 as it is read
   const auto tree_hidden = [&](int64_t pos) {
     return tree_bits != 0 && pos >= tree_base && ((tree_bits >> (pos - tree_base)) & 1) == 0;
   };
@@ -280,7 +306,7 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
         const float p = scores[h * row_stride + pos - context_start] * v_scale;
         float* __restrict o = out + h * head_size;
         int64_t d = 0;
-        if constexpr (kQuantized) {
+        if constexpr (kConverted) {
           for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8_float(v + d));
         }
 #pragma omp simd
@@ -304,10 +330,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_attention_: CPU tensors only");
   const at::ScalarType cache_type = kv_cache.scalar_type();
-  const bool quantized = cache_type != at::kFloat;
+  const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  (cache_type == at::kFloat || cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn),
-              "paged_attention_: float32 query and out, float32, int8 or float8_e4m3fn kv_cache only");
+                  (cache_type == at::kFloat || cache_type == at::kBFloat16 || quantized),
+              "paged_attention_: float32 query and out, float32, bfloat16, int8 or float8_e4m3fn kv_cache only");
   const bool with_scales = kv_scales.has_value() && kv_scales->defined();
   TORCH_CHECK(with_scales == quantized, "paged_attention_: kv_scales are required with (only with) a quantized kv_cache");
   if (with_scales) {
@@ -435,6 +461,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   };
   if (cache_type == at::kFloat) {
     run(static_cast<const float*>(kv_cache.const_data_ptr()));
+  } else if (cache_type == at::kBFloat16) {
+    run(static_cast<const Bf16*>(kv_cache.const_data_ptr()));
   } else if (cache_type == at::kChar) {
     run(static_cast<const int8_t*>(kv_cache.const_data_ptr()));
   } else {

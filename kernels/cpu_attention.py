@@ -41,9 +41,10 @@ def paged_attention_cpu(
     ``torch.get_num_threads()`` thread.
 
     Args:
-        query: float32 ``[num_tokens, num_heads, head_size]`` on CPU, unit stride in the last dim
-            (a strided view of a fused QKV projection is fine).
-        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_size]``: float32, or a quantized
+        query: float32 or bfloat16 ``[num_tokens, num_heads, head_size]`` on CPU, unit stride in the last dim
+            (a strided view of a fused QKV projection is fine); bfloat16 is widened to float32 first.
+        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_size]``: float32, bfloat16 (widened
+            to float32 element by element as it is read), or a quantized
             cache (int8 or float8_e4m3fn, :func:`kernels.reference.quantize_kv`) read in place and converted
             to float32 row by row.
         query_start_loc: int32 ``[num_seqs + 1]`` prefix sums of the query lengths (from 0 to num_tokens).
@@ -62,14 +63,18 @@ def paged_attention_cpu(
             Not with ``sliding_window``.
 
     Returns:
-        float32 contiguous ``[num_tokens, num_heads, head_size]``.
+        contiguous ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (computed in float32; a bfloat16
+        result is rounded once at the end).
 
     Raises:
         RuntimeError: when the kernels are unavailable (see :func:`kernels.cpu_extension.cpu_kernels_available`), or
             on bad shapes, dtypes, lengths or out-of-range block ids.
     """
     require_cpu_kernels()
-    out = torch.empty(query.shape, dtype=query.dtype)
+    dtype = query.dtype
+    if dtype == torch.bfloat16:
+        query = query.float()
+    out = torch.empty(query.shape, dtype=torch.float32)
     torch.ops.batchinfer_cpu.paged_attention_(
         out,
         query,
@@ -84,7 +89,7 @@ def paged_attention_cpu(
         kv_scales,
         tree_mask,
     )
-    return out
+    return out.to(dtype)
 
 
 def varlen_attention_cpu(

@@ -1,6 +1,8 @@
 """C++ fused elementwise layers for float32 models on CPU: RMSNorm (with the residual add), SwiGLU's
 ``silu(gate) * up`` and rotary embeddings applied in place (decoders); the residual add with LayerNorm and
-the bias with exact GELU (encoders).
+the bias with exact GELU (encoders). The decoder ops also take bfloat16 tensors: widened to float32,
+computed by the same kernel, and each result rounded to bfloat16 once (the PyTorch bfloat16 expressions
+round after each op, so the two differ by bfloat16 rounding).
 
 The source is ``cpu_elementwise.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Each op
@@ -18,24 +20,29 @@ import torch
 from kernels.cpu_extension import require_cpu_kernels
 
 
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when float32, else widened to float32."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) of each row: ``weight * (x * rsqrt(mean(x ** 2) + eps))``.
 
     Args:
-        x: float32 CPU ``[..., hidden_size]`` with unit stride in the last dimension.
-        weight: float32 contiguous ``[hidden_size]``; eps: added to the mean square.
+        x: float32 or bfloat16 CPU ``[..., hidden_size]`` with unit stride in the last dimension.
+        weight: float32 or bfloat16 contiguous ``[hidden_size]``; eps: added to the mean square.
         unit_offset: scale by ``1 + weight`` (Gemma's layout) instead of ``weight``.
 
     Returns:
-        float32 contiguous, ``x``'s shape.
+        contiguous, ``x``'s shape and dtype.
 
     Raises:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
     """
     require_cpu_kernels()
-    rows = x.reshape(-1, x.shape[-1])
-    out: torch.Tensor = torch.ops.batchinfer_cpu.rms_norm(rows, weight, eps, unit_offset)
-    return out.view(x.shape)
+    rows = _float32(x.reshape(-1, x.shape[-1]))
+    out: torch.Tensor = torch.ops.batchinfer_cpu.rms_norm(rows, _float32(weight), eps, unit_offset)
+    return out.to(x.dtype).view(x.shape)
 
 
 def add_rms_norm_cpu(
@@ -44,35 +51,38 @@ def add_rms_norm_cpu(
     """The residual add and the next RMSNorm in one pass: ``(x + delta, rms_norm(x + delta))``.
 
     Args:
-        x, delta: float32 CPU ``[num_tokens, hidden_size]`` with unit stride in the last dimension.
+        x, delta: float32 or bfloat16 CPU ``[num_tokens, hidden_size]`` with unit stride in the last dimension.
         weight, eps, unit_offset: as in :func:`rms_norm_cpu`.
 
     Returns:
-        ``(sum, normed)``, both float32 contiguous ``[num_tokens, hidden_size]``.
+        ``(sum, normed)``, both contiguous ``[num_tokens, hidden_size]`` in ``x.dtype``.
 
     Raises:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
     """
     require_cpu_kernels()
-    out: tuple[torch.Tensor, torch.Tensor] = torch.ops.batchinfer_cpu.add_rms_norm(x, delta, weight, eps, unit_offset)
-    return out
+    total, normed = torch.ops.batchinfer_cpu.add_rms_norm(
+        _float32(x), _float32(delta), _float32(weight), eps, unit_offset
+    )
+    return total.to(x.dtype), normed.to(x.dtype)
 
 
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation (Shazeer 2020): ``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``.
 
     Args:
-        gate_up: float32 CPU ``[num_tokens, 2 * intermediate_size]`` with unit stride in the last dimension.
+        gate_up: float32 or bfloat16 CPU ``[num_tokens, 2 * intermediate_size]`` with unit stride in the last
+            dimension.
 
     Returns:
-        float32 contiguous ``[num_tokens, intermediate_size]``.
+        contiguous ``[num_tokens, intermediate_size]`` in ``gate_up.dtype``.
 
     Raises:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
     """
     require_cpu_kernels()
-    out: torch.Tensor = torch.ops.batchinfer_cpu.silu_and_mul(gate_up)
-    return out
+    out: torch.Tensor = torch.ops.batchinfer_cpu.silu_and_mul(_float32(gate_up))
+    return out.to(gate_up.dtype)
 
 
 def rotary_embedding_cpu_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -80,17 +90,25 @@ def rotary_embedding_cpu_(x: torch.Tensor, positions: torch.Tensor, cos: torch.T
     Llama: ``x * cos[positions] + cat(-x2, x1) * sin[positions]`` over each head's whole width.
 
     Args:
-        x: float32 CPU ``[num_tokens, num_heads, head_size]`` with unit stride in the last dimension (a view
-            into a fused projection is fine); modified in place.
+        x: float32 or bfloat16 CPU ``[num_tokens, num_heads, head_size]`` with unit stride in the last dimension
+            (a view into a fused projection is fine); modified in place.
         positions: int64 ``[num_tokens]``, rows of the tables.
-        cos, sin: float32 contiguous ``[max_positions, head_size]``.
+        cos, sin: contiguous ``[max_positions, head_size]``, float32 (bfloat16 with a bfloat16 ``x``).
 
     Raises:
         RuntimeError: when the kernels are unavailable, on a position outside the tables, or on other shapes,
             dtypes or devices.
     """
     require_cpu_kernels()
-    torch.ops.batchinfer_cpu.rotary_embedding_(x, positions, cos, sin)
+    if x.dtype == torch.float32:
+        torch.ops.batchinfer_cpu.rotary_embedding_(x, positions, _float32(cos), _float32(sin))
+        return
+    # NOTE: only this step's table rows are widened (a whole bfloat16 table would cost more than the rotation)
+    wide = x.float()
+    rows = torch.arange(positions.numel())
+    cos_rows, sin_rows = cos.index_select(0, positions).float(), sin.index_select(0, positions).float()
+    torch.ops.batchinfer_cpu.rotary_embedding_(wide, rows, cos_rows, sin_rows)
+    x.copy_(wide)
 
 
 def add_layer_norm_cpu(

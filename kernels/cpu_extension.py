@@ -2,7 +2,8 @@
 
 Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_varlen_attention.cpp`` (bidirectional attention
 over packed sequences, for encoders), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, GELU, rotary
-embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer), ``cpu_q4.cpp`` (linear layer over a GGUF's
+embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer),
+``cpu_gemm_bf16.cpp`` (its bfloat16 twin on AVX512_BF16), ``cpu_q4.cpp`` (linear layer over a GGUF's
 quantized blocks) and ``cpu_sampling.cpp`` (exponential race), next to this file. The first call builds
 them with :func:`torch.utils.cpp_extension.load`
 (``-O3 -march=native -fno-trapping-math -fopenmp``) into a folder of torch's extension cache
@@ -43,6 +44,7 @@ _SOURCES = [
         "cpu_attention.cpp",
         "cpu_elementwise.cpp",
         "cpu_gemm.cpp",
+        "cpu_gemm_bf16.cpp",
         "cpu_q4.cpp",
         "cpu_sampling.cpp",
         "cpu_varlen_attention.cpp",

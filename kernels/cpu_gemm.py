@@ -1,4 +1,5 @@
-"""C++ float32 linear layer for CPUs over a weight packed once into column panels (32 wide with AVX-512, else 16).
+"""C++ linear layers for CPUs over a weight packed once into column panels: float32 (32 wide with AVX-512, else
+16), and bfloat16 with float32 accumulation on CPUs with AVX512_BF16 (``cpu_gemm_bf16.cpp``, 32 wide).
 
 The source is ``cpu_gemm.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Method:
@@ -70,4 +71,65 @@ def linear_packed(
     require_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
     out: torch.Tensor = torch.ops.batchinfer_cpu.linear_packed(rows, packed_weight, out_features, bias)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def linear_bf16_supported() -> bool:
+    """Whether this machine's build has the bfloat16 kernel (the CPU has AVX512_BF16: ``vdpbf16ps``).
+
+    Raises:
+        RuntimeError: when the kernels are unavailable.
+    """
+    require_cpu_kernels()
+    supported: bool = torch.ops.batchinfer_cpu.linear_bf16_supported()
+    return supported
+
+
+def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """Pack a bfloat16 ``nn.Linear`` weight for :func:`linear_packed_bf16` (source ``cpu_gemm_bf16.cpp``).
+
+    Args:
+        weight: bfloat16 CPU ``[out_features, in_features]`` (any strides).
+
+    Returns:
+        bfloat16 contiguous ``[ceil(out_features / 32), ceil(in_features / 2), 32, 2]``:
+        ``packed[p, j, c, i] = weight[32p + c, 2j + i]``, zero padded (pairs of consecutive input features
+        per output column, the operand layout of ``vdpbf16ps``).
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, the CPU lacks AVX512_BF16
+            (:func:`linear_bf16_supported`), or on a weight that is not 2-D bfloat16 on CPU.
+    """
+    require_cpu_kernels()
+    packed: torch.Tensor = torch.ops.batchinfer_cpu.pack_linear_weight_bf16(weight)
+    return packed
+
+
+def linear_packed_bf16(
+    x: torch.Tensor, packed_weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` in bfloat16 with float32 accumulation, the weight packed by
+    :func:`pack_linear_weight_bf16`.
+
+    Each output element is one float32 chain over the input features in order (a pair per ``vdpbf16ps``),
+    started at the bias and rounded to bfloat16 once (nearest even), so a row's result does not depend on
+    how many rows share the call (batch invariant). Reference: :func:`kernels.reference.linear_bf16_reference`
+    (equal up to float32 summation order, then one bfloat16 rounding).
+
+    Args:
+        x: bfloat16 CPU ``[..., in_features]`` with unit stride in the last dimension.
+        packed_weight: from :func:`pack_linear_weight_bf16`.
+        out_features: rows of the original weight.
+        bias: optional ``[out_features]`` (any float dtype; added in float32).
+
+    Returns:
+        bfloat16 contiguous ``[..., out_features]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, the CPU lacks AVX512_BF16, or on mismatched shapes
+            or dtypes.
+    """
+    require_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    out: torch.Tensor = torch.ops.batchinfer_cpu.linear_packed_bf16(rows, packed_weight, out_features, bias)
     return out.view(*x.shape[:-1], out_features)

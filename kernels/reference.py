@@ -180,6 +180,18 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 
+def linear_bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16 ``x @ weight.T + bias`` computed exactly as a float32 accumulator would: the bfloat16 inputs
+    widened to float32, the float32 matmul (plus the bias in float32), rounded to bfloat16 once.
+
+    ``x: [..., K]``, ``weight: [N, K]`` bfloat16, ``bias: [N]`` or None -> bfloat16 ``[..., N]``.
+    """
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(torch.bfloat16)
+
+
 def varlen_attention_reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -224,6 +224,33 @@ def test_quantized_cache_matches_reference(kind, num_heads, num_kv_heads, block_
     torch.testing.assert_close(out, exact, atol=0.15 if kv_cache_dtype == "fp8_e4m3" else 0.02, rtol=0)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 4), (6, 1, 16)])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_bfloat16_cache_and_query_match_reference(kind, num_heads, num_kv_heads, block_size):
+    """A bfloat16 model's cache and query: the float32 reference over the same (widened) values, its result
+    rounded to bfloat16 once, up to a unit in the last place of bfloat16; the lse to float32 rounding."""
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(BATCHES[kind], num_heads, num_kv_heads, block_size)
+    query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
+    scale = HEAD_SIZE**-0.5
+    lse, expected_lse = torch.empty(query.shape[:2]), torch.empty(query.shape[:2])
+
+    out = paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, scale, lse)
+
+    expected = paged_attention_reference(
+        query.float(), kv_cache.float(), query_start_loc, seq_lens, tables, scale, expected_lse
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-5, rtol=2**-8)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_bfloat16_cache_takes_no_scales():
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(DECODE, 4, 4, 4)
+    scales = torch.ones(kv_cache.shape[:4])
+    with pytest.raises(RuntimeError, match="kv_scales"):
+        paged_attention_cpu(query, kv_cache.bfloat16(), query_start_loc, seq_lens, tables, 0.125, kv_scales=scales)
+
+
 def test_quantized_cache_needs_its_scales():
     query, kv_cache, query_start_loc, seq_lens, tables = _setup(DECODE, 4, 4, 4)
     data, scales = quantize_kv(kv_cache, "int8")

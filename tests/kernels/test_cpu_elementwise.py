@@ -163,3 +163,30 @@ def test_bias_gelu_is_the_exact_erf_gelu_in_place():
 def test_bias_gelu_refuses_a_width_not_a_multiple_of_8():
     with pytest.raises(RuntimeError, match="multiple of 8"):
         bias_gelu_cpu_(_randn(2, 12), _randn(12))
+
+
+def test_bfloat16_inputs_are_widened_computed_once_and_rounded_once():
+    """bf16 through the decoder ops: the float32 kernel on the widened values, each result rounded to bf16 once
+    (shapes, dtypes and the in-place rotation of a strided view kept)."""
+    gen = torch.Generator().manual_seed(5)
+    x, delta = (torch.randn(7, 40, generator=gen).bfloat16() for _ in range(2))
+    weight = torch.randn(40, generator=gen).bfloat16()
+    gate_up = torch.randn(7, 64, generator=gen).bfloat16()
+    fused = torch.randn(7, 3, 2, 16, generator=gen).bfloat16()
+    q = fused[:, 0]  # [7, 2, 16], strided like the q heads of a fused qkv projection
+    cos, sin = torch.randn(30, 16, generator=gen).bfloat16(), torch.randn(30, 16, generator=gen).bfloat16()
+    positions = torch.tensor([3, 0, 29, 3, 7, 11, 12])
+    expected_q = q.float().clone()
+    rotary_embedding_cpu_(expected_q, positions, cos.float(), sin.float())
+
+    normed = rms_norm_cpu(x, weight, 1e-6)
+    total, total_normed = add_rms_norm_cpu(x, delta, weight, 1e-6)
+    activated = silu_and_mul_cpu(gate_up)
+    rotary_embedding_cpu_(q, positions, cos, sin)
+
+    assert all(t.dtype == torch.bfloat16 for t in (normed, total, total_normed, activated))
+    assert torch.equal(normed, rms_norm_cpu(x.float(), weight.float(), 1e-6).bfloat16())
+    expected_total, expected_normed = add_rms_norm_cpu(x.float(), delta.float(), weight.float(), 1e-6)
+    assert torch.equal(total, expected_total.bfloat16()) and torch.equal(total_normed, expected_normed.bfloat16())
+    assert torch.equal(activated, silu_and_mul_cpu(gate_up.float()).bfloat16())
+    assert torch.equal(fused[:, 0], expected_q.bfloat16())

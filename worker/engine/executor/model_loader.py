@@ -76,8 +76,8 @@ def load_model(
 
     Stored bf16/fp16/fp32 weights are converted to ``dtype``. Returns the model on ``device``
     in ``dtype``, in ``eval()`` mode with ``requires_grad`` off; a float32 model on CPU gets
-    packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`) and
-    fused C++ norms, rotary embeddings and SwiGLU
+    packed-weight linear layers (:func:`worker.engine.executor.layers.linear.pack_linear_layers`; a bfloat16
+    one too where the CPU has AVX512_BF16) and fused C++ norms, rotary embeddings and SwiGLU
     (:func:`worker.engine.executor.models.llama.enable_cpu_kernels`). ``quantization="int8"`` first swaps
     every linear layer but the LM head for a weight-only int8 one
     (:func:`worker.engine.executor.layers.quantization.int8.quantize_linear_layers`); ``quantization="q4"``
@@ -136,7 +136,7 @@ def load_model(
         quantized = quantize_linear_layers(model)
     elif quantization == "q4":
         quantized = quantize_linear_layers_q4(model, find_gguf(model_dir))
-    if pack_linear_layers(model) or quantized:  # float32 on CPU, kernels built
+    if pack_linear_layers(model) or quantized:  # float32 on CPU (bf16 with AVX512_BF16), kernels built
         enable_cpu_kernels(model)
         if cache is not None:
             save_prepared(model, cache)

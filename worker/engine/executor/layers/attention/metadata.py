@@ -24,11 +24,12 @@ from worker.engine.executor.layers.attention.tree import tree_depths, tree_mask_
 
 
 def cpu_kernels_apply(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether decode and cascade rows go to the C++ CPU kernels: float32 on CPU with the kernels built.
+    """Whether decode and cascade rows go to the C++ CPU kernels: float32 or bfloat16 on CPU with the kernels
+    built (a bfloat16 query and cache are widened to float32 inside the kernel).
 
     Decided once per engine (the model runner) and passed to every :func:`build_attention_metadata`.
     """
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
+    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels_available()
 
 
 def triton_kernels_apply(device: torch.device | str) -> bool:
