@@ -126,3 +126,12 @@ def test_sampling_preserves_the_target_distribution(tmp_path_factory, method):
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert chi_square_p_value(samples["on"], samples["off"]) > 1e-3
     assert chi_square_p_value([s[1:] for s in samples["on"]], [s[1:] for s in samples["off"]]) > 1e-3
+
+
+def test_auto_method_chooses_among_ngram_and_the_heads_beside_the_model(heads_model_dir, plain_engine):
+    """``speculative_method="auto"`` finds both heads; whichever drafts, greedy lines stay plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    engine = _engine(heads_model_dir, "auto", speculative_tree_width=2)
+    assert engine.speculator is not None and len(engine.speculator.alternatives) == 2
+    assert_alone_and_batched_match_plain(engine, plain_engine, PROMPTS, params)
+    assert engine.make_stats().num_accepted_tokens > 0
