@@ -65,6 +65,8 @@ class EagleProposer(Proposer):
         tree_width: ``w``, a greedy line's tree width (1: chains).
     """
 
+    method = "eagle"
+
     def __init__(
         self,
         head: EagleHead,

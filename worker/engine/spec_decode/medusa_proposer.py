@@ -39,6 +39,8 @@ class MedusaProposer(Proposer):
         tree_width: ``w``, a greedy line's tree width (1: chains).
     """
 
+    method = "medusa"
+
     def __init__(
         self,
         heads: MedusaHeads,

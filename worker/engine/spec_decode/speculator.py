@@ -42,14 +42,20 @@ if TYPE_CHECKING:
 class SpecDecodingStats:
     """vLLM's spec-decoding counters: ``num_drafts`` (sequence-steps that verified drafts),
     ``num_draft_tokens``, ``num_accepted_tokens``, and ``num_accepted_tokens_per_pos[j]``: drafts accepted
-    at draft position ``j``."""
+    at draft position ``j``; ``by_method``: the first three per proposer method (``[drafts, draft tokens,
+    accepted]``)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    by_method: dict[str, list[int]] = field(default_factory=dict)
 
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int, method: str) -> None:
+        counts = self.by_method.setdefault(method, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += num_draft_tokens
+        counts[2] += num_accepted_tokens
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
@@ -88,7 +94,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecDecodingStats()
         # The policy each speculating sequence's drafts of this step came from (for record()).
-        self._chosen: dict[int, SpecDecodePolicy] = {}
+        self._chosen: dict[int, tuple[str, SpecDecodePolicy]] = {}
 
     def make_stats(self) -> SpecDecodingStats:
         """The counters since the last call (take and reset)."""
@@ -139,7 +145,7 @@ class Speculator:
             proposer, policy, k = self._choose(seq.seq_id, len(running))
             k = min(k, max_useful)
             if k > 0:
-                self._chosen[seq.seq_id] = policy
+                self._chosen[seq.seq_id] = (proposer.method, policy)
                 group = groups.setdefault(id(proposer), (proposer, [], []))
                 group[1].append(seq)
                 group[2].append(k)
@@ -173,10 +179,11 @@ class Speculator:
 
         The counters count every verified draft, a tree's every node; the policy sees a tree as the chain of its
         depth (its acceptance rate is per position along one path, which a tree's extra branches only raise)."""
-        self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        method, policy = self._chosen.get(seq.seq_id, (self.proposer.method, self.policy))
+        self.stats.observe(num_draft_tokens, num_accepted_tokens, method)
         if seq.spec_parent_idx is not None:
             num_draft_tokens = max(tree_depths(seq.spec_parent_idx))
-        self._chosen.get(seq.seq_id, self.policy).record(seq.seq_id, num_draft_tokens, num_accepted_tokens)
+        policy.record(seq.seq_id, num_draft_tokens, num_accepted_tokens)
 
     def observe_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], seconds: float) -> None:
         """Feed the policy's step-cost model a step that only decoded or verified (no prompt tokens):

@@ -59,6 +59,7 @@ class _Fixed(Proposer):
     def __init__(self, token: int, cost_per_token: float) -> None:
         self.token = token
         self.cost_per_token = cost_per_token
+        self.method = f"fixed{token}"
 
     def propose(self, seqs, num_spec_tokens):
         return [DraftProposal([self.token] * k) for k in num_spec_tokens]
@@ -91,3 +92,6 @@ def test_auto_method_takes_the_drafter_with_the_best_measured_rate_per_sequence(
     speculator.propose(running, num_waiting=3)
     assert running[0].spec_token_ids[0] == 11 and running[1].spec_token_ids[0] == 22
     assert len(running[0].spec_token_ids) > 1 and len(running[1].spec_token_ids) > 1
+    by_method = speculator.make_stats().by_method
+    assert set(by_method) == {"fixed11", "fixed22"}
+    assert all(0 < accepted <= draft_tokens for _, draft_tokens, accepted in by_method.values())
