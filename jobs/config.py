@@ -92,12 +92,13 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     # Speculative decoding (docs/engine.md, "Speculative decoding"): "auto" speculates while the batch is
     # small and drafts are accepted; "on" / "off" force it. No request can turn it on for itself. The method is
-    # "ngram", "draft", "eagle" or "medusa" (the last two need heads beside the model: `batchinfer heads train`).
+    # "ngram", "draft", "eagle" or "medusa" (the last two need heads beside the model: `batchinfer heads train`),
+    # or "auto": n-gram lookup and whichever heads lie beside the model, chosen per line and step.
     speculative_mode: str = "auto"
-    speculative_method: str = "ngram"
+    speculative_method: str = "auto"
     num_speculative_tokens: int = 12
     speculative_disable_by_batch_size: int = 16
-    # Branches of an n-gram draft tree (distinct earlier continuations verified in one pass); 1: chains.
+    # Nodes per depth of a draft tree (n-gram branches; the heads' top tokens), verified in one pass; 1: chains.
     speculative_tree_width: int = 1
     torch_num_threads: int | None = None
     # Weight quantization (docs/engine.md, "Quantized weights"): "none", "int8" or "q4".

@@ -98,7 +98,9 @@ def generate_sequences(model_dir: Path, prompts: list[list[int]], max_tokens: in
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
 
     max_model_len = max(len(prompt) for prompt in prompts) + max_tokens
-    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_bytes=256 << 20, max_model_len=max_model_len))
+    # NOTE: 1 GiB holds ~22k SmolLM2 tokens (~80 lines of 128 + 150 at once); 256 MiB held ~20 and preempted the rest
+    # over and over. Pages are touched only as blocks fill.
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_bytes=1 << 30, max_model_len=max_model_len))
     requests: list[str | list[int]] = list(prompts)
     outputs = engine.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens))
     return [prompt + list(out.outputs[0].token_ids) for prompt, out in zip(prompts, outputs, strict=True)]

@@ -27,6 +27,9 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:spec_decode_num_draft_tokens_total`` | counter | draft tokens verified |
 | ``batchinfer:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
 | ``batchinfer:spec_decode_num_accepted_tokens_per_pos_total`` | counter | accepted drafts by draft ``position`` (0-based) |
+| ``batchinfer:spec_decode_method_num_drafts_total`` | counter | the drafts of one ``method`` (ngram, eagle, medusa, draft) |
+| ``batchinfer:spec_decode_method_num_draft_tokens_total`` | counter | draft tokens verified, by ``method`` |
+| ``batchinfer:spec_decode_method_num_accepted_tokens_total`` | counter | draft tokens accepted, by ``method`` |
 
 Processes: metrics live in a `CollectorRegistry` of this process. When ``PROMETHEUS_MULTIPROC_DIR``
 is set before the process starts, prometheus_client keeps every value in files of that folder, and
@@ -171,6 +174,14 @@ class EngineMetrics:
             ["model_name", "position"],
             registry=self.registry,
         )
+        self._by_method = [
+            Counter(PREFIX + f"spec_decode_method_{name}", help_text, ["model_name", "method"], registry=self.registry)
+            for name, help_text in (
+                ("num_drafts", "Spec decoding drafts by method."),
+                ("num_draft_tokens", "Draft tokens by method."),
+                ("num_accepted_tokens", "Accepted tokens by method."),
+            )
+        ]
         self._model_name = model_name
 
     def record_step(self, stats: EngineStats) -> None:
@@ -198,6 +209,9 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
         for position, num_accepted in enumerate(stats.num_accepted_tokens_per_pos):
             self._accepted_per_pos.labels(self._model_name, str(position)).inc(num_accepted)
+        for method, counts in stats.spec_decode_by_method.items():
+            for counter_, count in zip(self._by_method, counts, strict=True):
+                counter_.labels(self._model_name, method).inc(count)
 
     def record_finished(self, output: RequestOutput) -> None:
         """Observe a finished request's latencies and sizes (from ``output.metrics``, monotonic seconds)."""

@@ -116,6 +116,7 @@ def test_spec_decoding_counters_map_to_vllm_names():
     for per_pos in ([3, 2], [1, 1, 1]):
         stats = EngineStats(num_drafts=3, num_draft_tokens=9, num_accepted_tokens=sum(per_pos))
         stats.num_accepted_tokens_per_pos = per_pos
+        stats.spec_decode_by_method = {"ngram": [2, 6, per_pos[0]], "eagle": [1, 3, sum(per_pos) - per_pos[0]]}
         metrics.record_step(stats)
     samples = scrape(metrics.registry)
     expected = {
@@ -125,6 +126,11 @@ def test_spec_decoding_counters_map_to_vllm_names():
         "batchinfer:spec_decode_num_accepted_tokens_per_pos_total{position=0}": 4,
         "batchinfer:spec_decode_num_accepted_tokens_per_pos_total{position=1}": 3,
         "batchinfer:spec_decode_num_accepted_tokens_per_pos_total{position=2}": 1,
+        "batchinfer:spec_decode_method_num_drafts_total{method=ngram}": 4,
+        "batchinfer:spec_decode_method_num_drafts_total{method=eagle}": 2,
+        "batchinfer:spec_decode_method_num_draft_tokens_total{method=eagle}": 6,
+        "batchinfer:spec_decode_method_num_accepted_tokens_total{method=ngram}": 4,
+        "batchinfer:spec_decode_method_num_accepted_tokens_total{method=eagle}": 4,
     }
     assert {name: samples[name] for name in expected} == expected
 

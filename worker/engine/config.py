@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from worker.engine.executor.layers.attention.kv_cache import check_kv_cache_dtype
 from worker.engine.executor.layers.quantization import check_quantization
 
-SPECULATIVE_METHODS = ("ngram", "draft", "eagle", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle", "medusa", "auto")
 
 
 @dataclass(slots=True)
@@ -35,10 +35,13 @@ class EngineConfig:
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens) or ``"draft"`` (a draft model: the folder
     ``speculative_model``, or by default the target's first ``speculative_draft_num_layers`` layers with its
     final norm and LM head), ``"eagle"`` (an EAGLE head) or ``"medusa"`` (Medusa heads): the heads' folder is
-    ``speculative_model``, by default ``<model>/heads/<method>`` (``batchinfer heads train`` writes it).
+    ``speculative_model``, by default ``<model>/heads/<method>`` (``batchinfer heads train`` writes it), or ``"auto"``
+    (n-gram lookup and the heads found beside the model, chosen per sequence and step by measured acceptance and
+    cost).
     ``num_speculative_tokens`` is the most drafts per step (a tree's depth; Medusa drafts at most one per head).
-    ``speculative_tree_width`` (n-gram only): at most this many distinct earlier continuations of the matched
-    n-gram are proposed as the branches of one draft tree, verified in one pass (1: a chain, as before).
+    ``speculative_tree_width``: the most nodes per depth of a draft tree, verified in one pass (1: chains): n-gram
+    lookup's distinct earlier continuations of the matched n-gram; EAGLE-2's dynamic tree and Medusa's product
+    tree of the heads' top tokens (greedy lines).
 
     Structured outputs (docs/engine.md, "Structured outputs"): ``structured_outputs_compile_timeout_s`` is the
     longest ``add_request`` waits for one grammar compile before it fails that request (seconds).

@@ -385,6 +385,7 @@ class LLMEngine:
             stats.num_draft_tokens = spec_stats.num_draft_tokens
             stats.num_accepted_tokens = spec_stats.num_accepted_tokens
             stats.num_accepted_tokens_per_pos = spec_stats.num_accepted_tokens_per_pos
+            stats.spec_decode_by_method = spec_stats.by_method
         return stats
 
     def _check_drafts(self, draft_probs: dict[int, torch.Tensor]) -> None:

@@ -41,6 +41,8 @@ class EngineStats:
         num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos: vLLM's
             spec-decoding counters: sequence-steps that verified drafts, drafts verified, drafts accepted,
             and per draft position ``j`` the drafts accepted there (docs/engine.md, "Speculative decoding").
+        spec_decode_by_method: the first three per drafting method (``"ngram"``, ``"eagle"``, ...):
+            ``[num_drafts, num_draft_tokens, num_accepted_tokens]``.
     """
 
     num_steps: int = 0
@@ -74,6 +76,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decode_by_method: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def kv_slot_utilization(self) -> float:

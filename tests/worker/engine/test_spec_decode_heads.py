@@ -46,19 +46,24 @@ def _engine(model_dir, method, **overrides):
     return make_engine(model_dir, speculative_method=method, num_speculative_tokens=4, **overrides)
 
 
+@pytest.mark.parametrize("tree_width", [1, 3])
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_identical_alone_and_batched(heads_model_dir, plain_engine, method):
+def test_greedy_identical_alone_and_batched(heads_model_dir, plain_engine, method, tree_width):
+    """Chains, and with ``tree_width`` 3 EAGLE-2's dynamic tree and Medusa's product tree (more nodes than depth)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    engine = _engine(heads_model_dir, method)
+    engine = _engine(heads_model_dir, method, speculative_tree_width=tree_width)
     assert_alone_and_batched_match_plain(engine, plain_engine, PROMPTS, params)
     stats = engine.make_stats()
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     assert stats.mean_accepted_length > 1.2
+    if tree_width > 1:
+        assert stats.num_draft_tokens >= 3 * stats.num_drafts, "drafts were not trees of width 3"
 
 
+@pytest.mark.parametrize("tree_width", [1, 3])
 @pytest.mark.parametrize("method", METHODS)
-def test_stops_and_max_tokens_inside_accepted_drafts(heads_model_dir, plain_engine, method):
-    engine = _engine(heads_model_dir, method)
+def test_stops_and_max_tokens_inside_accepted_drafts(heads_model_dir, plain_engine, method, tree_width):
+    engine = _engine(heads_model_dir, method, speculative_tree_width=tree_width)
     base = dict(temperature=0, max_tokens=40, logprobs=1, ignore_eos=True)
     ids = plain_engine.generate([REPEAT], SamplingParams(**base))[0].outputs[0].token_ids
     cases = [(REPEAT, dict(stop_token_ids=[ids[j]], min_tokens=j)) for j in (5, 9, 14)]
@@ -77,12 +82,13 @@ def test_stops_and_max_tokens_inside_accepted_drafts(heads_model_dir, plain_engi
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_unchanged_beside_sampled_lines_and_under_preemption(heads_model_dir, plain_engine, method):
+    """Greedy lines verify trees (``tree_width`` 3) beside sampled lines' drawn chains."""
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.9, max_tokens=48, ignore_eos=True, seed=s) for s in range(3)]
     prompts = PROMPTS + [VARIED[5:], CYCLE[2:], REPEAT[:20]]
     expected = [plain_engine.generate([prompt], greedy)[0] for prompt in PROMPTS]
     # 14 blocks of 8 tokens cannot hold every line: the youngest are preempted and recomputed.
-    engine = _engine(heads_model_dir, method, num_gpu_blocks_override=14, max_model_len=96)
+    engine = _engine(heads_model_dir, method, num_gpu_blocks_override=14, max_model_len=96, speculative_tree_width=3)
     outputs = run_checked(engine, prompts, [greedy] * 3 + sampled)
     for ref, out in zip(expected, outputs[:3]):
         assert_same_completion(ref, out)
@@ -120,3 +126,12 @@ def test_sampling_preserves_the_target_distribution(tmp_path_factory, method):
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert chi_square_p_value(samples["on"], samples["off"]) > 1e-3
     assert chi_square_p_value([s[1:] for s in samples["on"]], [s[1:] for s in samples["off"]]) > 1e-3
+
+
+def test_auto_method_chooses_among_ngram_and_the_heads_beside_the_model(heads_model_dir, plain_engine):
+    """``speculative_method="auto"`` finds both heads; whichever drafts, greedy lines stay plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    engine = _engine(heads_model_dir, "auto", speculative_tree_width=2)
+    assert engine.speculator is not None and len(engine.speculator.alternatives) == 2
+    assert_alone_and_batched_match_plain(engine, plain_engine, PROMPTS, params)
+    assert engine.make_stats().num_accepted_tokens > 0

@@ -97,6 +97,8 @@ class DraftModelProposer(Proposer):
         eos_token_id: masked under ``min_tokens`` as for the target.
     """
 
+    method = "draft"
+
     def __init__(
         self,
         model: Any,

@@ -16,6 +16,12 @@ runs per sequence (its cache is a dense tensor per sequence); the LM head and th
 
 Drafts of greedy lines are the argmax, sampled lines draw from the head's processed distribution ``q``
 (:class:`~worker.engine.spec_decode.draft_sampling.DraftDrawer`), returned in ``DraftProposal.probs``.
+
+**Trees** (``tree_width`` ``w > 1``, greedy lines): EAGLE-2's dynamic tree (Li et al. 2024, "EAGLE-2"). The root's
+top-``w`` tokens are the first layer; at each further depth the ``w`` nodes of the last layer with the highest
+cumulative draft log-probability are expanded in one head call (each row attends the committed entries and its
+own ancestors' draft entries), each into its top-``w`` tokens; after ``k`` layers the ``w * k`` best-scored
+nodes are proposed (:mod:`.head_trees`).
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ from typing import Any
 import torch
 
 from worker.engine.core.request import Sequence
+from worker.engine.executor.layers.attention.tree import MAX_TREE_QUERY_LEN
 from worker.engine.spec_decode.draft_sampling import DraftDrawer
+from worker.engine.spec_decode.head_trees import DraftLMHead, best_nodes, reindex
 from worker.engine.spec_decode.heads.eagle import EagleHead
 from worker.engine.spec_decode.proposer import DraftProposal, Proposer
+
+MAX_TREE_NODES = MAX_TREE_QUERY_LEN - 1
 
 
 @dataclass(slots=True)
@@ -51,14 +61,27 @@ class EagleProposer(Proposer):
         head: the trained head (eval mode, the target's dtype and device).
         target: the target model (``model.embed_tokens``, ``compute_logits``).
         eos_token_id: masked under ``min_tokens`` as for the target.
+        draft_vocab: token ids the head drafts over (:class:`DraftLMHead`), None: all.
+        tree_width: ``w``, a greedy line's tree width (1: chains).
     """
 
-    def __init__(self, head: EagleHead, target: Any, eos_token_id: int | None) -> None:
+    method = "eagle"
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target: Any,
+        eos_token_id: int | None,
+        draft_vocab: torch.Tensor | None = None,
+        tree_width: int = 1,
+    ) -> None:
         self.head = head
         self.target = target
         self.drawer = DraftDrawer(eos_token_id)
+        self.lm = DraftLMHead(target, draft_vocab)
+        self.tree_width = tree_width
         head_params = sum(p.numel() for p in head.parameters())
-        lm_head_params = int(target.config.vocab_size) * int(target.config.hidden_size)
+        lm_head_params = self.lm.num_rows * int(target.config.hidden_size)
         self.cost_per_token = (head_params + lm_head_params) / sum(p.numel() for p in target.parameters())
         self._seqs: dict[int, _EagleSeq] = {}
 
@@ -122,12 +145,21 @@ class EagleProposer(Proposer):
             pasts.append(state.head_kv)
         if not active:
             return proposals
+        chains = []
+        for n, i in enumerate(active):
+            if self.tree_width > 1 and seqs[i].params.is_greedy:
+                token_ids, parents = self._tree(seqs[i], features[n], pasts[n], num_spec_tokens[i])
+                proposals[i] = DraftProposal(token_ids, None, parents)
+            else:
+                chains.append(n)
+        if not chains:
+            return proposals
         drafts: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
-        step = list(range(len(active)))
-        for j in range(max(num_spec_tokens[i] for i in active)):
+        step = chains
+        for j in range(max(num_spec_tokens[active[n]] for n in chains)):
             step = [n for n in step if num_spec_tokens[active[n]] > j]
-            logits = self.target.compute_logits(torch.cat([features[n] for n in step]))
+            logits = self.lm.logits(torch.cat([features[n] for n in step]))
             drawn, q = self.drawer.draw([seqs[active[n]] for n in step], logits, [drafts[n] for n in step])
             for row, n in enumerate(step):
                 drafts[n].append(drawn[row])
@@ -138,7 +170,51 @@ class EagleProposer(Proposer):
                     features[n], pasts[n] = self.head(
                         features[n], embed(token), torch.tensor([position], device=logits.device), pasts[n]
                     )
-        for n, i in enumerate(active):
+        for n in chains:
+            i = active[n]
             greedy = seqs[i].params.is_greedy
             proposals[i] = DraftProposal(drafts[n], None if greedy else torch.stack(probs[n]))
         return proposals
+
+    def _tree(
+        self, seq: Sequence, root: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor], depth: int
+    ) -> tuple[list[int], list[int]]:
+        """EAGLE-2's dynamic tree of ``depth`` layers from the feature ``root`` ``[1, hidden]`` predicting token
+        ``seq.num_tokens`` (module docstring): ``(token_ids, parent_idx)``."""
+        width = self.tree_width
+        embed = self.target.model.embed_tokens
+        values, ids = self.lm.top_k(root, width)
+        tokens, parents, scores = ids[0].tolist(), [-1] * width, values[0].tolist()
+        # The feature each candidate was predicted from, and the draft entry of each expanded candidate.
+        sources = [root[0]] * width
+        entries: dict[int, int] = {}
+        num_committed = past[0].shape[1]
+        layer = list(range(width))
+        for d in range(1, depth):
+            chosen = sorted(layer, key=lambda c: (-scores[c], c))[:width]
+            visible = torch.zeros(len(chosen), num_committed + len(entries) + len(chosen), dtype=torch.bool)
+            visible[:, :num_committed] = True
+            for row, c in enumerate(chosen):
+                ancestor = parents[c]
+                while ancestor >= 0:
+                    visible[row, num_committed + entries[ancestor]] = True
+                    ancestor = parents[ancestor]
+                visible[row, num_committed + len(entries) + row] = True
+            for c in chosen:
+                entries[c] = len(entries)
+            position = torch.full((len(chosen),), seq.num_tokens - 2 + d, device=root.device)
+            token = torch.tensor([tokens[c] for c in chosen], dtype=torch.long, device=root.device)
+            out, past = self.head(
+                torch.stack([sources[c] for c in chosen]), embed(token), position, past, visible.to(root.device)
+            )
+            values, ids = self.lm.top_k(out, width)
+            layer = []
+            for row, c in enumerate(chosen):
+                for value, token_id in zip(values[row].tolist(), ids[row].tolist(), strict=True):
+                    layer.append(len(tokens))
+                    tokens.append(token_id)
+                    parents.append(c)
+                    scores.append(scores[c] + value)
+                    sources.append(out[row])
+        kept = best_nodes(scores, parents, min(width * depth, MAX_TREE_NODES))
+        return reindex(kept, tokens, parents)

@@ -6,6 +6,11 @@ row of the last accepted draft, or a prompt's last row); the target predicted to
 heads predict tokens ``n, n + 1, ...``. All heads run at once; greedy lines draft each head's argmax (top-1),
 sampled lines draw from each head's processed distribution ``q`` (returned in ``DraftProposal.probs``), so the
 rejection sampler keeps the target distribution.
+
+**Trees** (``tree_width`` ``w > 1``, greedy lines): Medusa's tree (Cai et al. 2024, section 2.1.2): the paths whose
+``d``-th token is one of head ``d``'s top-``w`` tokens, pruned to the ``w * k`` likeliest by the product of the
+heads' probabilities (:func:`~worker.engine.spec_decode.head_trees.product_tree`; Medusa fixes the tree's shape
+offline from calibrated head accuracies, here it follows each step's own probabilities).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from typing import Any
 import torch
 
 from worker.engine.core.request import Sequence
+from worker.engine.executor.layers.attention.tree import MAX_TREE_QUERY_LEN
 from worker.engine.spec_decode.draft_sampling import DraftDrawer
+from worker.engine.spec_decode.head_trees import DraftLMHead, product_tree
 from worker.engine.spec_decode.heads.medusa import MedusaHeads
 from worker.engine.spec_decode.proposer import DraftProposal, Proposer
 
@@ -28,15 +35,29 @@ class MedusaProposer(Proposer):
         heads: the trained heads (eval mode, the target's dtype and device).
         target: the target model (``compute_logits``, ``lm_head``).
         eos_token_id: masked under ``min_tokens`` as for the target.
+        draft_vocab: token ids the heads draft over (:class:`DraftLMHead`; not with own LM heads), None: all.
+        tree_width: ``w``, a greedy line's tree width (1: chains).
     """
 
-    def __init__(self, heads: MedusaHeads, target: Any, eos_token_id: int | None) -> None:
+    method = "medusa"
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        target: Any,
+        eos_token_id: int | None,
+        draft_vocab: torch.Tensor | None = None,
+        tree_width: int = 1,
+    ) -> None:
         self.heads = heads
         self.target = target
         self.drawer = DraftDrawer(eos_token_id)
+        self.lm = DraftLMHead(target, None if heads.own_lm_heads else draft_vocab)
+        self.tree_width = tree_width
+        self.max_depth = heads.num_heads
         # All heads run once per proposal; each draft costs about one LM head.
         block_params = sum(p.numel() for p in heads.parameters()) / heads.num_heads
-        lm_head_params = int(target.config.vocab_size) * int(target.config.hidden_size)
+        lm_head_params = self.lm.num_rows * int(target.config.hidden_size)
         self.cost_per_token = (block_params + lm_head_params) / sum(p.numel() for p in target.parameters())
         self._last_rows: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -68,17 +89,30 @@ class MedusaProposer(Proposer):
             return proposals
         k = min(max(num_spec_tokens[i] for i in active), self.heads.num_heads)
         outputs = self.heads(torch.stack(features))[:k]  # [k, num_active, ...]
+        chains = []
+        for n, i in enumerate(active):
+            depth = min(num_spec_tokens[i], k)
+            if self.tree_width > 1 and seqs[i].params.is_greedy and not self.heads.own_lm_heads:
+                values, ids = self.lm.top_k(outputs[:depth, n], self.tree_width)
+                num_nodes = min(self.tree_width * depth, MAX_TREE_QUERY_LEN - 1)
+                token_ids, parents = product_tree(values, ids, num_nodes)
+                proposals[i] = DraftProposal(token_ids, None, parents)
+            else:
+                chains.append(n)
         drafts: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         for j in range(k):
-            step = [n for n, i in enumerate(active) if num_spec_tokens[i] > j]
+            step = [n for n in chains if num_spec_tokens[active[n]] > j]
+            if not step:
+                break
             rows = outputs[j, step]
-            logits = rows.float() if self.heads.own_lm_heads else self.target.compute_logits(rows)
+            logits = rows.float() if self.heads.own_lm_heads else self.lm.logits(rows)
             tokens, q = self.drawer.draw([seqs[active[n]] for n in step], logits, [drafts[n] for n in step])
             for row, n in enumerate(step):
                 drafts[n].append(tokens[row])
                 probs[n].append(q[row])
-        for n, i in enumerate(active):
+        for n in chains:
+            i = active[n]
             greedy = seqs[i].params.is_greedy
             proposals[i] = DraftProposal(drafts[n], None if greedy else torch.stack(probs[n]))
         return proposals

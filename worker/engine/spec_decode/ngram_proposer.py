@@ -51,6 +51,8 @@ class NgramProposer(Proposer):
         ValueError: unless ``1 <= prompt_lookup_min <= prompt_lookup_max`` and ``tree_width >= 1``.
     """
 
+    method = "ngram"
+
     cost_per_token = 0.0
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 8, tree_width: int = 1) -> None:

@@ -94,13 +94,21 @@ class SpecDecodePolicy:
         max_spec_tokens: the most drafts per step (``num_speculative_tokens``).
         disable_by_batch_size: no speculation while more sequences run (ignored when forced).
         proposer_cost_per_token: the proposer's cost of one draft token relative to a decode step.
+        tree_width: nodes per depth of the proposer's trees (1: chains): a step of depth ``k`` verifies
+            ``tree_width * k`` rows, so each depth costs ``tree_width`` rows; its acceptance is measured per depth.
 
     Raises:
         ValueError: on a non-positive ``max_spec_tokens`` or ``disable_by_batch_size``, or a negative cost.
     """
 
     def __init__(
-        self, *, force: bool, max_spec_tokens: int, disable_by_batch_size: int, proposer_cost_per_token: float
+        self,
+        *,
+        force: bool,
+        max_spec_tokens: int,
+        disable_by_batch_size: int,
+        proposer_cost_per_token: float,
+        tree_width: int = 1,
     ) -> None:
         if max_spec_tokens < 1 or disable_by_batch_size < 1 or proposer_cost_per_token < 0:
             raise ValueError("max_spec_tokens and disable_by_batch_size must be >= 1, proposer_cost_per_token >= 0")
@@ -108,6 +116,7 @@ class SpecDecodePolicy:
         self.max_spec_tokens = max_spec_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.proposer_cost_per_token = proposer_cost_per_token
+        self.tree_width = max(1, tree_width)
         self.step_cost = StepCostModel()
         self._acceptance: dict[int, _Acceptance] = {}
 
@@ -116,12 +125,18 @@ class SpecDecodePolicy:
         return self.force or num_running <= self.disable_by_batch_size
 
     def cost_per_token(self, num_running: int) -> float:
-        """Cost of one draft token (verification plus proposal) in a step of ``num_running`` sequences."""
-        return self.step_cost.row_share(num_running) + self.proposer_cost_per_token
+        """Cost of one draft depth (its ``tree_width`` verified rows plus the proposal) in a step of
+        ``num_running`` sequences."""
+        return self.tree_width * self.step_cost.row_share(num_running) + self.proposer_cost_per_token
 
     def num_spec_tokens(self, seq_id: int, num_running: int) -> int:
         """Drafts to propose for ``seq_id`` in a step of ``num_running`` sequences (0: decode plainly);
         decays its counts."""
+        return self.plan(seq_id, num_running)[0]
+
+    def plan(self, seq_id: int, num_running: int) -> tuple[int, float]:
+        """``(k, tokens per unit of cost)`` of the best ``k`` for ``seq_id`` (``k = 0``: rate 1); decays its counts.
+        Forced, ``k`` is at least 1 (its rate reported as computed)."""
         acceptance = self._acceptance.setdefault(seq_id, _Acceptance())
         alpha = acceptance.rate
         acceptance.accepted *= DECAY
@@ -132,7 +147,9 @@ class SpecDecodePolicy:
             rate = expected_tokens(alpha, k) / (1.0 + k * cost)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return max(best_k, 1) if self.force else best_k
+        if self.force and best_k == 0:
+            return 1, expected_tokens(alpha, 1) / (1.0 + cost)
+        return best_k, best_rate
 
     def record(self, seq_id: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Count one verification of ``seq_id``: ``num_accepted_tokens`` of ``num_draft_tokens`` accepted."""

@@ -44,9 +44,15 @@ class Proposer(abc.ABC):
     Attributes:
         cost_per_token: the proposer's own cost of one draft token, as a fraction of one target decode
             step (the policy weighs it against the acceptance rate; 0 for prompt lookup).
+        tree_width: the most nodes per depth of its draft trees (1: chains), which the policy prices.
+        max_depth: the deepest draft it can propose (None: as deep as asked; Medusa: its number of heads).
+        method: its ``speculative_method`` name, which labels its per-method counters.
     """
 
     cost_per_token: float = 0.0
+    tree_width: int = 1
+    max_depth: int | None = None
+    method: str = "other"
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], num_spec_tokens: list[int]) -> list[DraftProposal]:

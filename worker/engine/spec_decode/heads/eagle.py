@@ -108,7 +108,11 @@ class _Attention(nn.Module):
         return x * cos + rotated * sin
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        visible: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         m = x.shape[0]
         q = self._rope(self.q_proj(x).view(m, self.num_heads, self.head_dim).transpose(0, 1), positions)
@@ -117,8 +121,12 @@ class _Attention(nn.Module):
         if past is not None:
             k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
         num_past = k.shape[1] - m
-        # Query i sits at key index num_past + i and sees keys up to it.
-        mask = torch.ones(m, k.shape[1], dtype=torch.bool, device=x.device).tril(diagonal=num_past)
+        # Query i sits at key index num_past + i and sees keys up to it (causal), unless told otherwise.
+        mask = (
+            visible
+            if visible is not None
+            else torch.ones(m, k.shape[1], dtype=torch.bool, device=x.device).tril(diagonal=num_past)
+        )
         repeat = self.num_heads // self.num_kv_heads
         out = F.scaled_dot_product_attention(
             q, k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0), attn_mask=mask
@@ -167,14 +175,17 @@ class EagleHead(nn.Module):
         next_token_embeds: torch.Tensor,
         positions: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        visible: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Predict the next features.
 
         Args:
             features: ``[m, hidden_size]`` the (target's or predicted) features at positions ``p``.
             next_token_embeds: ``[m, hidden_size]`` the target's embeddings of tokens ``p + 1``.
-            positions: ``LongTensor[m]`` the positions ``p`` (consecutive, after ``past``'s).
+            positions: ``LongTensor[m]`` the positions ``p`` (consecutive, after ``past``'s, unless ``visible``).
             past: the K/V of this sequence's earlier positions, ``([kv_heads, n, head_dim], [kv_heads, n, head_dim])``.
+            visible: bool ``[m, n + m]``: which keys (``past``'s, then these rows') each row attends; None: causal.
+                A draft tree's rows see the committed entries and their own ancestors only.
 
         Returns:
             the predicted features at ``p + 1``, ``[m, hidden_size]``, and the K/V including these positions.
@@ -183,7 +194,7 @@ class EagleHead(nn.Module):
         layer = self.layers[0]
         assert isinstance(layer, _DecoderLayer)
         normed = layer.input_layernorm(x) if layer.input_layernorm is not None else x
-        attn, present = layer.self_attn(normed, positions, past)
+        attn, present = layer.self_attn(normed, positions, past, visible)
         x = x + attn
         out: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
         return out, present

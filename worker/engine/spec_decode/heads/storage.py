@@ -5,6 +5,9 @@
 ``yuhuili/EAGLE-*`` or a Medusa repository loads the same way. Published folders may store
 ``pytorch_model.bin`` (EAGLE) or ``medusa_lm_head.safetensors`` / ``medusa_lm_head.pt`` (Medusa) instead; their
 ``config.json`` is a Llama config (EAGLE) or has ``medusa_num_heads`` / ``medusa_num_layers`` (Medusa).
+
+A folder may also hold ``draft_vocab.safetensors`` (``token_ids``, LongTensor ``[n]``): the tokens the head drafts
+over (:class:`~worker.engine.spec_decode.head_trees.DraftLMHead`), the ``n`` most frequent of its training text.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from worker.engine.spec_decode.heads.medusa import MedusaHeads
 HEAD_METHODS = ("eagle", "medusa")
 WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt")
 MEDUSA_PREFIX = "medusa_head."
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def default_heads_dir(model_dir: str | Path, method: str) -> Path:
@@ -47,6 +51,23 @@ def save_head(head: EagleHead | MedusaHeads, folder: str | Path) -> Path:
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def save_draft_vocab(folder: str | Path, sequences: list[torch.Tensor], size: int) -> Path:
+    """Write the ``size`` most frequent token ids of ``sequences`` (LongTensors) as the folder's draft vocabulary
+    (ascending ids; fewer when fewer distinct tokens occur); returns the file."""
+    counts = torch.bincount(torch.cat([seq.flatten() for seq in sequences]))
+    seen = int((counts > 0).sum())
+    top = counts.topk(min(size, seen)).indices.sort().values
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    save_file({"token_ids": top.to(torch.long).contiguous()}, str(path))
+    return path
+
+
+def load_draft_vocab(folder: str | Path) -> torch.Tensor | None:
+    """The folder's draft vocabulary (LongTensor ``[n]``), or None when it has none."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    return load_file(str(path))["token_ids"] if path.is_file() else None
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from worker.engine.executor.layers.attention import build_attention_metadata, cp
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.spec_decode.heads.eagle import EagleHead, EagleHeadConfig
 from worker.engine.spec_decode.heads.medusa import MedusaHeads
-from worker.engine.spec_decode.heads.storage import save_head
+from worker.engine.spec_decode.heads.storage import save_draft_vocab, save_head
 
 STATE_FILE = "train_state.pt"
 EAGLE_CE_WEIGHT = 0.1
@@ -49,7 +49,8 @@ class TrainConfig:
 
     ``num_steps`` optimizer steps of ``batch_size`` sequences each; ``lr`` the peak AdamW learning rate after
     ``warmup_steps``; ``ce_rows`` rows per sequence scored through the LM head; ``num_medusa_heads`` and
-    ``num_medusa_layers`` shape Medusa heads; ``checkpoint_every`` steps between saved states.
+    ``num_medusa_layers`` shape Medusa heads; ``checkpoint_every`` steps between saved states; ``draft_vocab_size``
+    the most frequent tokens of the data saved as the head's draft vocabulary (0: none, draft over all tokens).
     """
 
     method: str = "eagle"
@@ -63,6 +64,7 @@ class TrainConfig:
     num_medusa_layers: int = 1
     checkpoint_every: int = 50
     seed: int = 0
+    draft_vocab_size: int = 8192
 
 
 @dataclass(slots=True)
@@ -265,6 +267,8 @@ def train_heads(
         }
         torch.save(state, state_path)
         save_head(head, out_dir)
+        if config.draft_vocab_size > 0:
+            save_draft_vocab(out_dir, data.token_ids, config.draft_vocab_size)
 
     while step < config.num_steps:
         for group in optimizer.param_groups:
