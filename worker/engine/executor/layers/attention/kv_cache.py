@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_extension import cpu_kernels_available
+from kernels.cpu_kv_store import quantize_kv_store_cpu
 from kernels.reference import KV_STORAGE_DTYPES, dequantize_kv, quantize_kv
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -115,14 +117,20 @@ class QuantizedKVCache:
         return self.data.view(torch.uint8)
 
     def write(
-        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and store ``key``, ``value`` (``[num_tokens, num_kv_heads, head_size]``) at their slots.
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *, return_stored: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Quantize and store ``key``, ``value`` (``[num_tokens, num_kv_heads, head_size]``) at their slots: one
+        C++ pass on CPU in float32 when the kernels are available (:func:`kernels.cpu_kv_store.quantize_kv_store_cpu`,
+        the same bytes), else :func:`kernels.reference.quantize_kv` and indexed copies.
 
         Returns:
-            the stored values dequantized, in ``key.dtype``: what every later read of these slots sees, so a
-            fresh prompt attending its own K/V sees the same numbers as a cached prefix or a decode does.
+            with ``return_stored``, the stored values dequantized, in ``key.dtype``: what every later read of
+            these slots sees, so a fresh prompt attending its own K/V sees the same numbers as a cached prefix
+            or a decode does; else None.
         """
+        if self._store_in_cpu_kernel(key, value):
+            slots = slot_mapping.to(torch.int64)
+            return quantize_kv_store_cpu(self.data, self.scales, key, value, slots, return_stored=return_stored)
         num_kv_heads, head_size = self.data.shape[3], self.data.shape[4]
         flat_data = self._bytes.view(2, -1, num_kv_heads, head_size)
         flat_scales = self.scales.view(2, -1, num_kv_heads)
@@ -131,8 +139,17 @@ class QuantizedKVCache:
             data, scales = quantize_kv(x, self.kv_cache_dtype)
             flat_data[half].index_copy_(0, slot_mapping, data.view(torch.uint8))
             flat_scales[half].index_copy_(0, slot_mapping, scales)
-            stored.append(dequantize_kv(data, scales).to(x.dtype))
-        return stored[0], stored[1]
+            if return_stored:
+                stored.append(dequantize_kv(data, scales).to(x.dtype))
+        return (stored[0], stored[1]) if return_stored else None
+
+    def _store_in_cpu_kernel(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        return (
+            self.data.device.type == "cpu"
+            and key.dtype == value.dtype == torch.float32
+            and key.stride(-1) == value.stride(-1) == 1
+            and cpu_kernels_available()
+        )
 
     def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks ``block_ids`` dequantized: ``[2, len(block_ids), block_size, num_kv_heads, head_size]`` in ``dtype``."""
