@@ -269,10 +269,10 @@ def paged_attention_forward(
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale, soft_cap)
     kernel = plan.kernel
-    kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
 
     def attend_kernel(rows: torch.Tensor) -> torch.Tensor:
         assert kernel is not None
+        kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
         return paged_attention_cpu(
             rows,
             kv_data,
