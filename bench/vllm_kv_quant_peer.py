@@ -4,8 +4,9 @@ in bench/.vllm-venv. Prints one JSON object: ``tok_per_s``, ``num_blocks``, ``pr
 (most running requests after a step), ``num_output_tokens``.
 
 Usage: python bench/vllm_kv_quant_peer.py WORKLOAD_JSON MODEL_DIR KV_CACHE_DTYPE KV_CACHE_MIB [--eager]
-``--eager``: no torch.compile (its compile ran past 15 minutes on a loaded 2-core machine). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its scheduler can be read after
-each step; otherwise as bench/vllm_peer.py (float32, all cores, compiled).
+``--eager``: no torch.compile (its compile ran past 15 minutes on a loaded 2-core machine). The engine core
+runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its scheduler can be read after each step;
+otherwise as bench/vllm_peer.py (float32, all cores, compiled).
 """
 
 import json
