@@ -32,6 +32,7 @@ def main() -> None:
         max_model_len=1024,
         seed=0,
         enforce_eager="--eager" in sys.argv,
+        disable_log_stats=False,  # llm.get_metrics() (the preemption counter) needs the stat loggers
     )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
