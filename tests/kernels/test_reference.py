@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import paged_attention_reference, reshape_and_cache
+from kernels.reference import (
+    dequantize_kv_int4,
+    paged_attention_reference,
+    quantize_kv_int4,
+    reshape_and_cache,
+)
 from worker.engine.executor.layers.attention import build_attention_metadata, paged_attention_forward, write_to_kv_cache
 
 NUM_BLOCKS = 128
@@ -174,3 +179,22 @@ def test_build_attention_metadata_slots_and_shapes():
 def test_build_attention_metadata_rejects_bad_input(query_lens, seq_lens, block_tables, message):
     with pytest.raises(ValueError, match=message):
         build_attention_metadata(query_lens, seq_lens, block_tables, block_size=4, num_queries_per_kv=1)
+
+
+def test_int4_rows_round_trip_within_half_a_step_per_group():
+    """Two codes a byte (element 2i low), a scale and zero per group of 32 channels; every element comes back
+    within half its group's step; a constant group comes back exactly; a 16-channel head is one group."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 64, generator=gen) * torch.linspace(0.1, 10, 64)
+    x[1, 0, 32:] = 2.5
+    data, params = quantize_kv_int4(x)
+    assert data.dtype == torch.uint8 and data.shape == (3, 2, 32) and params.shape == (3, 2, 4)
+    back = dequantize_kv_int4(data, params)
+    step = params[..., 0::2].repeat_interleave(32, dim=-1)
+    assert bool(((back - x).abs() <= step / 2 + 1e-5).all())
+    assert torch.equal(back[1, 0, 32:], x[1, 0, 32:])
+    codes = torch.floor((x[0, 0, :2] - params[0, 0, 1]) / params[0, 0, 0] + 0.5)
+    assert data[0, 0, 0].item() == int(codes[0]) | int(codes[1]) << 4
+    assert quantize_kv_int4(x[..., :16])[1].shape == (3, 2, 2)
+    with pytest.raises(ValueError, match="divisible"):
+        quantize_kv_int4(x[..., :48])

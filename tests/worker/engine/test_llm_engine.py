@@ -237,29 +237,43 @@ def test_waiting_and_running_counts_are_taken_when_stats_are_made(model_dir, pro
 
 
 @pytest.fixture(scope="module")
-def int8_alone(model_dir, prompts):
-    """Each prompt run alone on the int8 cache without the prefix cache: the reference of the int8 cache's features."""
-    engine = make_engine(model_dir, kv_cache_dtype="int8", enable_prefix_caching=False)
-    return [engine.generate([prompt], GREEDY)[0].outputs[0].token_ids for prompt in prompts]
+def quantized_alone(model_dir, prompts):
+    """Each prompt run alone on a quantized cache without the prefix cache, by ``kv_cache_dtype``: the reference
+    of that cache's features."""
+    runs: dict[str, list] = {}
+
+    def alone(kv_cache_dtype):
+        if kv_cache_dtype not in runs:
+            engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+            runs[kv_cache_dtype] = [engine.generate([prompt], GREEDY)[0].outputs[0].token_ids for prompt in prompts]
+        return runs[kv_cache_dtype]
+
+    return alone
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"max_num_batched_tokens": 8}, {"num_gpu_blocks_override": 16, "max_num_batched_tokens": 32}],
     ids=["batched-prefix-cached", "chunked", "preempted"],
 )
-def test_int8_cache_batched_chunked_and_preempted_equal_each_prompt_alone(model_dir, prompts, int8_alone, overrides):
+def test_quantized_cache_batched_chunked_and_preempted_equal_each_prompt_alone(
+    model_dir, prompts, quantized_alone, overrides, kv_cache_dtype
+):
     """Every path reads the same dequantized values (a fresh prompt its own stored K/V too), so batching,
-    chunked prefill, preemption and prefix-cache hits change nothing on the int8 cache either."""
-    engine = make_engine(model_dir, kv_cache_dtype="int8", **overrides)
+    chunked prefill, preemption and prefix-cache hits change nothing on the int8 (or int4) cache either."""
+    engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype, **overrides)
     outputs = run_checked(engine, prompts, GREEDY)
-    assert [out.outputs[0].token_ids for out in outputs] == int8_alone
+    assert [out.outputs[0].token_ids for out in outputs] == quantized_alone(kv_cache_dtype)
     assert (engine.make_stats().num_preemptions > 0) == ("num_gpu_blocks_override" in overrides)
 
 
-@pytest.mark.parametrize(("kv_cache_dtype", "element_bytes"), [("auto", 16 * 4), ("int8", 16 + 4), ("fp8", 16 + 4)])
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "element_bytes"), [("auto", 16 * 4), ("int8", 16 + 4), ("fp8", 16 + 4), ("int4", 8 + 2 * 4)]
+)
 def test_the_block_count_at_a_fixed_budget_is_the_byte_ratio(model_dir, kv_cache_dtype, element_bytes):
-    """Tiny Llama: 2 layers, 2 KV heads of 16; a (token, KV head) takes 16 float32 or 16 bytes and a float32 scale."""
+    """Tiny Llama: 2 layers, 2 KV heads of 16; a (token, KV head) takes 16 float32 or 16 bytes and a float32 scale
+    (int4: 8 bytes and one group's float32 scale and zero)."""
     engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=1 << 20)
     runner = engine.model_runner
     assert runner.bytes_per_block == 2 * 2 * 4 * 2 * element_bytes
@@ -268,5 +282,5 @@ def test_the_block_count_at_a_fixed_budget_is_the_byte_ratio(model_dir, kv_cache
 
 
 def test_unknown_kv_cache_dtype_is_refused(model_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'int8', 'fp8_e4m3', 'fp8'"):
-        EngineConfig(model=str(model_dir), kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'int8', 'fp8_e4m3', 'int4', 'fp8'"):
+        EngineConfig(model=str(model_dir), kv_cache_dtype="int2")

@@ -242,8 +242,10 @@ class ModelRunner:
         num_kv_heads = num_kv_heads_of(model_config)
         head_size = head_size_of(model_config)
         self.num_queries_per_kv = int(model_config.num_attention_heads) // num_kv_heads
-        self.use_cpu_kernels = cpu_kernels_apply(self.device, self.dtype)
-        self.use_triton_kernels = triton_kernels_apply(self.device)
+        # NOTE: the int4 cache has no kernel yet: every row then attends gathered, dequantized blocks.
+        kernel_cache = config.kv_cache_dtype != "int4"
+        self.use_cpu_kernels = kernel_cache and cpu_kernels_apply(self.device, self.dtype)
+        self.use_triton_kernels = kernel_cache and triton_kernels_apply(self.device)
         self.sliding_window = self.model.sliding_window
         self.long_rope_original_max = self.model.long_rope_original_max
         self.kv_cache_dtype = config.kv_cache_dtype

@@ -5,6 +5,9 @@ elements in one byte each, ``data: [2, num_blocks, block_size, num_kv_heads, hea
 float cache, so block tables, slots and copy-on-write are unchanged), and beside it one float32 scale per
 stored (token, KV head), ``scales: [2, num_blocks, block_size, num_kv_heads]``: a slot's scales belong to
 the slot, so every operation on block ids (prefix caching, forks, preemption) carries them along.
+``"int4"`` packs two 4-bit codes a byte, ``data: [..., head_size // 2]``, with a float32 scale and zero per
+group of channels, ``scales: [..., 2 * num_groups]`` (:func:`kernels.reference.quantize_kv_int4`); no kernel
+reads it yet, so an int4 engine attends gathered, dequantized blocks on every path.
 Writes quantize (:func:`kernels.reference.quantize_kv`); the C++ kernel reads the blocks in place; the
 PyTorch paths dequantize the blocks they gather (docs/engine.md, "Quantized KV cache").
 
@@ -21,9 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import KV_STORAGE_DTYPES, dequantize_kv, quantize_kv
+from kernels.cpu_extension import cpu_kernels_available
+from kernels.cpu_kv_store import quantize_kv_store_cpu
+from kernels.reference import (
+    KV_STORAGE_DTYPES,
+    dequantize_kv,
+    dequantize_kv_int4,
+    kv_int4_group_size,
+    quantize_kv,
+    quantize_kv_int4,
+)
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "int4")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
@@ -41,9 +53,16 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
 
 
 def kv_cache_bytes_per_token_head(kv_cache_dtype: str, head_size: int, dtype: torch.dtype) -> int:
-    """Bytes one (token, KV head) takes in K or V: ``head_size`` elements, plus a float32 scale when quantized."""
+    """Bytes one (token, KV head) takes in K or V: ``head_size`` elements, plus a float32 scale when quantized
+    (int4: half a byte an element and a float32 scale and zero per group, :func:`kernels.reference.quantize_kv_int4`).
+
+    Raises:
+        ValueError: for int4, on a ``head_size`` its groups do not divide.
+    """
     if kv_cache_dtype == "auto":
         return head_size * dtype.itemsize
+    if kv_cache_dtype == "int4":
+        return head_size // 2 + 2 * 4 * (head_size // kv_int4_group_size(head_size))
     return head_size * KV_STORAGE_DTYPES[kv_cache_dtype].itemsize + 4
 
 
@@ -52,9 +71,11 @@ class QuantizedKVCache:
     """One layer's quantized blocks and their scales.
 
     Attributes:
-        data: int8 or float8_e4m3fn ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
-        scales: float32 ``[2, num_blocks, block_size, num_kv_heads]``; a value is ``element * scale``.
-        kv_cache_dtype: ``"int8"`` or ``"fp8_e4m3"``.
+        data: int8 or float8_e4m3fn ``[2, num_blocks, block_size, num_kv_heads, head_size]``; for int4, uint8
+            ``[..., head_size // 2]``, two codes a byte.
+        scales: float32 ``[2, num_blocks, block_size, num_kv_heads]``; a value is ``element * scale``; for int4
+            ``[..., 2 * num_groups]``, each group's scale and zero (:func:`kernels.reference.quantize_kv_int4`).
+        kv_cache_dtype: ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``.
         key_smoothing: float32 ``[num_kv_heads, head_size]``, positive: a stored key is ``k / key_smoothing``
             (the queries meet it as ``q * key_smoothing``, :meth:`smooth`); None: keys stored as they are.
     """
@@ -82,8 +103,13 @@ class QuantizedKVCache:
             ValueError: on a ``key_smoothing`` of another shape or with an entry that is not positive.
         """
         shape = (2, num_blocks, block_size, num_kv_heads)
-        data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
-        scales = torch.zeros(shape, dtype=torch.float32, device=device)
+        if kv_cache_dtype == "int4":
+            data = torch.zeros(*shape, head_size // 2, dtype=torch.uint8, device=device)
+            num_params = 2 * (head_size // kv_int4_group_size(head_size))
+            scales = torch.zeros(*shape, num_params, dtype=torch.float32, device=device)
+        else:
+            data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
+            scales = torch.zeros(shape, dtype=torch.float32, device=device)
         if key_smoothing is None:
             return cls(data, scales, kv_cache_dtype)
         if key_smoothing.shape != (num_kv_heads, head_size) or not bool((key_smoothing > 0).all()):
@@ -106,7 +132,9 @@ class QuantizedKVCache:
 
     @property
     def shape(self) -> torch.Size:
-        """The shape of ``data`` (that of a float cache)."""
+        """The shape of a float cache of these blocks: ``data``'s (int4: its last dimension doubled)."""
+        if self.kv_cache_dtype == "int4":
+            return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
         return self.data.shape
 
     @property
@@ -115,29 +143,50 @@ class QuantizedKVCache:
         return self.data.view(torch.uint8)
 
     def write(
-        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and store ``key``, ``value`` (``[num_tokens, num_kv_heads, head_size]``) at their slots.
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *, return_stored: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Quantize and store ``key``, ``value`` (``[num_tokens, num_kv_heads, head_size]``) at their slots: one
+        C++ pass on CPU in float32 when the kernels are available (:func:`kernels.cpu_kv_store.quantize_kv_store_cpu`,
+        the same bytes), else :func:`kernels.reference.quantize_kv` and indexed copies.
 
         Returns:
-            the stored values dequantized, in ``key.dtype``: what every later read of these slots sees, so a
-            fresh prompt attending its own K/V sees the same numbers as a cached prefix or a decode does.
+            with ``return_stored``, the stored values dequantized, in ``key.dtype``: what every later read of
+            these slots sees, so a fresh prompt attending its own K/V sees the same numbers as a cached prefix
+            or a decode does; else None.
         """
-        num_kv_heads, head_size = self.data.shape[3], self.data.shape[4]
-        flat_data = self._bytes.view(2, -1, num_kv_heads, head_size)
-        flat_scales = self.scales.view(2, -1, num_kv_heads)
+        if self.kv_cache_dtype != "int4" and self._store_in_cpu_kernel(key, value):
+            slots = slot_mapping.to(torch.int64)
+            return quantize_kv_store_cpu(self.data, self.scales, key, value, slots, return_stored=return_stored)
+        flat_data, flat_scales = self._bytes.flatten(1, 2), self.scales.flatten(1, 2)
         stored = []
         for half, x in enumerate((key, value)):
-            data, scales = quantize_kv(x, self.kv_cache_dtype)
+            if self.kv_cache_dtype == "int4":
+                data, scales = quantize_kv_int4(x)
+            else:
+                data, scales = quantize_kv(x, self.kv_cache_dtype)
             flat_data[half].index_copy_(0, slot_mapping, data.view(torch.uint8))
             flat_scales[half].index_copy_(0, slot_mapping, scales)
-            stored.append(dequantize_kv(data, scales).to(x.dtype))
-        return stored[0], stored[1]
+            if return_stored:
+                stored.append(self._dequantize(data, scales).to(x.dtype))
+        return (stored[0], stored[1]) if return_stored else None
+
+    def _store_in_cpu_kernel(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        return (
+            self.data.device.type == "cpu"
+            and key.dtype == value.dtype == torch.float32
+            and key.stride(-1) == value.stride(-1) == 1
+            and cpu_kernels_available()
+        )
 
     def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks ``block_ids`` dequantized: ``[2, len(block_ids), block_size, num_kv_heads, head_size]`` in ``dtype``."""
         data = self._bytes.index_select(1, block_ids).view(self.data.dtype)
-        return dequantize_kv(data, self.scales.index_select(1, block_ids)).to(dtype)
+        return self._dequantize(data, self.scales.index_select(1, block_ids)).to(dtype)
+
+    def _dequantize(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache_dtype == "int4":
+            return dequantize_kv_int4(data, scales)
+        return dequantize_kv(data, scales)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Block ``dst[i]`` becomes block ``src[i]``, elements and scales, reading both as before the call."""
@@ -163,8 +212,7 @@ def copy_slots(kv_cache: KVCache, src_slots: torch.Tensor, dst_slots: torch.Tens
     quantized cache's scales), all read before any is written (mutates ``kv_cache``): the accepted path of a
     verified draft tree moves to the sequence's consecutive slots."""
     if isinstance(kv_cache, QuantizedKVCache):
-        num_kv_heads, head_size = kv_cache.data.shape[3], kv_cache.data.shape[4]
-        parts = [kv_cache._bytes.view(2, -1, num_kv_heads, head_size), kv_cache.scales.view(2, -1, num_kv_heads)]
+        parts = [kv_cache._bytes.flatten(1, 2), kv_cache.scales.flatten(1, 2)]
     else:
         parts = [kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])]
     for flat in parts:
@@ -172,7 +220,13 @@ def copy_slots(kv_cache: KVCache, src_slots: torch.Tensor, dst_slots: torch.Tens
 
 
 def kv_cache_data_and_scales(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The arguments of the attention kernels: the element tensor and its scales (None for a float cache)."""
+    """The arguments of the attention kernels: the element tensor and its scales (None for a float cache).
+
+    Raises:
+        ValueError: for an int4 cache (no kernel reads it).
+    """
     if isinstance(kv_cache, QuantizedKVCache):
+        if kv_cache.kv_cache_dtype == "int4":
+            raise ValueError("no attention kernel reads an int4 KV cache; build the metadata without kernels")
         return kv_cache.data, kv_cache.scales
     return kv_cache, None

@@ -178,8 +178,13 @@ def _attend_triton(
 
 
 def write_to_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: KVCache,
+    slot_mapping: torch.Tensor,
+    *,
+    return_stored: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Store new K/V at their slots in one indexed copy each (vectorised ``reshape_and_cache``; a quantized
     cache quantizes them on the way, :meth:`QuantizedKVCache.write`).
 
@@ -188,17 +193,18 @@ def write_to_kv_cache(
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous, or a
             :class:`QuantizedKVCache`; mutated.
         slot_mapping: ``LongTensor[num_tokens]`` of distinct valid slots.
+        return_stored: return what was stored (a quantized cache then dequantizes it).
 
     Returns:
-        ``(key, value)`` as later reads will see them: the arguments themselves for a float cache, their
-        dequantized stored values for a quantized one.
+        with ``return_stored``, ``(key, value)`` as later reads will see them: the arguments themselves for a
+        float cache, their dequantized stored values for a quantized one; else None.
     """
     if isinstance(kv_cache, QuantizedKVCache):
-        return kv_cache.write(key, value, slot_mapping)
+        return kv_cache.write(key, value, slot_mapping, return_stored=return_stored)
     flat_cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
-    return key, value
+    return (key, value) if return_stored else None
 
 
 def paged_attention_forward(
@@ -250,7 +256,12 @@ def paged_attention_forward(
         return _attend_triton(
             query, key, value, kv_cache, attn_metadata, plan.triton, scale, plan.sliding_window, soft_cap
         )
-    key, value = write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+    # NOTE: only a fresh prefill attends this step's K/V directly; every other path reads them from the cache.
+    stored = write_to_kv_cache(
+        key, value, kv_cache, attn_metadata.slot_mapping, return_stored=bool(plan.fresh_prefills)
+    )
+    if stored is not None:
+        key, value = stored
     block_size = plan.block_size
     assert kv_cache.shape[2] == block_size and query.shape[1] == plan.num_queries_per_kv * kv_cache.shape[3]
     if plan.cascade is not None:
@@ -258,10 +269,10 @@ def paged_attention_forward(
     if plan.covers_batch_in_order:
         return _attend_group(query, kv_cache, plan.groups[0], block_size, scale, soft_cap)
     kernel = plan.kernel
-    kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
 
     def attend_kernel(rows: torch.Tensor) -> torch.Tensor:
         assert kernel is not None
+        kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
         return paged_attention_cpu(
             rows,
             kv_data,

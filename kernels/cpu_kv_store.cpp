@@ -1,0 +1,121 @@
+// Quantize-on-store for a quantized paged KV cache (int8 or fp8 e4m3 elements, one float32 scale per stored
+// (token, KV head); docs/engine.md "Quantized KV cache").
+//
+// Registered as the Torch op `batchinfer_cpu::quantize_kv_store_` (built and loaded by cpu_extension.py).
+// One pass per (token, KV head) row of K and of V: the row's absmax, its scale (absmax / q_max, 1 for an all-zero
+// row), the elements divided by the scale, clamped to +-q_max and rounded (int8: half away from zero; fp8:
+// to nearest even, c10's cast), stored at the token's slot with the scale. The same float operations in the
+// same order as kernels/reference.py:quantize_kv (its twin), so the stored bytes and scales are identical.
+// Optionally it also writes each row as stored (element * scale), what every later read sees. This replaces
+// two dozen small tensor ops per layer and step (abs, amax, where, divide, clamp, round, cast, indexed copies).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+constexpr float kInt8Max = 127.0f;
+constexpr float kFp8Max = 448.0f;
+
+// Row `x` (n floats) quantized into `data` with its scale returned; `stored` (or null) gets element * scale.
+template <bool kInt8>
+float quantize_row(const float* __restrict x, int64_t n, uint8_t* __restrict data, float* __restrict stored) {
+  const float q_max = kInt8 ? kInt8Max : kFp8Max;
+  float amax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax > 0.0f ? amax / q_max : 1.0f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float y = std::min(std::max(x[d] / scale, -q_max), q_max);
+    float value;
+    if constexpr (kInt8) {
+      const float rounded = std::copysign(std::floor(std::fabs(y) + 0.5f), y);
+      const int8_t q = static_cast<int8_t>(rounded);
+      data[d] = static_cast<uint8_t>(q);
+      value = static_cast<float>(q);
+    } else {
+      const c10::Float8_e4m3fn q(y);
+      data[d] = q.x;
+      value = static_cast<float>(q);
+    }
+    if (stored != nullptr) stored[d] = value * scale;
+  }
+  return scale;
+}
+
+void check_rows(const at::Tensor& x, const char* name, int64_t num_tokens, int64_t num_kv_heads, int64_t head_size) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == num_tokens &&
+                  x.size(1) == num_kv_heads && x.size(2) == head_size && x.stride(2) == 1,
+              "quantize_kv_store_: ", name, " must be float32 [num_tokens, num_kv_heads, head_size] with unit last stride");
+}
+
+void quantize_kv_store(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& slot_mapping, const std::optional<at::Tensor>& key_stored,
+                       const std::optional<at::Tensor>& value_stored) {
+  const bool int8 = data.scalar_type() == at::kChar;
+  TORCH_CHECK(data.device().is_cpu() && (int8 || data.scalar_type() == at::kFloat8_e4m3fn) && data.is_contiguous() &&
+                  data.dim() == 5 && data.size(0) == 2,
+              "quantize_kv_store_: data must be a contiguous int8 or float8_e4m3fn [2, num_blocks, block_size, num_kv_heads, head_size]");
+  const int64_t num_slots = data.size(1) * data.size(2), num_kv_heads = data.size(3), head_size = data.size(4);
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 4 && scales.size(0) == 2 && scales.size(1) * scales.size(2) == num_slots &&
+                  scales.size(3) == num_kv_heads,
+              "quantize_kv_store_: scales must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads]");
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.is_contiguous(),
+              "quantize_kv_store_: slot_mapping must be a contiguous int64 [num_tokens]");
+  const int64_t num_tokens = slot_mapping.size(0);
+  check_rows(key, "key", num_tokens, num_kv_heads, head_size);
+  check_rows(value, "value", num_tokens, num_kv_heads, head_size);
+  const bool with_stored = key_stored.has_value() && key_stored->defined();
+  TORCH_CHECK(with_stored == (value_stored.has_value() && value_stored->defined()),
+              "quantize_kv_store_: key_stored and value_stored come together");
+  if (with_stored) {
+    for (const at::Tensor* t : {&*key_stored, &*value_stored}) {
+      TORCH_CHECK(t->is_contiguous(), "quantize_kv_store_: key_stored and value_stored must be contiguous");
+      check_rows(*t, "key_stored/value_stored", num_tokens, num_kv_heads, head_size);
+    }
+  }
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "quantize_kv_store_: slot ", slots[t], " out of range");
+  }
+  uint8_t* data_ptr = static_cast<uint8_t*>(data.data_ptr());
+  float* scales_ptr = scales.data_ptr<float>();
+  const int64_t row_elements = num_kv_heads * head_size;
+  const at::Tensor* sources[2] = {&key, &value};
+  float* stored_ptrs[2] = {with_stored ? key_stored->data_ptr<float>() : nullptr,
+                           with_stored ? value_stored->data_ptr<float>() : nullptr};
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const at::Tensor& x = *sources[half];
+      const float* x_ptr = x.data_ptr<float>();
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          const float* row = x_ptr + t * x.stride(0) + g * x.stride(1);
+          const int64_t slot_row = (half * num_slots + slots[t]) * num_kv_heads + g;
+          uint8_t* dst = data_ptr + slot_row * head_size;
+          float* stored = stored_ptrs[half] == nullptr ? nullptr : stored_ptrs[half] + t * row_elements + g * head_size;
+          scales_ptr[slot_row] =
+              int8 ? quantize_row<true>(row, head_size, dst, stored) : quantize_row<false>(row, head_size, dst, stored);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
+  m.def(
+      "quantize_kv_store_(Tensor(a!) data, Tensor(b!) scales, Tensor key, Tensor value, Tensor slot_mapping, "
+      "Tensor(c!)? key_stored=None, Tensor(d!)? value_stored=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("quantize_kv_store_", quantize_kv_store); }
