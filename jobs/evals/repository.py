@@ -28,7 +28,14 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.errors import Conflict, InvalidRequest, NotFound
-from jobs.evals.criteria import EMBEDDING_METRICS, CriteriaError, TextSimilarityCriterion, parse_testing_criteria
+from jobs.evals.criteria import (
+    EMBEDDING_METRICS,
+    CriteriaError,
+    LabelModelCriterion,
+    ScoreModelCriterion,
+    TextSimilarityCriterion,
+    parse_testing_criteria,
+)
 from jobs.evals.data_sources import check_template_fields, line_body, load_rows, parse_data_source
 from jobs.evals.templates import TemplateError
 from jobs.files import write_file
@@ -82,6 +89,17 @@ def _template_texts(value: Any, path: str) -> list[tuple[str, str]]:
     return []
 
 
+def _check_grader_model(model: str, index: int, model_aliases: Mapping[str, str]) -> None:
+    """Refuse a model grader's ``model`` that is not a served generate model (name or alias)."""
+    if model not in model_aliases:
+        raise InvalidRequest(
+            f"testing_criteria[{index}].model {model!r} is not served here; "
+            f"use one of {', '.join(sorted(set(model_aliases.values())))}",
+            param=f"testing_criteria[{index}].model",
+            code="model_not_found",
+        )
+
+
 def create_eval(
     session: Session,
     *,
@@ -91,18 +109,22 @@ def create_eval(
     name: str | None = None,
     metadata: dict[str, str] | None = None,
     owner: str | None = None,
+    model_aliases: Mapping[str, str],
     now: int | None = None,
     has_embedding_model: bool = True,
 ) -> Eval:
     """Insert an eval (flushed, not committed).
 
+    ``model_aliases`` maps every name a model grader's ``model`` may give (the deployment's generate models
+    and their aliases, `jobs.config.Settings.generate_model_aliases`) to its model's name.
     ``has_embedding_model``: the deployment lists an ``embed`` model, which ``cosine`` text similarity needs.
 
     Raises:
         InvalidRequest: ``item_schema`` is not a valid JSON schema (``param="data_source_config.item_schema"``),
             a testing criterion is refused (`jobs.evals.criteria.CriteriaError`; ``param`` is
             ``testing_criteria[i].<field>``), a criterion's template names an item field the schema
-            does not list, or bad ``name``/``metadata``.
+            does not list, a model grader's ``model`` is not served (``testing_criteria[i].model``), or bad
+            ``name``/``metadata``.
     """
     try:
         jsonschema.validators.validator_for(item_schema).check_schema(item_schema)
@@ -117,6 +139,8 @@ def create_eval(
         message = str(exc)
         raise InvalidRequest(message, param=message.split(":", 1)[0]) from None
     for index, parsed in enumerate(criteria):
+        if isinstance(parsed, ScoreModelCriterion | LabelModelCriterion):
+            _check_grader_model(parsed.model, index, model_aliases)
         if not isinstance(parsed, TextSimilarityCriterion):
             continue
         metric = parsed.evaluation_metric
