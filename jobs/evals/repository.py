@@ -33,6 +33,7 @@ from jobs.evals.criteria import (
     CriteriaError,
     LabelModelCriterion,
     ScoreModelCriterion,
+    TestingCriterion,
     TextSimilarityCriterion,
     parse_testing_criteria,
 )
@@ -100,6 +101,19 @@ def _check_grader_model(model: str, index: int, model_aliases: Mapping[str, str]
         )
 
 
+def _check_distinct_names(criteria: list[TestingCriterion]) -> None:
+    """Refuse a criterion ``name`` used twice: results (``per_testing_criteria_results``) are keyed by it."""
+    first_index: dict[str, int] = {}
+    for index, criterion in enumerate(criteria):
+        if criterion.name in first_index:
+            raise InvalidRequest(
+                f"testing_criteria[{index}].name: {criterion.name!r} is already the name of "
+                f"testing_criteria[{first_index[criterion.name]}]; criterion names must be distinct",
+                param=f"testing_criteria[{index}].name",
+            )
+        first_index[criterion.name] = index
+
+
 def create_eval(
     session: Session,
     *,
@@ -123,7 +137,8 @@ def create_eval(
         InvalidRequest: ``item_schema`` is not a valid JSON schema (``param="data_source_config.item_schema"``),
             a testing criterion is refused (`jobs.evals.criteria.CriteriaError`; ``param`` is
             ``testing_criteria[i].<field>``), a criterion's template names an item field the schema
-            does not list, a model grader's ``model`` is not served (``testing_criteria[i].model``), or bad
+            does not list, a model grader's ``model`` is not served (``testing_criteria[i].model``), a
+            criterion ``name`` used twice (``testing_criteria[j].name``, the later one), or bad
             ``name``/``metadata``.
     """
     try:
@@ -138,6 +153,7 @@ def create_eval(
     except CriteriaError as exc:
         message = str(exc)
         raise InvalidRequest(message, param=message.split(":", 1)[0]) from None
+    _check_distinct_names(criteria)
     for index, parsed in enumerate(criteria):
         if isinstance(parsed, ScoreModelCriterion | LabelModelCriterion):
             _check_grader_model(parsed.model, index, model_aliases)
