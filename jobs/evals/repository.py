@@ -137,9 +137,9 @@ def create_eval(
         InvalidRequest: ``item_schema`` is not a valid JSON schema (``param="data_source_config.item_schema"``),
             a testing criterion is refused (`jobs.evals.criteria.CriteriaError`; ``param`` is
             ``testing_criteria[i].<field>``), a criterion's template names an item field the schema
-            does not list, a model grader's ``model`` is not served (``testing_criteria[i].model``), a
-            criterion ``name`` used twice (``testing_criteria[j].name``, the later one), or bad
-            ``name``/``metadata``.
+            does not list, a model grader's ``model`` is not served (``testing_criteria[i].model``), no
+            criterion (``testing_criteria``), a criterion ``name`` used twice (``testing_criteria[j].name``,
+            the later one), or bad ``name``/``metadata``.
     """
     try:
         jsonschema.validators.validator_for(item_schema).check_schema(item_schema)
@@ -153,6 +153,8 @@ def create_eval(
     except CriteriaError as exc:
         message = str(exc)
         raise InvalidRequest(message, param=message.split(":", 1)[0]) from None
+    if not criteria:
+        raise InvalidRequest("testing_criteria: must list at least one grader", param="testing_criteria")
     _check_distinct_names(criteria)
     for index, parsed in enumerate(criteria):
         if isinstance(parsed, ScoreModelCriterion | LabelModelCriterion):

@@ -276,6 +276,7 @@ def test_list_update_and_delete(sdk: openai.OpenAI) -> None:
         ([EXACT], {"item_schema": {"type": "objekt"}}, "data_source_config.item_schema", "not a valid JSON schema"),
         ([EXACT, {**LABEL_JUDGE, "model": "gpt-4o"}], {}, "testing_criteria[1].model", "'gpt-4o' is not served"),
         ([{**SCORE_JUDGE, "model": "gpt-4o"}], {}, "testing_criteria[0].model", "'gpt-4o' is not served"),
+        ([], {}, "testing_criteria", "at least one grader"),
         ([EXACT, CONTAINS, {**CONTAINS, "operation": "like"}], {}, "testing_criteria[2].name", "'contains'"),
     ],
 )
