@@ -304,6 +304,7 @@ def test_a_refused_eval_is_a_400_naming_the_problem(
         ({"model": "gpt-4o"}, "data_source.model", "gpt-4o"),
         ({"sampling_params": {"temperature": 5}}, "data_source.sampling_params.temperature", "temperature"),
         ({"type": "stored_completions"}, "data_source.type", "stored_completions"),
+        ({"type": "responses", "sampling_params": {"n": 2}}, "data_source.sampling_params.n", "completions"),
         ({"source": {"type": "file_id", "id": "file-nope"}}, "data_source.source.id", "file-nope"),
     ],
 )
