@@ -96,7 +96,7 @@ def test_more_items_than_the_limit_are_refused(service_settings: Settings) -> No
 
 
 def test_cosine_needs_an_embedding_model_in_the_deployment(service_settings: Settings) -> None:
-    cosine = {**CHECK, "type": "text_similarity", "evaluation_metric": "cosine", "pass_threshold": 0.5}
+    cosine = {**CHECK, "name": "close", "type": "text_similarity", "evaluation_metric": "cosine", "pass_threshold": 0.5}
     del cosine["operation"]
     with session_scope() as session, pytest.raises(InvalidRequest, match="needs an embedding model") as refused:
         create_eval(
