@@ -50,6 +50,7 @@ from jobs.models import (
     EvalOutputItem,
     EvalRun,
     RequestState,
+    Schedule,
     new_id,
 )
 from jobs.paging import UnknownCursor, keyset_page
@@ -246,7 +247,8 @@ def update_eval(
 
 
 def delete_eval(session: Session, *, eval_id: str, owner: str | None = None) -> None:
-    """Delete the eval with its runs and their items; runs still generating have their batch cancelled.
+    """Delete the eval with its runs and their items, and the schedules that create its runs; runs still
+    generating have their batch cancelled.
 
     Raises:
         NotFound: no such eval (of ``owner``).
@@ -254,6 +256,7 @@ def delete_eval(session: Session, *, eval_id: str, owner: str | None = None) -> 
     row = get_eval(session, eval_id=eval_id, owner=owner)
     for run_id in session.scalars(select(EvalRun.id).where(EvalRun.eval_id == eval_id)):
         delete_run(session, eval_id=eval_id, run_id=run_id)
+    session.execute(delete(Schedule).where(Schedule.eval_id == eval_id))
     session.delete(row)
     session.flush()
 
