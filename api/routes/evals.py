@@ -76,6 +76,7 @@ def create(request: EvalCreateRequest, session: SessionDep, owner: OwnerDep, set
     """Create an eval; a refused item schema, grader or template is a 400 naming the field."""
     row = create_eval(
         session,
+        model_aliases=settings.generate_model_aliases,
         has_embedding_model=any(entry.kind == "embed" for entry in settings.models),
         item_schema=request.data_source_config.item_schema,
         include_sample_schema=request.data_source_config.include_sample_schema,

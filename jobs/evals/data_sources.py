@@ -73,8 +73,8 @@ def parse_data_source(
     Raises:
         InvalidRequest: ``param`` names the field: an unknown ``type`` or source, a model that is not
             served, input messages that are neither a template nor an item reference, a template
-            that does not parse or names an item field ``item_schema`` does not list, or sampling
-            params a line body would refuse.
+            that does not parse or names an item field ``item_schema`` does not list, sampling
+            params a line body would refuse, or ``sampling_params.n`` on a ``responses`` source.
     """
     kind = raw.get("type")
     if kind not in SOURCE_TYPES:
@@ -94,6 +94,12 @@ def parse_data_source(
         )
     input_messages = _parse_input_messages(raw.get("input_messages"), item_schema)
     sampling_params = dict(raw.get("sampling_params") or {})
+    if kind == "responses" and sampling_params.get("n") is not None:
+        raise InvalidRequest(
+            "data_source.sampling_params.n: samples per item are for completions data sources only; "
+            "a responses line has no n",
+            param="data_source.sampling_params.n",
+        )
     data_source = RunDataSource(kind, ENDPOINTS[kind], source, input_messages, model, sampling_params)
     probe = {"role": "user", "content": "probe"}
     try:
@@ -269,7 +275,6 @@ def _body(data_source: RunDataSource, messages: list[dict[str, Any]]) -> dict[st
             body["max_output_tokens"] = params["max_completion_tokens"]
         if params.get("text") is not None:
             body["text"] = params["text"]
-        body.pop("n", None)
         return body
     body["messages"] = messages
     for name in ("max_completion_tokens", "response_format"):

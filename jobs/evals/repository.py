@@ -28,7 +28,15 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.errors import Conflict, InvalidRequest, NotFound
-from jobs.evals.criteria import EMBEDDING_METRICS, CriteriaError, TextSimilarityCriterion, parse_testing_criteria
+from jobs.evals.criteria import (
+    EMBEDDING_METRICS,
+    CriteriaError,
+    LabelModelCriterion,
+    ScoreModelCriterion,
+    TestingCriterion,
+    TextSimilarityCriterion,
+    parse_testing_criteria,
+)
 from jobs.evals.data_sources import check_template_fields, line_body, load_rows, parse_data_source
 from jobs.evals.templates import TemplateError
 from jobs.files import write_file
@@ -42,6 +50,7 @@ from jobs.models import (
     EvalOutputItem,
     EvalRun,
     RequestState,
+    Schedule,
     new_id,
 )
 from jobs.paging import UnknownCursor, keyset_page
@@ -82,6 +91,30 @@ def _template_texts(value: Any, path: str) -> list[tuple[str, str]]:
     return []
 
 
+def _check_grader_model(model: str, index: int, model_aliases: Mapping[str, str]) -> None:
+    """Refuse a model grader's ``model`` that is not a served generate model (name or alias)."""
+    if model not in model_aliases:
+        raise InvalidRequest(
+            f"testing_criteria[{index}].model {model!r} is not served here; "
+            f"use one of {', '.join(sorted(set(model_aliases.values())))}",
+            param=f"testing_criteria[{index}].model",
+            code="model_not_found",
+        )
+
+
+def _check_distinct_names(criteria: list[TestingCriterion]) -> None:
+    """Refuse a criterion ``name`` used twice: results (``per_testing_criteria_results``) are keyed by it."""
+    first_index: dict[str, int] = {}
+    for index, criterion in enumerate(criteria):
+        if criterion.name in first_index:
+            raise InvalidRequest(
+                f"testing_criteria[{index}].name: {criterion.name!r} is already the name of "
+                f"testing_criteria[{first_index[criterion.name]}]; criterion names must be distinct",
+                param=f"testing_criteria[{index}].name",
+            )
+        first_index[criterion.name] = index
+
+
 def create_eval(
     session: Session,
     *,
@@ -91,18 +124,23 @@ def create_eval(
     name: str | None = None,
     metadata: dict[str, str] | None = None,
     owner: str | None = None,
+    model_aliases: Mapping[str, str],
     now: int | None = None,
     has_embedding_model: bool = True,
 ) -> Eval:
     """Insert an eval (flushed, not committed).
 
+    ``model_aliases`` maps every name a model grader's ``model`` may give (the deployment's generate models
+    and their aliases, `jobs.config.Settings.generate_model_aliases`) to its model's name.
     ``has_embedding_model``: the deployment lists an ``embed`` model, which ``cosine`` text similarity needs.
 
     Raises:
         InvalidRequest: ``item_schema`` is not a valid JSON schema (``param="data_source_config.item_schema"``),
             a testing criterion is refused (`jobs.evals.criteria.CriteriaError`; ``param`` is
             ``testing_criteria[i].<field>``), a criterion's template names an item field the schema
-            does not list, or bad ``name``/``metadata``.
+            does not list, a model grader's ``model`` is not served (``testing_criteria[i].model``), no
+            criterion (``testing_criteria``), a criterion ``name`` used twice (``testing_criteria[j].name``,
+            the later one), or bad ``name``/``metadata``.
     """
     try:
         jsonschema.validators.validator_for(item_schema).check_schema(item_schema)
@@ -116,7 +154,12 @@ def create_eval(
     except CriteriaError as exc:
         message = str(exc)
         raise InvalidRequest(message, param=message.split(":", 1)[0]) from None
+    if not criteria:
+        raise InvalidRequest("testing_criteria: must list at least one grader", param="testing_criteria")
+    _check_distinct_names(criteria)
     for index, parsed in enumerate(criteria):
+        if isinstance(parsed, ScoreModelCriterion | LabelModelCriterion):
+            _check_grader_model(parsed.model, index, model_aliases)
         if not isinstance(parsed, TextSimilarityCriterion):
             continue
         metric = parsed.evaluation_metric
@@ -204,7 +247,8 @@ def update_eval(
 
 
 def delete_eval(session: Session, *, eval_id: str, owner: str | None = None) -> None:
-    """Delete the eval with its runs and their items; runs still generating have their batch cancelled.
+    """Delete the eval with its runs and their items, and the schedules that create its runs; runs still
+    generating have their batch cancelled.
 
     Raises:
         NotFound: no such eval (of ``owner``).
@@ -212,6 +256,7 @@ def delete_eval(session: Session, *, eval_id: str, owner: str | None = None) -> 
     row = get_eval(session, eval_id=eval_id, owner=owner)
     for run_id in session.scalars(select(EvalRun.id).where(EvalRun.eval_id == eval_id)):
         delete_run(session, eval_id=eval_id, run_id=run_id)
+    session.execute(delete(Schedule).where(Schedule.eval_id == eval_id))
     session.delete(row)
     session.flush()
 

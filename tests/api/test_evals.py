@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from jobs.api_keys import create_key
-from jobs.config import BUILTIN_MODEL, Settings
+from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, ModelEntry, Settings
 from jobs.db import session_scope
 from jobs.evals.dispatch import dispatch_after_shard
 from jobs.models import BatchShard, EvalRun
@@ -40,6 +40,16 @@ EXACT = {
     "operation": "eq",
 }
 CONTAINS = {**EXACT, "name": "contains", "operation": "ilike"}
+JUDGE_INPUT = [{"role": "user", "content": "Is {{sample.output_text}} right for {{item.question}}?"}]
+LABEL_JUDGE = {
+    "type": "label_model",
+    "name": "judge",
+    "model": BUILTIN_MODEL,
+    "input": JUDGE_INPUT,
+    "labels": ["yes", "no"],
+    "passing_labels": ["yes"],
+}
+SCORE_JUDGE = {"type": "score_model", "name": "score", "model": BUILTIN_MODEL, "input": JUDGE_INPUT}
 ITEMS = [
     {"item": {"question": "2+2?", "answer": "4"}},
     {"item": {"question": "Sky colour?", "answer": "Blue"}},
@@ -264,6 +274,10 @@ def test_list_update_and_delete(sdk: openai.OpenAI) -> None:
         ([{**EXACT, "operation": "gt"}], {}, "testing_criteria[0].operation", ""),
         ([{**EXACT, "input": "{{ sample.output_text"}], {}, "testing_criteria[0].input", "does not parse"),
         ([EXACT], {"item_schema": {"type": "objekt"}}, "data_source_config.item_schema", "not a valid JSON schema"),
+        ([EXACT, {**LABEL_JUDGE, "model": "gpt-4o"}], {}, "testing_criteria[1].model", "'gpt-4o' is not served"),
+        ([{**SCORE_JUDGE, "model": "gpt-4o"}], {}, "testing_criteria[0].model", "'gpt-4o' is not served"),
+        ([], {}, "testing_criteria", "at least one grader"),
+        ([EXACT, CONTAINS, {**CONTAINS, "operation": "like"}], {}, "testing_criteria[2].name", "'contains'"),
     ],
 )
 def test_a_refused_eval_is_a_400_naming_the_problem(
@@ -290,6 +304,7 @@ def test_a_refused_eval_is_a_400_naming_the_problem(
         ({"model": "gpt-4o"}, "data_source.model", "gpt-4o"),
         ({"sampling_params": {"temperature": 5}}, "data_source.sampling_params.temperature", "temperature"),
         ({"type": "stored_completions"}, "data_source.type", "stored_completions"),
+        ({"type": "responses", "sampling_params": {"n": 2}}, "data_source.sampling_params.n", "completions"),
         ({"source": {"type": "file_id", "id": "file-nope"}}, "data_source.source.id", "file-nope"),
     ],
 )
@@ -303,6 +318,24 @@ def test_a_refused_run_is_a_400_naming_the_problem(client: Any, change: dict[str
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert client.get(f"/v1/evals/{eval_id}/runs").json()["data"] == []
+
+
+def test_a_model_grader_names_a_served_generate_model_or_its_alias(client: Any, service_settings: Settings) -> None:
+    service_settings.models = [*service_settings.models, ModelEntry(name="tiny", source="/m/tiny", aliases=["t"])]
+
+    def create(model: str) -> Any:
+        body = {
+            "data_source_config": {"type": "custom", "item_schema": ITEM_SCHEMA},
+            "testing_criteria": [{**LABEL_JUDGE, "model": model}, {**SCORE_JUDGE, "model": model}],
+        }
+        return client.post("/v1/evals", json=body)
+
+    for model in (BUILTIN_MODEL, "tiny", "t"):
+        response = create(model)
+        assert response.status_code == 200, response.text
+        assert [c["model"] for c in response.json()["testing_criteria"]] == [model, model]
+    refused = create(BUILTIN_EMBEDDING_MODEL)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "testing_criteria[0].model"
 
 
 def test_unknown_ids_are_404(client: Any) -> None:

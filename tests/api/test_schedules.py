@@ -203,6 +203,19 @@ def test_a_scheduled_eval_creates_a_run_at_each_tick(client: Any, service_settin
     assert (after["last_run_id"], after["last_run_at"]) == (runs[1]["id"], first_at + 86400)
 
 
+def test_deleting_an_eval_deletes_the_schedules_of_its_runs(client: Any) -> None:
+    eval_id, kept_eval_id = _create_eval(client), _create_eval(client)
+    run = {"data_source": {"type": "jsonl", "source": {"type": "file_content", "content": EVAL_ITEMS}}}
+    schedule_ids = [
+        client.post("/v1/schedules", json={"cron": "0 3 * * *", "eval_id": e, "run": run}).json()["id"]
+        for e in (eval_id, eval_id, kept_eval_id)
+    ]
+    batch_schedule_id = _create(client, input_file_id=_upload(client)).json()["id"]
+    assert client.delete(f"/v1/evals/{eval_id}").status_code == 200
+    assert [client.get(f"/v1/schedules/{s}").status_code for s in schedule_ids] == [404, 404, 200]
+    assert client.get(f"/v1/schedules/{batch_schedule_id}").status_code == 200
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -35,6 +35,7 @@ from jobs.storage import storage_from_settings
 from tests.helpers.service import postgres_url, service_settings  # noqa: F401  (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}, "a": {"type": "string"}}, "required": ["q"]}
+MODELS = {BUILTIN_MODEL: BUILTIN_MODEL}
 CHECK = {
     "type": "string_check",
     "name": "exact",
@@ -47,7 +48,12 @@ CHECK = {
 def _eval_id(**overrides: Any) -> str:
     with session_scope() as session:
         return create_eval(
-            session, item_schema=SCHEMA, include_sample_schema=False, testing_criteria=[CHECK], **overrides
+            session,
+            item_schema=SCHEMA,
+            include_sample_schema=False,
+            testing_criteria=[CHECK],
+            model_aliases=MODELS,
+            **overrides,
         ).id
 
 
@@ -90,7 +96,7 @@ def test_more_items_than_the_limit_are_refused(service_settings: Settings) -> No
 
 
 def test_cosine_needs_an_embedding_model_in_the_deployment(service_settings: Settings) -> None:
-    cosine = {**CHECK, "type": "text_similarity", "evaluation_metric": "cosine", "pass_threshold": 0.5}
+    cosine = {**CHECK, "name": "close", "type": "text_similarity", "evaluation_metric": "cosine", "pass_threshold": 0.5}
     del cosine["operation"]
     with session_scope() as session, pytest.raises(InvalidRequest, match="needs an embedding model") as refused:
         create_eval(
@@ -98,11 +104,14 @@ def test_cosine_needs_an_embedding_model_in_the_deployment(service_settings: Set
             item_schema=SCHEMA,
             include_sample_schema=False,
             testing_criteria=[CHECK, cosine],
+            model_aliases=MODELS,
             has_embedding_model=False,
         )
     assert refused.value.param == "testing_criteria[1].evaluation_metric"
     with session_scope() as session:
-        create_eval(session, item_schema=SCHEMA, include_sample_schema=False, testing_criteria=[cosine])
+        create_eval(
+            session, item_schema=SCHEMA, include_sample_schema=False, testing_criteria=[cosine], model_aliases=MODELS
+        )
 
 
 def test_grades_count_once_and_the_run_settles_when_nothing_is_pending(service_settings: Settings) -> None:
