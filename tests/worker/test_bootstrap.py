@@ -39,7 +39,7 @@ def test_engine_config_follows_settings(tmp_path, served_model_dir):
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_the_settings(tmp_path, monkeypatch):
-    monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int4")
+    monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int2")
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         Settings(data_dir=tmp_path)
     monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int8")
