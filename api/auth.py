@@ -15,8 +15,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from api.deps import SessionDep
+from api.deps import SettingsDep
 from jobs.api_keys import find_key, keys_required
+from jobs.db import session_scope
 
 
 class Unauthorized(Exception):
@@ -71,15 +72,17 @@ def is_browser_path(path: str) -> bool:
     return path == "/ui" or path.startswith("/ui/")
 
 
-def get_owner(request: Request, session: SessionDep) -> str | None:
-    """`owner_of` the request's ``Authorization`` header.
+def get_owner(request: Request, settings: SettingsDep) -> str | None:
+    """`owner_of` the request's ``Authorization`` header, read in a read-only transaction of its own
+    (ended before the endpoint's session takes a connection), so a GET takes no write lock.
 
     Raises:
         Unauthorized: the deployment has keys and the request carries none, or a wrong or revoked one.
     """
-    return owner_of(
-        session, authorization=request.headers.get("authorization", ""), browser=is_browser_path(request.url.path)
-    )
+    with session_scope(settings.database_url, read_only=True) as session:
+        return owner_of(
+            session, authorization=request.headers.get("authorization", ""), browser=is_browser_path(request.url.path)
+        )
 
 
 OwnerDep = Annotated[str | None, Depends(get_owner)]

@@ -28,8 +28,16 @@ def get_session(settings: Annotated[Settings, Depends(get_app_settings)]) -> Ite
         yield session
 
 
+def get_read_session(settings: Annotated[Settings, Depends(get_app_settings)]) -> Iterator[Session]:
+    """A read-only session (`jobs.db.session_scope` with ``read_only``) for endpoints that only read:
+    on SQLite it takes no write lock, so a GET neither waits for nor stalls a worker's write."""
+    with session_scope(settings.database_url, read_only=True) as session:
+        yield session
+
+
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 # NOTE: scope="function" commits before the response is sent. FastAPI's default ("request") commits
 # after, so a client could receive an id and ask for it before the row was visible (and a failed
 # commit could follow a 200). Background tasks run after the response, so they see the commit too.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]

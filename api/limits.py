@@ -254,7 +254,7 @@ class RequestBodies:
 
     async def _owner(self, authorization: str, *, browser: bool) -> str | None:
         def lookup() -> str | None:
-            with session_scope(self.settings.database_url) as session:
+            with session_scope(self.settings.database_url, read_only=True) as session:
                 return owner_of(session, authorization=authorization, browser=browser)
 
         async with self.admission_slots:

@@ -26,6 +26,7 @@ POOL_SIZE, MAX_OVERFLOW = 10, 10
 MAX_CONNECTIONS = POOL_SIZE + MAX_OVERFLOW
 """Connections one process's engine opens at most (kept: ``POOL_SIZE``); the API admits fewer requests at once."""
 _lock = threading.Lock()
+_READ_ONLY = "batchinfer_read_only"
 
 
 def _resolve(url: str | None) -> str:
@@ -62,7 +63,9 @@ def _create_engine(url: str) -> Engine:
     def _sqlite_begin(connection: Connection) -> None:
         # NOTE: a deferred transaction that reads and then writes fails at once (SQLITE_BUSY) when
         # another process wrote in between; IMMEDIATE takes the write lock up front and waits for it.
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # A read-only transaction takes no lock: under WAL it reads a snapshot while a writer works.
+        read_only = connection.get_execution_options().get(_READ_ONLY, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
 
@@ -90,12 +93,28 @@ def make_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
 
 
 @contextmanager
-def session_scope(url: str | None = None) -> Iterator[Session]:
-    """One transaction: commit when the block exits normally, roll back (and re-raise) on error."""
-    session = make_sessionmaker(url)()
+def session_scope(url: str | None = None, *, read_only: bool = False) -> Iterator[Session]:
+    """One transaction: commit when the block exits normally, roll back (and re-raise) on error.
+
+    ``read_only``: for readers (the API's GETs). On SQLite the transaction is a deferred ``BEGIN``, which
+    takes no write lock, so it neither waits for nor blocks a writer (a grading task storing 20,000
+    grades); on PostgreSQL it is ``READ ONLY``. Either way it ends in a rollback; a write in it raises
+    on PostgreSQL and waits for the write lock on SQLite.
+    """
+    factory = make_sessionmaker(url)
+    if read_only:
+        engine = get_engine(url)
+        option = "postgresql_readonly" if engine.dialect.name == "postgresql" else _READ_ONLY
+        engine = engine.execution_options(**{option: True})
+        session = factory(bind=engine)
+    else:
+        session = factory()
     try:
         yield session
-        session.commit()
+        if read_only:
+            session.rollback()
+        else:
+            session.commit()
     except BaseException:
         session.rollback()
         raise

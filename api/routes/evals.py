@@ -15,7 +15,7 @@ from fastapi import APIRouter, BackgroundTasks, Query, Request
 from sqlalchemy.orm import Session
 
 from api.auth import OwnerDep
-from api.deps import SessionDep, SettingsDep
+from api.deps import ReadSessionDep, SessionDep, SettingsDep
 from jobs.config import Settings
 from jobs.evals.dispatch import dispatch_grading, start_run
 from jobs.evals.repository import (
@@ -90,14 +90,14 @@ def create(request: EvalCreateRequest, session: SessionDep, owner: OwnerDep, set
 
 @router.get("", response_model=ListPage[EvalObject])
 def list_all(
-    session: SessionDep, owner: OwnerDep, after: str | None = None, limit: Limit = 20, order: Order = "asc"
+    session: ReadSessionDep, owner: OwnerDep, after: str | None = None, limit: Limit = 20, order: Order = "asc"
 ) -> ListPage[EvalObject]:
     rows, has_more = list_evals(session, after=after, limit=limit, order=order, owner=owner)
     return ListPage[EvalObject].of([EvalObject.from_row(row) for row in rows], has_more)
 
 
 @router.get("/{eval_id}", response_model=EvalObject)
-def retrieve(session: SessionDep, owner: OwnerDep, eval_id: str) -> EvalObject:
+def retrieve(session: ReadSessionDep, owner: OwnerDep, eval_id: str) -> EvalObject:
     return EvalObject.from_row(get_eval(session, eval_id=eval_id, owner=owner))
 
 
@@ -143,7 +143,7 @@ def create_a_run(
 @router.get("/{eval_id}/runs", response_model=ListPage[RunObject])
 def list_all_runs(
     request: Request,
-    session: SessionDep,
+    session: ReadSessionDep,
     owner: OwnerDep,
     eval_id: str,
     after: str | None = None,
@@ -158,7 +158,7 @@ def list_all_runs(
 
 
 @router.get("/{eval_id}/runs/{run_id}", response_model=RunObject)
-def retrieve_run(request: Request, session: SessionDep, owner: OwnerDep, eval_id: str, run_id: str) -> RunObject:
+def retrieve_run(request: Request, session: ReadSessionDep, owner: OwnerDep, eval_id: str, run_id: str) -> RunObject:
     return _run_object(session, get_run(session, eval_id=eval_id, run_id=run_id, owner=owner), request)
 
 
@@ -187,7 +187,7 @@ def remove_run(session: SessionDep, owner: OwnerDep, eval_id: str, run_id: str) 
 
 @router.get("/{eval_id}/runs/{run_id}/output_items", response_model=ListPage[OutputItemObject])
 def list_items(
-    session: SessionDep,
+    session: ReadSessionDep,
     owner: OwnerDep,
     eval_id: str,
     run_id: str,
@@ -204,7 +204,7 @@ def list_items(
 
 @router.get("/{eval_id}/runs/{run_id}/output_items/{output_item_id}", response_model=OutputItemObject)
 def retrieve_item(
-    session: SessionDep, owner: OwnerDep, eval_id: str, run_id: str, output_item_id: str
+    session: ReadSessionDep, owner: OwnerDep, eval_id: str, run_id: str, output_item_id: str
 ) -> OutputItemObject:
     item = get_output_item(session, eval_id=eval_id, run_id=run_id, output_item_id=output_item_id, owner=owner)
     return OutputItemObject.from_row(item)

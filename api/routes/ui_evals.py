@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
 from api.auth import OwnerDep
-from api.deps import SessionDep
+from api.deps import ReadSessionDep
 from api.routes.ui import templates
 from jobs.evals.repository import criterion_pass_rates, get_eval, get_run, list_evals, list_output_items, list_runs
 from jobs.models import Eval, EvalOutputItem, EvalRun
@@ -82,14 +82,14 @@ def _trend(session: Session, row: Eval, owner: str | None) -> EvalTrend:
 
 
 @router.get("", response_class=HTMLResponse)
-def evals_page(request: Request, session: SessionDep, owner: OwnerDep) -> HTMLResponse:
+def evals_page(request: Request, session: ReadSessionDep, owner: OwnerDep) -> HTMLResponse:
     rows, _ = list_evals(session, limit=MAX_EVALS, order="desc", owner=owner)
     trends = [_trend(session, row, owner) for row in rows]
     return templates.TemplateResponse(request, "evals.html", {"trends": trends, "refresh_ms": None})
 
 
 @router.get("/{eval_id}/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, session: SessionDep, owner: OwnerDep, eval_id: str, run_id: str) -> HTMLResponse:
+def run_page(request: Request, session: ReadSessionDep, owner: OwnerDep, eval_id: str, run_id: str) -> HTMLResponse:
     row = get_eval(session, eval_id=eval_id, owner=owner)
     run = get_run(session, eval_id=eval_id, run_id=run_id, owner=owner)
     failing = [

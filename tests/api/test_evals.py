@@ -7,6 +7,8 @@ process (`worker.eval_grading.grade_shard`), so every count is known in advance.
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
 from jobs.api_keys import create_key
 from jobs.config import BUILTIN_EMBEDDING_MODEL, BUILTIN_MODEL, ModelEntry, Settings
@@ -417,3 +420,37 @@ def test_a_responses_run_sends_responses_lines_and_grades_their_output_text(
     assert (done.status, done.result_counts.passed, done.result_counts.failed) == ("completed", 1, 1)
     outputs = [item.sample.output[0].content for item in sdk.evals.runs.output_items.list(run.id, eval_id=created.id)]
     assert outputs == ["four: 4", "green"]
+
+
+def test_reading_a_run_takes_no_write_lock(sdk: openai.OpenAI, service_settings: Settings) -> None:
+    """A worker storing a large run's grades holds SQLite's write lock; the run's GETs still answer at once
+    (they read a WAL snapshot) instead of queueing behind it for the 30 s busy timeout."""
+    if not service_settings.database_url.startswith("sqlite"):
+        pytest.skip("the write lock is SQLite's; PostgreSQL readers never wait for writers")
+    created = sdk.evals.create(
+        data_source_config={"type": "custom", "item_schema": ITEM_SCHEMA}, testing_criteria=[EXACT]
+    )
+    content = [{"item": {"question": "q", "answer": "a"}, "sample": {"output_text": "a"}}]
+    run = sdk.evals.runs.create(
+        created.id, data_source={"type": "jsonl", "source": {"type": "file_content", "content": content}}
+    )
+    reads: list[str] = []
+
+    def read() -> None:
+        reads.append(sdk.evals.retrieve(created.id).id)
+        reads.append(sdk.evals.runs.retrieve(run.id, eval_id=created.id).status)
+        reads.append(str(len(sdk.evals.runs.list(created.id).data)))
+        reads.append(str(len(sdk.evals.runs.output_items.list(run.id, eval_id=created.id).data)))
+
+    writer = sqlite3.connect(make_url(service_settings.database_url).database or "", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        reader.join(timeout=10)
+        assert not reader.is_alive(), "a GET waited for the write lock"
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+        reader.join()
+    assert reads == [created.id, "in_progress", "1", "1"]
