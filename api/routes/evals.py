@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from api.auth import OwnerDep
 from api.deps import ReadSessionDep, SessionDep, SettingsDep
 from jobs.config import Settings
-from jobs.evals.dispatch import dispatch_grading, start_run
+from jobs.evals.dispatch import start_run
 from jobs.evals.repository import (
     cancel_run,
     create_eval,
@@ -62,13 +62,6 @@ def _start_in_background(run_id: str, settings: Settings) -> None:
         start_run(run_id, settings=settings)
     except Exception:
         logger.exception("starting eval run %s failed", run_id)
-
-
-def _grade_in_background(run_id: str, settings: Settings) -> None:
-    try:
-        dispatch_grading(run_id, settings=settings)
-    except Exception:
-        logger.exception("sending the grading of eval run %s failed", run_id)
 
 
 @router.post("", response_model=EvalObject)
@@ -170,12 +163,10 @@ def cancel(
     owner: OwnerDep,
     eval_id: str,
     run_id: str,
-    background_tasks: BackgroundTasks,
 ) -> RunObject:
-    """Cancel the run and its batch; what was generated is still graded (after the response)."""
+    """Cancel the run and its batch: ``canceled`` at once, with final counts (items not yet graded are errors)."""
     storage = storage_from_settings(settings)
     run = cancel_run(session, eval_id=eval_id, run_id=run_id, owner=owner, storage=storage)
-    background_tasks.add_task(_grade_in_background, run.id, settings)
     return _run_object(session, run, request)
 
 

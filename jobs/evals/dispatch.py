@@ -3,7 +3,7 @@
 1. ``start_run`` (the API, after the run's commit): validate and start the run's batch
    (`jobs.intake.validate_and_start`), ``queued -> in_progress`` (or ``failed`` when the batch's input
    was refused); a run that generates nothing goes straight to grading.
-2. ``dispatch_grading`` (the worker after each shard it ends, the API after a cancel): while the batch
+2. ``dispatch_grading`` (the worker after each shard it ends): while the batch
    runs, one ``GRADE_EVAL_SHARD`` message for the shard just finished; once the batch is terminal, one
    per shard that still has ungraded items (lines never run become item errors). With nothing left to
    grade it settles the run (`jobs.evals.repository.settle_run`). Each grading task settles too, so

@@ -65,6 +65,7 @@ TERMINAL_RUN_STATUSES = frozenset({"completed", "canceled", "failed"})
 PENDING, PASS, FAIL, ERROR = "pending", "pass", "fail", "error"
 EVAL_RUN_ID_METADATA_KEY = "eval_run_id"
 MAX_NAME_CHARS = 512
+RUN_CANCELED_ERROR = {"code": "run_canceled", "message": "the run was canceled before this item was graded"}
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -436,8 +437,11 @@ def list_runs(
 def cancel_run(
     session: Session, *, eval_id: str, run_id: str, owner: str | None = None, storage: FileStorage | None = None
 ) -> EvalRun:
-    """Cancel the run: ``queued | in_progress -> canceled``, its batch cancelled (`jobs.repository.cancel_batch`).
-    Items already generated are still graded; those never run end as errors. A canceled run: no-op.
+    """Cancel the run: ``queued | in_progress -> canceled``, final at once. Its batch is cancelled
+    (`jobs.repository.cancel_batch`); items graded so far keep their grades, every item still pending
+    becomes an ``error`` (``run_canceled``), so ``result_counts`` add up to ``total`` and never change
+    afterwards (a grading task that was under way stores nothing: `record_grades` keeps only pending
+    items). A canceled run: no-op.
 
     Raises:
         NotFound: no such run. Conflict: the run is completed or failed (``code="invalid_status"``).
@@ -454,9 +458,22 @@ def cancel_run(
         # The batch may have ended meanwhile: grading then finishes what it produced.
         with suppress(IllegalTransition):
             cancel_batch(session, batch_id=run.batch_id, storage=storage)
+    run.num_errored += _error_pending_items(session, run_id=run_id, error=RUN_CANCELED_ERROR)
     run.status = "canceled"
+    run.completed_at = now_s()
     session.flush()
     return run
+
+
+def _error_pending_items(session: Session, *, run_id: str, error: dict[str, Any]) -> int:
+    """Make every ``pending`` item of the run an ``error`` item with ``error``; returns how many."""
+    moved = session.execute(
+        update(EvalOutputItem)
+        .where(EvalOutputItem.run_id == run_id, EvalOutputItem.status == PENDING)
+        .values(status=ERROR, error=error)
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(moved, "rowcount", 0))
 
 
 def delete_run(session: Session, *, eval_id: str, run_id: str, owner: str | None = None) -> None:
@@ -703,13 +720,7 @@ def mark_run_started(session: Session, *, run_id: str, batch_status: BatchStatus
         "code": first.get("code") or "invalid_data_source",
         "message": first.get("message") or "the run's batch failed",
     }
-    num_pending = session.execute(
-        update(EvalOutputItem)
-        .where(EvalOutputItem.run_id == run_id, EvalOutputItem.status == PENDING)
-        .values(status=ERROR, error=run.error)
-        .execution_options(synchronize_session=False)
-    )
-    run.num_errored += getattr(num_pending, "rowcount", 0)
+    run.num_errored += _error_pending_items(session, run_id=run_id, error=run.error)
     run.status = "failed"
     run.completed_at = now_s()
     session.flush()

@@ -226,14 +226,14 @@ def test_cancel_a_run_cancels_its_batch_and_ends_its_items(sdk: openai.OpenAI, s
     )
     run = sdk.evals.runs.create(created.id, data_source=_completions_source(ITEMS[:2]))
     cancelled = sdk.evals.runs.cancel(run.id, eval_id=created.id)
-    assert cancelled.status == "canceled"
+    assert cancelled.status == "canceled" and cancelled.result_counts.errored == 2
     with session_scope() as session:
         assert get_batch(session, batch_id=_batch_id(run.id)).status == "cancelled"
     _grade_queued(service_settings)
     done = sdk.evals.runs.retrieve(run.id, eval_id=created.id)
-    assert done.status == "canceled" and done.result_counts.errored == 2
+    assert done.status == "canceled" and done.result_counts.to_dict() == cancelled.result_counts.to_dict()
     errors = [item.sample.error for item in sdk.evals.runs.output_items.list(run.id, eval_id=created.id)]
-    assert [error.code for error in errors] == ["batch_cancelled", "batch_cancelled"]
+    assert [error.code for error in errors] == ["run_canceled", "run_canceled"]
     assert sdk.evals.runs.cancel(run.id, eval_id=created.id).status == "canceled"  # again: a no-op
 
     content = [{"item": {"question": "q", "answer": "a"}, "sample": {"output_text": "a"}}]
@@ -243,6 +243,29 @@ def test_cancel_a_run_cancels_its_batch_and_ends_its_items(sdk: openai.OpenAI, s
     assert sdk.evals.runs.retrieve(finished.id, eval_id=created.id).status == "completed"
     with pytest.raises(openai.ConflictError):
         sdk.evals.runs.cancel(finished.id, eval_id=created.id)
+
+
+def test_a_canceled_run_reports_final_counts_while_its_grading_is_still_queued(
+    sdk: openai.OpenAI, service_settings: Settings
+) -> None:
+    """Cancel after generation, before grading: ``canceled`` comes with counts that add up to ``total`` and
+    that the grading still queued does not change (it used to report zeros, then grade for seconds)."""
+    created = sdk.evals.create(
+        data_source_config={"type": "custom", "item_schema": ITEM_SCHEMA}, testing_criteria=[EXACT]
+    )
+    run = sdk.evals.runs.create(created.id, data_source=_completions_source(ITEMS))
+    batch_id = _batch_id(run.id)
+    _answer_every_line(batch_id, ANSWERS)
+    dispatch_after_shard(batch_id, None)
+    cancelled = sdk.evals.runs.cancel(run.id, eval_id=created.id)
+    counts = cancelled.result_counts
+    assert cancelled.status == "canceled"
+    assert (counts.total, counts.passed, counts.failed, counts.errored) == (4, 0, 0, 4)
+    assert _grade_queued(service_settings)  # the grading sent before the cancel runs and stores nothing
+    done = sdk.evals.runs.retrieve(run.id, eval_id=created.id)
+    assert done.status == "canceled" and done.result_counts.to_dict() == counts.to_dict()
+    statuses = [item.status for item in sdk.evals.runs.output_items.list(run.id, eval_id=created.id)]
+    assert statuses == ["error"] * 4
 
 
 def test_list_update_and_delete(sdk: openai.OpenAI) -> None:
