@@ -122,11 +122,30 @@ def _parse_source(source: Any) -> dict[str, Any]:
             raise InvalidRequest("data_source.source.id must be a file id", param="data_source.source.id")
         return {"type": "file_id", "id": source["id"]}
     content = source.get("content")
-    if not isinstance(content, list) or not all(isinstance(row, dict) and "item" in row for row in content):
+    if not isinstance(content, list):
         raise InvalidRequest(
             "data_source.source.content must be a list of {item, sample?} objects", param="data_source.source.content"
         )
+    for index, row in enumerate(content):
+        where = f"data_source.source.content[{index}]"
+        _check_row(row, where=where, param=where)
     return {"type": "file_content", "content": content}
+
+
+def _check_row(row: Any, *, where: str, param: str) -> None:
+    """Refuse a data row that is not ``{item, sample?}`` with ``sample`` an object (``where`` names the row).
+
+    Raises:
+        InvalidRequest: the row is not an object with an ``item``, or its ``sample`` is not an object.
+    """
+    if not isinstance(row, dict) or "item" not in row:
+        raise InvalidRequest(f"{where} must be an object with an 'item' (and an optional 'sample')", param=param)
+    sample = row.get("sample")
+    if sample is not None and not isinstance(sample, dict):
+        raise InvalidRequest(
+            f'{where}.sample must be an object (e.g. {{"output_text": ...}}), not {type(sample).__name__}',
+            param=param if param != where else f"{where}.sample",
+        )
 
 
 def _parse_input_messages(raw: Any, item_schema: dict[str, Any]) -> dict[str, Any]:
@@ -203,13 +222,14 @@ def load_rows(
     """The data items, from the request or from the stored JSONL file (one ``{item, sample?}`` per line).
 
     Raises:
-        InvalidRequest: no such file (of ``owner``), a line that is not a JSON object with an ``item``,
+        InvalidRequest: no such file (of ``owner``), a line that is not a JSON object with an ``item`` (or whose
+            ``sample`` is not an object; named by its line number),
             no item, or more than ``max_items`` (``param="data_source.source"``).
     """
     param = "data_source.source"
     source = data_source.source
     if source["type"] == "file_content":
-        raw_rows: list[Any] = source["content"]
+        raw_rows: list[Any] = source["content"]  # checked row by row by parse_data_source
     else:
         file = get_file(session, file_id=source["id"], owner=owner)
         if file is None:
@@ -220,20 +240,16 @@ def load_rows(
             if not line.strip():
                 continue
             try:
-                raw_rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise InvalidRequest(f"file {file.id!r} line {number}: not JSON ({exc.msg})", param=param) from None
+            _check_row(row, where=f"file {file.id!r} line {number}", param=param)
+            raw_rows.append(row)
     if not raw_rows:
         raise InvalidRequest("the data source has no item", param=param)
     if len(raw_rows) > max_items:
         raise InvalidRequest(f"the data source has {len(raw_rows)} items; at most {max_items}", param=param)
-    rows = []
-    for number, row in enumerate(raw_rows):
-        if not isinstance(row, dict) or "item" not in row:
-            raise InvalidRequest(f"data source row {number} must be an object with an 'item'", param=param)
-        sample = row.get("sample")
-        rows.append(SourceRow(item=row["item"], sample=sample if isinstance(sample, dict) else None))
-    return rows
+    return [SourceRow(item=row["item"], sample=row.get("sample")) for row in raw_rows]
 
 
 def line_body(data_source: RunDataSource, item: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ process (`worker.eval_grading.grade_shard`), so every count is known in advance.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -332,6 +333,16 @@ def test_a_refused_eval_is_a_400_naming_the_problem(
         ({"type": "stored_completions"}, "data_source.type", "stored_completions"),
         ({"type": "responses", "sampling_params": {"n": 2}}, "data_source.sampling_params.n", "completions"),
         ({"source": {"type": "file_id", "id": "file-nope"}}, "data_source.source.id", "file-nope"),
+        (
+            {"source": {"type": "file_content", "content": [ITEMS[0], ["not", "a", "row"]]}},
+            "data_source.source.content[1]",
+            "data_source.source.content[1] must be an object with an 'item'",
+        ),
+        (
+            {"source": {"type": "file_content", "content": [{**ITEMS[0], "sample": "4"}]}},
+            "data_source.source.content[0].sample",
+            "data_source.source.content[0].sample must be an object",
+        ),
     ],
 )
 def test_a_refused_run_is_a_400_naming_the_problem(client: Any, change: dict[str, Any], param: str, words: str) -> None:
@@ -344,6 +355,22 @@ def test_a_refused_run_is_a_400_naming_the_problem(client: Any, change: dict[str
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert client.get(f"/v1/evals/{eval_id}/runs").json()["data"] == []
+
+
+def test_a_malformed_row_of_a_data_file_is_named_by_its_line(client: Any) -> None:
+    eval_id = client.post(
+        "/v1/evals",
+        json={"data_source_config": {"type": "custom", "item_schema": ITEM_SCHEMA}, "testing_criteria": [EXACT]},
+    ).json()["id"]
+    lines = [json.dumps(ITEMS[0]), "", json.dumps({"question": "no item key"}), json.dumps(ITEMS[1])]
+    upload = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("items.jsonl", "\n".join(lines))})
+    assert upload.status_code == 200, upload.text
+    source = {"type": "file_id", "id": upload.json()["id"]}
+    response = client.post(
+        f"/v1/evals/{eval_id}/runs", json={"data_source": {**_completions_source(ITEMS), "source": source}}
+    )
+    assert response.status_code == 400, response.text
+    assert f"file {source['id']!r} line 3 must be an object with an 'item'" in response.json()["error"]["message"]
 
 
 def test_a_model_grader_names_a_served_generate_model_or_its_alias(client: Any, service_settings: Settings) -> None:

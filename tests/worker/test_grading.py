@@ -51,8 +51,15 @@ def test_string_check(operation: str, output: str, passed: bool) -> None:
     assert result == GradeResult(score=1.0 if passed else 0.0, passed=passed)
 
 
-def test_only_the_first_sample_is_graded_outside_code_execution() -> None:
-    result = grade_item(_string_check("eq"), item=ITEM, samples=[_sample("Paris"), _sample("Lyon")])
+def test_text_similarity_grades_the_first_sample_only() -> None:
+    criterion = _criterion(
+        type="text_similarity",
+        input="{{sample.output_text}}",
+        reference="{{item.answer}}",
+        evaluation_metric="fuzzy_match",
+        pass_threshold=0.9,
+    )
+    result = grade_item(criterion, item=ITEM, samples=[_sample("Paris"), _sample("Lyon")])
     assert result.passed and result.score == 1.0
 
 
@@ -184,6 +191,20 @@ def test_python_grader_sees_output_json_and_its_errors_are_the_items() -> None:
     assert (result.score, result.passed) == (None, False)
 
 
+def test_string_check_grades_every_one_of_n_samples() -> None:
+    samples = [_sample("Paris"), _sample("Lyon"), _sample("Paris")]
+    result = grade_item(_string_check("eq"), item=ITEM, samples=samples)
+    assert result == GradeResult(score=2 / 3, passed=False, sample_results=["passed", "failed", "passed"])
+    assert grade_item(_string_check("ilike"), item=ITEM, samples=[_sample("paris!")] * 2).passed
+    assert grade_item(_string_check("eq"), item=ITEM, samples=[_sample("Paris")]) == GradeResult(1.0, True)
+
+
+def test_python_grader_refused_network_access_says_so_in_a_sentence() -> None:
+    source = "import socket\ndef grade(sample, item):\n    socket.socket()\n    return 1.0\n"
+    result = grade_item(_criterion(type="python", source=source), item=ITEM, samples=[_sample("x")], limits=LIMITS)
+    assert result.error == "python grader tried network access, which the sandbox refuses"
+
+
 def test_python_grader_that_hangs_is_the_items_error_and_grading_goes_on() -> None:
     hanging = _criterion(type="python", source="def grade(sample, item):\n    while True:\n        pass\n")
     limits = SandboxLimits(timeout_s=1.0, cpu_s=5, memory_bytes=256 << 20, max_processes=16)
@@ -301,9 +322,9 @@ def test_code_that_hangs_or_escapes_fails_its_sample_and_errors_the_item() -> No
     completions = ["    return a + b\n", "    while True:\n        pass\n", "    import socket; socket.socket()\n"]
     result = grade_item(criterion, item=PROBLEM, samples=[_sample(text) for text in completions])
     assert result.score == pytest.approx(1 / 3) and result.metrics == {"pass@1": pytest.approx(1 / 3)}
-    assert result.sample_results == ["passed", "timed out", "failed: the sandbox refused network access"]
+    assert result.sample_results == ["passed", "timed out", "failed: tried network access, which the sandbox refuses"]
     assert result.error == (
-        "the sandbox stopped sample 1: timed out; sample 2: failed: the sandbox refused network access"
+        "the sandbox stopped sample 1: timed out; sample 2: failed: tried network access, which the sandbox refuses"
     )
     assert not result.passed
 

@@ -34,7 +34,7 @@ def test_an_exception_is_reported_with_its_line() -> None:
 
 def test_a_socket_is_refused() -> None:
     value, error, stopped = _grade("    socket.create_connection(('192.0.2.1', 80), timeout=1)\n    return 1.0\n")
-    assert (value, error, stopped) == (None, "the sandbox refused network access", True)
+    assert (value, error, stopped) == (None, "tried network access, which the sandbox refuses", True)
 
 
 def test_a_refused_socket_that_is_caught_still_has_no_network() -> None:
@@ -42,15 +42,15 @@ def test_a_refused_socket_that_is_caught_still_has_no_network() -> None:
     body = (
         "    try:\n        socket.create_connection(('192.0.2.1', 80), timeout=1)\n    except OSError:\n        pass\n"
     )
-    assert _grade(body + "    return 1.0\n")[1:] == ("the sandbox refused network access", True)
+    assert _grade(body + "    return 1.0\n")[1:] == ("tried network access, which the sandbox refuses", True)
 
 
 def test_writing_outside_the_folder_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "escaped.txt"
     value, error, stopped = _grade(f"    open({str(target)!r}, 'w').write('x')\n    return 1.0\n")
-    assert (value, error, stopped) == (None, f"the sandbox refused writing {target}", True)
+    assert (value, error, stopped) == (None, f"tried writing {target}, which the sandbox refuses", True)
     low_level = f"    os.open({str(target)!r}, os.O_CREAT | os.O_WRONLY)\n    return 1.0\n"
-    assert _grade(low_level)[1] == f"the sandbox refused writing {target}"
+    assert _grade(low_level)[1] == f"tried writing {target}, which the sandbox refuses"
     assert not target.exists()
 
 
@@ -108,7 +108,10 @@ def test_without_namespaces_or_a_user_to_drop_to_the_audit_hook_and_timeout_stil
     # What a worker that is not root gets (and the sandbox's last line of defence everywhere).
     monkeypatch.setattr(sandbox, "_unprivileged_ids", lambda: None)
     target = tmp_path / "escaped.txt"
-    assert _grade(f"    open({str(target)!r}, 'w')\n    return 1.0\n")[1] == f"the sandbox refused writing {target}"
-    assert _grade("    socket.socket()\n    return 1.0\n")[1] == "the sandbox refused network access"
+    assert (
+        _grade(f"    open({str(target)!r}, 'w')\n    return 1.0\n")[1]
+        == f"tried writing {target}, which the sandbox refuses"
+    )
+    assert _grade("    socket.socket()\n    return 1.0\n")[1] == "tried network access, which the sandbox refuses"
     assert _grade("    time.sleep(1000)\n") == (None, "timed out after 1.5 s", True)
     assert _grade("    return 0.5\n") == (0.5, None, False)

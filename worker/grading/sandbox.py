@@ -163,7 +163,7 @@ def _result(returncode: int, stdout: bytes, stderr: bytes, limits: SandboxLimits
         if report.get("kind") == "limit":
             refused = report.get("refused") or []
             if refused:
-                return SandboxResult(error=f"the sandbox refused {refused[0]}", stopped=True)
+                return SandboxResult(error=f"tried {refused[0]}, which the sandbox refuses", stopped=True)
             reason = f"hit the process limit of {limits.max_processes} processes"
             return SandboxResult(error=f"{reason} ({report.get('error')})", stopped=True)
         return SandboxResult(error=f"raised {report.get('error')}")
