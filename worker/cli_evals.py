@@ -55,7 +55,8 @@ def load_body(path: Path) -> dict[str, Any]:
     """A request body from a ``.json`` file, or YAML (``.yaml``/``.yml``, needs PyYAML).
 
     Raises:
-        SystemExit: the file is missing, unreadable, or not one object.
+        SystemExit: the file is missing, unreadable, not JSON/YAML (the parser's message, with the line), or
+            not one object.
     """
     try:
         text = path.read_text()
@@ -66,7 +67,10 @@ def load_body(path: Path) -> dict[str, Any]:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
             raise SystemExit("batchinfer eval: YAML files need PyYAML (pip install pyyaml)") from None
-        body = yaml.safe_load(text)
+        try:
+            body = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SystemExit(f"batchinfer eval: {path} is not YAML: {exc}") from None
     else:
         try:
             body = json.loads(text)
@@ -119,7 +123,7 @@ def _wait(client: Any, run: dict[str, Any], poll_interval_s: float) -> dict[str,
     from worker.cli_views import ProgressView
 
     path = f"/v1/evals/{run['eval_id']}/runs/{run['id']}"
-    with ProgressView(sys.stderr) as view:
+    with ProgressView(sys.stderr, show_tokens=False) as view:
         view.update(as_progress(run))
         while run["status"] not in TERMINAL_RUN_STATUSES:
             time.sleep(poll_interval_s)
@@ -130,7 +134,8 @@ def _wait(client: Any, run: dict[str, Any], poll_interval_s: float) -> dict[str,
 
 def as_progress(run: dict[str, Any]) -> dict[str, Any]:
     """The run in the shape `worker.cli_views.ProgressView` draws (a batch object's fields): graded items
-    are ``completed``, errored ones ``failed``, output tokens its models' completion tokens."""
+    are ``completed``, errored ones ``failed``. No token rate: items count once graded, after their shard's
+    tokens were all generated, so a rate from the first graded item on would read 0 tok/s."""
     counts = run["result_counts"]
     status = {"queued": "validating", "canceled": "cancelled"}.get(run["status"], run["status"])
     return {
@@ -142,7 +147,6 @@ def as_progress(run: dict[str, Any]) -> dict[str, Any]:
             "failed": counts["errored"],
             "total": counts["total"],
         },
-        "usage": {"output_tokens": sum(usage["completion_tokens"] for usage in run.get("per_model_usage") or [])},
     }
 
 
@@ -169,7 +173,7 @@ def _show(args: argparse.Namespace) -> int:
                 from worker.cli_views import ProgressView
 
                 run = _json_or_exit(client.get(f"/v1/evals/{args.eval_id}/runs/{args.run_id}"))
-                with ProgressView(sys.stderr) as view:
+                with ProgressView(sys.stderr, show_tokens=False) as view:
                     view.update(as_progress(run))
                 print_run(run, sys.stdout)
                 return 0

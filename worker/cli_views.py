@@ -62,6 +62,8 @@ class ProgressView:
 
     stream: IO[str]
     clock: Any = time.monotonic
+    show_tokens: bool = True
+    """False: the rates leave out tok/s (an eval run: its items count once graded, after generation)."""
     _console: Console = field(init=False)
     _progress: Progress | None = field(init=False, default=None)
     _task: TaskID | None = field(init=False, default=None)
@@ -116,7 +118,9 @@ class ProgressView:
         rates = self.rates(batch)
         status = batch["status"]
         count_text = f"{completed}/{failed}/{total} (completed/failed/total)"
-        rate_text = f"{rates.lines_per_s:.2f} lines/s {rates.tokens_per_s:.1f} tok/s"
+        rate_text = f"{rates.lines_per_s:.2f} lines/s" + (
+            f" {rates.tokens_per_s:.1f} tok/s" if self.show_tokens else ""
+        )
         if self._progress is not None and self._task is not None:
             self._progress.update(
                 self._task,

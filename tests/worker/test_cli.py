@@ -454,6 +454,39 @@ def test_serve_says_when_each_worker_is_ready(data_dir, capsys):
     assert err + capsys.readouterr().err == f"batchinfer: worker ready (model {BUILTIN_MODEL}) in 3.5 s\n"
 
 
+def test_eval_create_with_bad_yaml_says_where_without_a_traceback(tmp_path):
+    eval_file = tmp_path / "eval.yaml"
+    eval_file.write_text("name: broken\ntesting_criteria: [{type: string_check\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", "create", str(eval_file), "--base-url", "http://127.0.0.1:9"])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"batchinfer eval: {eval_file} is not YAML:") and "line 3" in message
+
+
+def test_eval_run_wait_shows_graded_items_per_second_and_no_token_rate(capsys):
+    """Items count once graded, after their shard's tokens were all generated: a tok/s figure read 0.0."""
+    import httpx
+
+    from worker.cli_evals import _wait
+
+    def run(passed: int, status: str) -> dict[str, object]:
+        return {
+            "id": "evalrun_1",
+            "eval_id": "eval_1",
+            "status": status,
+            "created_at": 0,
+            "result_counts": {"total": 10, "passed": passed, "failed": 0, "errored": 0},
+            "per_model_usage": [{"completion_tokens": 400}],
+        }
+
+    polls = iter([run(5, "in_progress"), run(10, "completed")])
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=next(polls)))
+    with httpx.Client(transport=transport, base_url="http://api") as client:
+        assert _wait(client, run(1, "in_progress"), 0.01)["status"] == "completed"
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all("lines/s" in line and "tok/s" not in line for line in lines)
+
+
 def test_eval_create_run_ls_and_show(live_api, tmp_path, capsys):
     item_schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
     criterion = {
