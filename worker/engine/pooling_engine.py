@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from kernels.cpu_extension import cpu_kernels_available
 from worker.engine.errors import InvalidParameterError, PromptTooLongError
-from worker.engine.executor.layers.attention import build_attention_metadata
+from worker.engine.executor.layers.attention import scratch_prefill_metadata
 from worker.engine.executor.layers.pooler import PoolingConfig, finish_embeddings, pool, pooling_config_of
 from worker.engine.executor.model_loader import iter_safetensors, load_model, safetensors_files
 from worker.engine.executor.models.bert import BertModel
@@ -220,23 +220,18 @@ class PoolingEngine:
         model = self.model
         assert isinstance(model, LlamaForCausalLM)
         config = model.config
-        blocks_per_seq = [-(-length // _SCRATCH_BLOCK_SIZE) for length in seq_lens]
-        first_block = np.cumsum(blocks_per_seq) - blocks_per_seq
-        tables = [list(range(first, first + n)) for first, n in zip(first_block.tolist(), blocks_per_seq)]
         num_kv_heads, head_size = num_kv_heads_of(config), head_size_of(config)
-        metadata = build_attention_metadata(
+        scratch = scratch_prefill_metadata(
             seq_lens,
-            seq_lens,
-            tables,
             _SCRATCH_BLOCK_SIZE,
             num_queries_per_kv=int(config.num_attention_heads) // num_kv_heads,
             dtype=self.dtype,
             device=self.device,
             sliding_window=model.sliding_window,
         )
-        shape = (2, sum(blocks_per_seq), _SCRATCH_BLOCK_SIZE, num_kv_heads, head_size)
+        shape = (2, scratch.num_blocks, _SCRATCH_BLOCK_SIZE, num_kv_heads, head_size)
         kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in model.model.layers]
-        hidden: torch.Tensor = model(input_ids, metadata.positions, kv_caches, metadata)
+        hidden: torch.Tensor = model(input_ids, scratch.metadata.positions, kv_caches, scratch.metadata)
         return hidden
 
 

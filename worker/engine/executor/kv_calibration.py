@@ -19,12 +19,10 @@ HumanEval prompts did (``bench/kv_quant.py --quality``: 99.56% against 99.37% ag
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from worker.engine.executor.layers.attention import build_attention_metadata
+from worker.engine.executor.layers.attention import scratch_prefill_metadata
 
 NUM_CALIBRATION_SEQS = 4
 CALIBRATION_LEN = 256
@@ -78,26 +76,20 @@ def calibrate_key_smoothing(
     """
     token_ids = calibration_token_ids(vocab_size)
     block_size = 16
-    blocks_per_seq = math.ceil(CALIBRATION_LEN / block_size)
-    block_tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(token_ids))]
-    lens = [CALIBRATION_LEN] * len(token_ids)
-    attn_metadata = build_attention_metadata(
-        lens,
-        lens,
-        block_tables,
+    scratch = scratch_prefill_metadata(
+        [CALIBRATION_LEN] * len(token_ids),
         block_size,
         num_queries_per_kv=num_queries_per_kv,
         dtype=dtype,
-        use_cpu_kernels=use_cpu_kernels,
-        use_triton_kernels=use_triton_kernels,
         device=device,
         sliding_window=sliding_window,
+        use_cpu_kernels=use_cpu_kernels,
+        use_triton_kernels=use_triton_kernels,
     )
-    num_blocks = blocks_per_seq * len(token_ids)
     kv_caches = [
-        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+        torch.zeros(2, scratch.num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
         for _ in range(num_layers)
     ]
     input_ids = torch.tensor([i for ids in token_ids for i in ids], dtype=torch.long, device=device)
-    model(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
+    model(input_ids, scratch.metadata.positions, kv_caches, scratch.metadata)
     return [smoothing_from_key_absmax(kv_cache[0].float().abs().amax(dim=(0, 1)).cpu()) for kv_cache in kv_caches]

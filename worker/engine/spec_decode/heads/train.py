@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from worker.engine.executor.layers.attention import build_attention_metadata, cpu_kernels_apply
+from worker.engine.executor.layers.attention import scratch_prefill_metadata
 from worker.engine.executor.models.llama import head_size_of, num_kv_heads_of
 from worker.engine.spec_decode.heads.eagle import EagleHead, EagleHeadConfig
 from worker.engine.spec_decode.heads.medusa import MedusaHeads
@@ -100,29 +100,17 @@ def target_features(model: Any, sequences: list[list[int]], *, max_batch_tokens:
     batch: list[list[int]] = []
 
     def flush() -> None:
-        num_blocks = sum(math.ceil(len(s) / block_size) for s in batch)
-        kv_caches = [
-            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size_of(config), dtype=dtype, device=device)
-            for _ in range(int(config.num_hidden_layers))
-        ]
-        tables, next_block = [], 0
-        for seq in batch:
-            count = math.ceil(len(seq) / block_size)
-            tables.append(list(range(next_block, next_block + count)))
-            next_block += count
-        lens = [len(s) for s in batch]
-        metadata = build_attention_metadata(
-            lens,
-            lens,
-            tables,
+        scratch = scratch_prefill_metadata(
+            [len(s) for s in batch],
             block_size,
             num_queries_per_kv=int(config.num_attention_heads) // num_kv_heads,
             dtype=dtype,
-            use_cpu_kernels=cpu_kernels_apply(device, dtype),
             device=device,
         )
+        shape = (2, scratch.num_blocks, block_size, num_kv_heads, head_size_of(config))
+        kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(int(config.num_hidden_layers))]
         input_ids = torch.tensor([t for s in batch for t in s], dtype=torch.long, device=device)
-        hidden = model(input_ids, metadata.positions, kv_caches, metadata)
+        hidden = model(input_ids, scratch.metadata.positions, kv_caches, scratch.metadata)
         offset = 0
         for seq in batch:
             rows = hidden[offset : offset + len(seq)]
