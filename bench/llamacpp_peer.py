@@ -14,8 +14,12 @@ token ids (the same ids our engine gets; SmolLM2's GGUF carries the same vocabul
   greedy token with end-of-sequence masked, until it has its ``max_tokens``. ``tok_per_s``: generated tokens
   over the wall time from the first prompt token to the last token (prefill included, as in ours).
 
+``--no-extra-bufts`` loads the weights without llama.cpp's extra CPU buffer types (its repacked and AMX
+layouts): on the project's AMX Xeon VM, llama-cpp-python 0.3.36 crashes in ``ggml_backend_amx_mul_mat`` at the
+first decode with them (bench/quant.py passes the flag where the CPU reports AMX).
+
 Usage: python bench/llamacpp_peer.py GGUF [PROMPT_IDS_JSON | --workload WORKLOAD_JSON] [--threads 2]
-       [--max-tokens 64]
+       [--max-tokens 64] [--no-extra-bufts]
 """
 
 from __future__ import annotations
@@ -27,10 +31,21 @@ from pathlib import Path
 from typing import Any
 
 
-def batch1(gguf: str, prompt: list[int], threads: int, max_tokens: int) -> dict[str, Any]:
+def batch1(gguf: str, prompt: list[int], threads: int, max_tokens: int, use_extra_bufts: bool = True) -> dict[str, Any]:
     """Batch-1 greedy decode through ``llama_cpp.Llama``."""
+    import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
+    # NOTE: Llama takes no use_extra_bufts argument; it builds its model params with llama_cpp.llama_cpp's function.
+    if not use_extra_bufts:
+        defaults = low.llama_model_default_params
+
+        def model_params() -> Any:
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        low.llama_model_default_params = model_params
     llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
     no_eos = {llm.token_eos(): float("-inf")}
     llm.create_completion(prompt, max_tokens=4, temperature=0.0, logit_bias=no_eos)
@@ -41,7 +56,9 @@ def batch1(gguf: str, prompt: list[int], threads: int, max_tokens: int) -> dict[
     return {"tok_per_s": out["usage"]["completion_tokens"] / elapsed_s}
 
 
-def many(gguf: str, prompts: list[list[int]], max_tokens: list[int], threads: int) -> dict[str, Any]:
+def many(
+    gguf: str, prompts: list[list[int]], max_tokens: list[int], threads: int, use_extra_bufts: bool = True
+) -> dict[str, Any]:
     """All ``prompts`` at once through ``llama_batch`` / ``llama_decode`` (see the module docstring).
 
     Raises:
@@ -51,7 +68,9 @@ def many(gguf: str, prompts: list[list[int]], max_tokens: list[int], threads: in
     import numpy as np
 
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(gguf.encode(), lc.llama_model_default_params())
+    model_params = lc.llama_model_default_params()
+    model_params.use_extra_bufts = use_extra_bufts
+    model = lc.llama_model_load_from_file(gguf.encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
     vocab = lc.llama_model_get_vocab(model)
@@ -130,12 +149,14 @@ def main() -> None:
     parser.add_argument("--workload", type=Path, help="many sequences: a bench/workload.py JSON file")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-extra-bufts", action="store_true", help="no repacked/AMX weight buffers")
     args = parser.parse_args()
+    extra = not args.no_extra_bufts
     if args.workload is not None:
         workload = json.loads(args.workload.read_text())
-        result = many(args.gguf, workload["prompt_token_ids"], workload["max_tokens"], args.threads)
+        result = many(args.gguf, workload["prompt_token_ids"], workload["max_tokens"], args.threads, extra)
     else:
-        result = batch1(args.gguf, json.loads(args.prompt_ids_json), args.threads, args.max_tokens)
+        result = batch1(args.gguf, json.loads(args.prompt_ids_json), args.threads, args.max_tokens, extra)
     print(json.dumps(result))
 
 

@@ -181,6 +181,14 @@ def run_mixed(quantization: str, threads: int) -> dict[str, Any]:
 LLAMACPP_PYTHON = HERE / ".llamacpp-venv" / "bin" / "python"
 
 
+def _llamacpp_flags(threads: int) -> list[str]:
+    """Flags of every llama.cpp run: the threads, and ``--no-extra-bufts`` where the CPU reports AMX
+    (llama-cpp-python 0.3.36 crashes in its AMX matmul on the project's Xeon VM; bench/llamacpp_peer.py)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    amx = cpuinfo.is_file() and "amx_tile" in cpuinfo.read_text().split()
+    return ["--threads", str(threads), *(["--no-extra-bufts"] if amx else [])]
+
+
 def llamacpp_b1(threads: int, num_tokens: int) -> Any:
     """A batch-1 run of bench/llamacpp_peer.py in bench/.llamacpp-venv (None when that venv is absent)."""
     from transformers import AutoTokenizer
@@ -190,7 +198,7 @@ def llamacpp_b1(threads: int, num_tokens: int) -> Any:
         return None
     prompt = AutoTokenizer.from_pretrained(prepare_model())(humaneval_prompts()[0])["input_ids"][:32]
     command = [str(LLAMACPP_PYTHON), str(HERE / "llamacpp_peer.py"), str(builtin_gguf_path()), json.dumps(prompt)]
-    command += ["--threads", str(threads), "--max-tokens", str(num_tokens)]
+    command += [*_llamacpp_flags(threads), "--max-tokens", str(num_tokens)]
     return lambda: run_json(command, "llama.cpp b1")
 
 
@@ -200,7 +208,7 @@ def llamacpp_mixed(workload_path: Path, threads: int) -> Any:
     if not LLAMACPP_PYTHON.is_file():
         return None
     command = [str(LLAMACPP_PYTHON), str(HERE / "llamacpp_peer.py"), str(builtin_gguf_path())]
-    command += ["--workload", str(workload_path), "--threads", str(threads)]
+    command += ["--workload", str(workload_path), *_llamacpp_flags(threads)]
     return lambda: run_json(command, "llama.cpp mixed")
 
 
