@@ -78,7 +78,6 @@ def test_each_isa_matches_dequantize_matmul(isa, type_name, quantize_activations
         torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-4)
 
 
-
 @pytest.mark.parametrize("num_blocks", [1, 2, 3, 4, 7, 18])
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
@@ -93,6 +92,7 @@ def test_q4_1_float_activations_every_group_tail(isa, num_rows, num_blocks):
     got = linear_gguf(x, blocks, 3, out_features, isa=isa)
     plain = torch.nn.functional.linear(x, dequantize_gguf_blocks(blocks, 3))
     torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-4)
+
 
 def test_default_isa_is_the_best_and_an_unknown_one_is_refused_by_name():
     _, blocks = _blocks("Q4_1", 4, 64)
