@@ -433,6 +433,61 @@ void dot_rows_q4_1_f32(const float* xp, int64_t ld_xp, const float* sxi, int64_t
   for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(terms[r]);
 }
 
+// out[i] = x . w_i for one permuted activation row over NR Q4_1 weight rows (wrow + i * row_bytes), the batch-1
+// case: each activation vector is loaded once for the NR rows, and the rows' independent chains interleave.
+// Per row the same operations in the same order as dot_rows_q4_1_f32<1>.
+template <int NR>
+void dot_weight_rows_q4_1_f32(const float* xp, const float* sxi, const uint8_t* wrow, int64_t row_bytes, int64_t nb,
+                              float* out) {
+  const __m512i nibbles_at = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
+  const __m512i scales_at = _mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  const int64_t groups = (nb + kGroup - 1) / kGroup;
+  __m512 acc[NR];
+  __m256 terms[NR];
+  for (int i = 0; i < NR; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    terms[i] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const bool full = kGroup * (g + 1) <= nb;
+    const __mmask16 dwords = full ? 0 : static_cast<__mmask16>((1u << (5 * (nb - kGroup * g))) - 1u);
+    __m512i quants[NR];
+    __m512 d[NR];
+    const __m256 sx = _mm256_loadu_ps(sxi + g * kGroupTerms);
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* p = wrow + i * row_bytes + g * kGroup * 20;
+      __m512i lo, hi;
+      if (full) {
+        lo = _mm512_loadu_si512(p);
+        hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+      } else {
+        lo = _mm512_maskz_loadu_epi32(dwords, p);
+        hi = _mm512_setzero_si512();
+      }
+      quants[i] = _mm512_permutex2var_epi32(lo, nibbles_at, hi);
+      const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(scales_at, lo)));
+      d[i] = _mm512_permutexvar_ps(d_lanes, _mm512_castps256_ps512(dm));
+      terms[i] = _mm256_fmadd_ps(dm, sx, terms[i]);
+    }
+    const float* xg = xp + g * kGroupFloats;
+    __m512 even[NR], odd[NR];
+    for (int j = 0; j < 8; j += 2) {
+      const __m512 xe = _mm512_loadu_ps(xg + 16 * j), xo = _mm512_loadu_ps(xg + 16 * (j + 1));
+      const __m512i me = _mm512_set1_epi32(static_cast<int>(0xFu << (4 * j)));
+      const __m512i mo = _mm512_set1_epi32(static_cast<int>(0xFu << (4 * (j + 1))));
+      for (int i = 0; i < NR; ++i) {
+        const __m512 qe = _mm512_cvtepu32_ps(_mm512_and_si512(quants[i], me));
+        const __m512 qo = _mm512_cvtepu32_ps(_mm512_and_si512(quants[i], mo));
+        even[i] = j == 0 ? _mm512_mul_ps(xe, qe) : _mm512_fmadd_ps(xe, qe, even[i]);
+        odd[i] = j == 0 ? _mm512_mul_ps(xo, qo) : _mm512_fmadd_ps(xo, qo, odd[i]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(even[i], odd[i]), d[i], acc[i]);
+  }
+  for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(terms[i]);
+}
+
 }  // namespace avx512
 #endif  // BATCHINFER_GGUF_AVX512
 
@@ -510,7 +565,15 @@ void run_q4_1_f32_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, cons
     float out[kMR];
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t n = n0; n < n1; ++n) {
+      int64_t n = n0;
+      if (m1 - m0 == 1) {  // one activation row (batch-1 decode): weight rows in pairs share its loads
+        for (; n + 2 <= n1; n += 2) {
+          avx512::dot_weight_rows_q4_1_f32<2>(xp.data() + m0 * ld_xp, sxi.data() + m0 * ld_sxi, w + n * row_bytes,
+                                              row_bytes, nb, out);
+          for (int i = 0; i < 2; ++i) y[m0 * N + n + i] = out[i] + (bias == nullptr ? 0.0f : bias[n + i]);
+        }
+      }
+      for (; n < n1; ++n) {
         const float b = bias == nullptr ? 0.0f : bias[n];
         const uint8_t* wrow = w + n * row_bytes;
         for (int64_t m = m0; m < m1; m += kMR) {
