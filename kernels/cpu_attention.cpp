@@ -24,8 +24,9 @@
 //
 // A quantized cache (int8 or fp8 e4m3 elements, docs/engine.md "Quantized KV cache") comes with float32
 // scales [2, num_blocks, block_size, num_kv_heads], one per stored (token, KV head): the kernel converts
-// each K/V row to float32 as it streams in and applies its scale to the row's dot products (K) or to the
-// softmax weight (V), so the blocks are read in place and never dequantized into a copy.
+// each K/V row to float32 as it streams in, once per KV head for all the query heads of its group, and applies
+// its scale to the row's dot products (K) or to the softmax weight (V), so the blocks are read in place and
+// never dequantized into a copy.
 //
 // A token-tree mask (speculative verification of a draft tree, Miao et al. 2023 "SpecInfer") gives a token
 // a bit set over its sequence's query rows: the token sees every position before the query and the query
@@ -150,6 +151,22 @@ inline vec8 dot_lanes(const float* __restrict q, const T* __restrict k, int64_t 
   return lo + hi;
 }
 
+// One KV head's row as float32: a float cache's row itself; any other element type widened into `buffer`
+// (head_size floats) once, so the num_queries_per_kv query heads that share the KV head read it converted (the
+// widening is exact for every element type, so the results are those of converting per query head).
+template <int64_t kHeadSize, typename T>
+inline const float* widen_row(const T* __restrict row, int64_t head_size, float* __restrict buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    const int64_t n = kHeadSize > 0 ? kHeadSize : head_size;
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) store8(buffer + d, load8_float(row + d));
+    for (; d < n; ++d) buffer[d] = to_float(row[d]);
+    return buffer;
+  }
+}
+
 // out[j] = the sum of the eight lanes of x[j], for j = 0 .. 7, by one fixed tree (lane l with l + 4, then
 // with l + 2, then the pair): the transposed reduction of eight dot products in 14 shuffles and 7 adds,
 // instead of a horizontal sum per dot product. Each out[j] depends on x[j] alone.
@@ -205,7 +222,7 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
 // Attention of all heads of one query token over positions context_start .. context_end - 1 of its sequence.
 // Each position's K (then V) row, all KV heads together, is read once and contiguously
 // (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
-// 64-byte aligned; `q_scaled` num_heads * head_size. kHeadSize > 0 fixes head_size at compile time; 0 reads
+// 64-byte aligned; `q_scaled` num_heads * head_size; `row_float` head_size (widen_row). kHeadSize > 0 fixes head_size at compile time; 0 reads
 // it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
 // T is the cache element type; for a quantized cache (kScaled<T>) `scales` holds the K half's scales then,
 // `scales_stride_kv` floats on, the V half's, num_kv_heads per slot; otherwise it is null.
@@ -213,7 +230,7 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
 template <int64_t kHeadSize, typename T>
 void attend_token(const Shapes& s, const float* query, const T* cache, const float* scales, const int32_t* block_table,
                   int64_t context_start, int64_t context_end, float scale, float soft_cap, int64_t tree_base,
-                  uint64_t tree_bits, float* out, float* lse, float* scores, float* q_scaled) {
+                  uint64_t tree_bits, float* out, float* lse, float* scores, float* q_scaled, float* row_float) {
   const int64_t context_len = context_end - context_start;
   const int64_t r = s.num_queries_per_kv, block_size = s.block_size, num_heads = s.num_heads;
   const int64_t num_kv_heads = s.num_kv_heads;
@@ -257,7 +274,7 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
       return;
     }
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const T* k = row + g * head_size;
+      const float* k = widen_row<kHeadSize>(row + g * head_size, head_size, row_float);
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
         vec8 dot = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
         if constexpr (kQuantized) dot *= scales[slot * num_kv_heads + g];
@@ -299,7 +316,7 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
   for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
                     [&](int64_t pos, const T* row, int64_t slot) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const T* __restrict v = row + g * head_size;
+      const float* __restrict v = widen_row<kHeadSize>(row + g * head_size, head_size, row_float);
       float v_scale = 1.0f;
       if constexpr (kQuantized) v_scale = value_scales[slot * num_kv_heads + g];
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
@@ -307,10 +324,10 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
         float* __restrict o = out + h * head_size;
         int64_t d = 0;
         if constexpr (kConverted) {
-          for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8_float(v + d));
+          for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8(v + d));
         }
 #pragma omp simd
-        for (int64_t e = d; e < head_size; ++e) o[e] += p * to_float(v[e]);
+        for (int64_t e = d; e < head_size; ++e) o[e] += p * v[e];
       }
     }
   });
@@ -451,11 +468,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       float* scores = scores_buffer.data();
       scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
       std::vector<float> q_scaled(s.num_heads * s.head_size);
+      std::vector<float> row_float(s.head_size);  // one K or V row widened to float32 (widen_row)
       for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
         attend(s, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
                tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t], token_context[t], scale_f, soft_cap,
                token_tree_base[t], token_tree_bits[t], out_ptr + t * s.num_heads * s.head_size, lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads,
-               scores, q_scaled.data());
+               scores, q_scaled.data(), row_float.data());
       }
     });
   };
