@@ -27,6 +27,8 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_gemm_rows.h"
+
 namespace {
 
 // GCC/Clang vector extension: one AVX-512 register, or one AVX register (two NEON registers on ARM).
@@ -87,26 +89,7 @@ inline void micro_kernel(const float* __restrict x, const float* __restrict pane
   }
 }
 
-// Rows against one panel with the micro-kernel instantiated for exactly `rows` (1 .. MR) rows.
-template <int MR>
-inline void group_rows(int64_t rows, const float* x, const float* panel, int64_t K, const float* bias_panel,
-                       float* y, int64_t ldy, int64_t ncols, const float* prefetch, int64_t prefetch_rows) {
-  if constexpr (MR > 0) {
-    if (rows == MR) {
-      micro_kernel<MR>(x, panel, K, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
-    } else {
-      group_rows<MR - 1>(rows, x, panel, K, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
-    }
-  }
-}
-
-// M rows split into ceil(M / kMR) groups of near-equal size (the first M % count one row taller), so a
-// decode batch of, say, 50 rows runs as 5 groups of 10 rather than 4 of 12 and a thin, slow group of 2.
-struct RowGroups {
-  int64_t count, base, extra;
-  explicit RowGroups(int64_t M) : count((M + kMR - 1) / kMR), base(M / count), extra(M % count) {}
-  int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
-};
+using RowGroups = batchinfer_kernels::RowGroups<kMR>;
 
 constexpr int64_t kPackBytes = 32 << 10;  // a group's packed activations written in spans of up to this (L1)
 
@@ -137,8 +120,10 @@ void panel_rows(const float* xpack, int64_t M, const float* panel, int64_t K, co
   const RowGroups groups(M);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
     const int64_t first = g * K / groups.count, last = next_panel == nullptr ? first : (g + 1) * K / groups.count;
-    group_rows<kMR>(groups.size(g), xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols,
-                    next_panel == nullptr ? nullptr : next_panel + first * kNR, last - first);
+    const float* prefetch = next_panel == nullptr ? nullptr : next_panel + first * kNR;
+    batchinfer_kernels::with_rows<kMR>(groups.size(g), [&](auto rows) {
+      micro_kernel<decltype(rows)::value>(xpack + m * K, panel, K, bias_panel, y + m * ldy, ldy, ncols, prefetch, last - first);
+    });
   }
 }
 

@@ -27,6 +27,8 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_gemm_rows.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -84,24 +86,7 @@ inline void micro_kernel(const uint32_t* __restrict x, const uint16_t* __restric
   }
 }
 
-template <int MR>
-inline void group_rows(int64_t rows, const uint32_t* x, const uint16_t* panel, int64_t K2, const float* bias_panel,
-                       uint16_t* y, int64_t ldy, int64_t ncols, const uint16_t* prefetch, int64_t prefetch_rows) {
-  if constexpr (MR > 0) {
-    if (rows == MR) {
-      micro_kernel<MR>(x, panel, K2, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
-    } else {
-      group_rows<MR - 1>(rows, x, panel, K2, bias_panel, y, ldy, ncols, prefetch, prefetch_rows);
-    }
-  }
-}
-
-// M rows split into ceil(M / kMR) groups of near-equal size (cpu_gemm.cpp's RowGroups).
-struct RowGroups {
-  int64_t count, base, extra;
-  explicit RowGroups(int64_t M) : count((M + kMR - 1) / kMR), base(M / count), extra(M % count) {}
-  int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
-};
+using RowGroups = batchinfer_kernels::RowGroups<kMR>;
 
 // Rows [0, M) of x as pairs, the group of `rows` rows that starts at row m at xpack + m * K2, laid out [K2][rows].
 void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xpack) {
@@ -122,8 +107,10 @@ void panel_rows(const uint32_t* xpack, int64_t M, const uint16_t* panel, int64_t
   const RowGroups groups(M);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
     const int64_t first = g * K2 / groups.count, last = next_panel == nullptr ? first : (g + 1) * K2 / groups.count;
-    group_rows<kMR>(groups.size(g), xpack + m * K2, panel, K2, bias_panel, y + m * ldy, ldy, ncols,
-                    next_panel == nullptr ? nullptr : next_panel + first * 2 * kNR, last - first);
+    const uint16_t* prefetch = next_panel == nullptr ? nullptr : next_panel + first * 2 * kNR;
+    batchinfer_kernels::with_rows<kMR>(groups.size(g), [&](auto rows) {
+      micro_kernel<decltype(rows)::value>(xpack + m * K2, panel, K2, bias_panel, y + m * ldy, ldy, ncols, prefetch, last - first);
+    });
   }
 }
 

@@ -1,10 +1,14 @@
-"""oneDNN's prepacked float32 linear (BERT's GEMMs) against ``F.linear`` and exact GELU."""
+"""oneDNN's prepacked float32 linear (BERT's GEMMs) against ``F.linear`` and exact GELU; bfloat16 against the
+float32-accumulator twin, and the bfloat16 PackedLinear's routing of tall calls to oneDNN on AMX-BF16 CPUs."""
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
+from kernels.reference import linear_bf16_reference
 from worker.engine.executor.layers.onednn_linear import (
+    amx_bf16_available,
     onednn_linear_available,
     pack_linear_weight,
     packed_linear,
@@ -36,3 +40,59 @@ def test_packed_linear_without_bias():
 
 def test_padded_rows_rounds_up_to_the_multiple():
     assert [padded_rows(n) for n in (1, 63, 64, 65, 4096)] == [64, 64, 64, 128, 4096]
+    assert [padded_rows(n, 16) for n in (1, 8, 16, 17)] == [16, 16, 16, 32]
+
+
+def _bf16_linear(out_features, in_features, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / 10)
+        linear.bias.copy_(torch.randn(out_features, generator=generator))
+    return linear
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100])
+def test_bfloat16_packed_linear_rounds_the_float32_sum_once(rows):
+    """Within one bfloat16 unit of the exact float32 sum rounded to bfloat16 (as the C++ bf16 kernel's test)."""
+    linear = _bf16_linear(96, 160)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    out = packed_linear(x, pack_linear_weight(linear.weight, 64), linear.bias)
+    assert out.shape == (rows, 96) and out.dtype == torch.bfloat16
+    expected = linear_bf16_reference(x, linear.weight, linear.bias)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-3, rtol=2**-7)
+
+
+def test_bfloat16_packed_linear_routes_tall_calls_to_onednn(monkeypatch):
+    """On AMX-BF16, calls of ONEDNN_MIN_ROWS rows or more run on oneDNN (rows padded, result sliced), shorter ones
+    on the C++ kernel bit for bit; BATCHINFER_BF16_ONEDNN=0 keeps the C++ kernel (batch invariant) everywhere."""
+    from kernels.cpu_extension import DISABLE_ENV, cpu_kernels_available
+    from kernels.cpu_gemm import linear_bf16_supported, linear_packed_bf16
+    from worker.engine.executor.layers import linear as linear_module
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    monkeypatch.delenv(linear_module.ONEDNN_BF16_ENV, raising=False)
+    if not cpu_kernels_available():
+        pytest.skip("the C++ kernels cannot be built here")
+    if not (linear_bf16_supported() and amx_bf16_available()):
+        pytest.skip("the CPU has no AVX512_BF16 or no AMX-BF16")
+    original = _bf16_linear(96, 160)
+    model = nn.Sequential(original)
+    linear_module.pack_linear_layers(model)
+    layer = model[0]
+    assert isinstance(layer, linear_module.PackedLinear) and layer.onednn_weight is not None
+    x = torch.randn(2, 11, 160, generator=torch.Generator().manual_seed(3)).bfloat16()  # 22 rows: padded to 32
+    short_rows = x[0, : linear_module.ONEDNN_MIN_ROWS - 1]
+
+    tall, short = layer(x), layer(short_rows)
+
+    assert tall.shape == (2, 11, 96)
+    expected = linear_bf16_reference(x, original.weight, original.bias)
+    torch.testing.assert_close(tall.float(), expected.float(), atol=1e-3, rtol=2**-7)
+    assert torch.equal(short, linear_packed_bf16(short_rows, layer.packed_weight, 96, layer.bias))
+
+    monkeypatch.setenv(linear_module.ONEDNN_BF16_ENV, "0")
+    plain = nn.Sequential(_bf16_linear(96, 160))
+    linear_module.pack_linear_layers(plain)
+    assert plain[0].onednn_weight is None
+    assert torch.equal(plain[0](x), linear_packed_bf16(x, plain[0].packed_weight, 96, plain[0].bias))
