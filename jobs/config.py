@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "batchinfer" / "models")
     device: str = "auto"
     dtype: str = "float32"
+    # An encoder embedding model's linears in bfloat16 on oneDNN (AMX where the CPU has it; docs/engine.md,
+    # "Embeddings"): faster, not the float32 reference; everything else stays float32.
+    embedding_matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     kv_cache_memory_bytes: int = 1 << 30
     block_size: int = 8
     max_num_seqs: int = 256

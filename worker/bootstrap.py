@@ -147,6 +147,7 @@ def _embedding_engine(settings: Settings) -> PoolingEngine | None:
         dtype=settings.dtype,
         device=resolve_device(settings.device),
         max_num_batched_tokens=max(settings.max_num_batched_tokens, EMBEDDING_MIN_BATCHED_TOKENS),
+        matmul_dtype=settings.embedding_matmul_dtype,
     )
     logger.info("starting embedding engine: %s", config)
     start_s = time.perf_counter()

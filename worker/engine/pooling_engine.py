@@ -58,7 +58,9 @@ class EmbeddingEngineConfig:
 
     ``model`` is the model folder; ``dtype``/``device`` as :class:`~worker.engine.config.EngineConfig`;
     ``max_num_batched_tokens`` the most tokens one forward pass packs (raised to ``max_model_len`` if lower);
-    ``max_model_len`` the most tokens per input (default the model's limit).
+    ``max_model_len`` the most tokens per input (default the model's limit); ``matmul_dtype`` ``"bfloat16"``
+    runs a float32 encoder's linears in bfloat16 on oneDNN (opt-in, :meth:`BertModel.enable_cpu_kernels`;
+    ``"float32"``: the reference).
     """
 
     model: str
@@ -66,6 +68,7 @@ class EmbeddingEngineConfig:
     device: str = "cpu"
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
+    matmul_dtype: str = "float32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,7 @@ class PoolingEngine:
         self.config = config
         model_dir = Path(config.model)
         self.device, self.dtype = torch.device(config.device), getattr(torch, config.dtype)
-        model = _load(model_dir, self.dtype, self.device)
+        model = _load(model_dir, self.dtype, self.device, config.matmul_dtype)
         self.model = model
         self.model_config: PretrainedConfig = model.config
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
@@ -242,6 +245,7 @@ def build_embedding_engine(
     device: str = "cpu",
     max_num_batched_tokens: int = 4096,
     max_model_len: int | None = None,
+    matmul_dtype: str = "float32",
 ) -> PoolingEngine:
     """A :class:`PoolingEngine` over the Hugging Face (or sentence-transformers) folder ``model_dir``
     (arguments: :class:`EmbeddingEngineConfig`; a built-in name is resolved first by
@@ -250,10 +254,14 @@ def build_embedding_engine(
     Raises:
         FileNotFoundError, UnsupportedModelError, ValueError, KeyError: as ``load_model``.
     """
-    return PoolingEngine(EmbeddingEngineConfig(str(model_dir), dtype, device, max_num_batched_tokens, max_model_len))
+    return PoolingEngine(
+        EmbeddingEngineConfig(str(model_dir), dtype, device, max_num_batched_tokens, max_model_len, matmul_dtype)
+    )
 
 
-def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertModel | LlamaForCausalLM:
+def _load(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, matmul_dtype: str = "float32"
+) -> BertModel | LlamaForCausalLM:
     """The folder's model, for embeddings.
 
     An encoder architecture (:data:`~worker.engine.executor.models.registry.ENCODER_ARCHITECTURES`: BERT)
@@ -261,9 +269,18 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     encoder kernels (with oneDNN's prepacked linears where torch has oneDNN) when it is float32 on CPU and the
     kernels are available; any decoder family the engine serves is loaded as for generation
     (:func:`~worker.engine.executor.model_loader.load_model`).
+
+    Raises:
+        ValueError: ``matmul_dtype`` is neither ``"float32"`` nor ``"bfloat16"``, or ``"bfloat16"`` where the
+            model does not run on the encoder kernels with oneDNN's bfloat16 (a decoder, another dtype or device).
     """
+    if matmul_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"matmul_dtype must be 'float32' or 'bfloat16', got {matmul_dtype!r}")
     config = AutoConfig.from_pretrained(model_dir)
+    bf16_refused = ValueError("matmul_dtype='bfloat16' needs a float32 encoder on CPU with the C++ kernels")
     if not is_encoder_config(config):
+        if matmul_dtype != "float32":
+            raise bf16_refused
         return load_model(model_dir, dtype, device)
     safetensors_files(model_dir)  # NOTE: raises before the model is allocated
     with torch.device(device):
@@ -273,7 +290,9 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> BertMode
     model.eval()
     model.requires_grad_(False)
     if dtype == torch.float32 and device.type == "cpu" and _kernels_fit(config) and cpu_kernels_available():
-        model.enable_cpu_kernels()
+        model.enable_cpu_kernels(getattr(torch, matmul_dtype))
+    elif matmul_dtype != "float32":
+        raise bf16_refused
     return model
 
 

@@ -54,6 +54,37 @@ def test_tiny_bert_matches_hugging_face_mean_pooling(tiny_bert_dir, kernels, mon
     torch.testing.assert_close(ours, torch.stack(reference), atol=1e-5, rtol=1e-5)
 
 
+def _bf16_linears_available() -> bool:
+    return (
+        cpu_extension.cpu_kernels_available()
+        and bert.onednn_linear_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+@pytest.mark.skipif(not _bf16_linears_available(), reason="needs the C++ kernels and oneDNN with bfloat16")
+def test_bfloat16_linears_stay_close_to_float32(tiny_bert_dir):
+    """The opt-in ``matmul_dtype="bfloat16"``: bfloat16 packed weights, float32 results, close to float32."""
+    prompts = [[(i * 7 + n) % 256 + 3 for i in range(n)] for n in (1, 5, 17, 40, 90, 128)]
+    reference = build_embedding_engine(tiny_bert_dir, max_num_batched_tokens=64).embed(prompts)
+    engine = build_embedding_engine(tiny_bert_dir, max_num_batched_tokens=64, matmul_dtype="bfloat16")
+    layer = engine.model.layers[0]
+    assert layer.onednn_dtype == torch.bfloat16 and layer.qkv_proj.weight.dtype == torch.float32
+    ours = engine.embed(prompts)
+    assert ours.dtype == torch.float32 and not torch.equal(ours, reference)
+    assert F.cosine_similarity(ours, reference, dim=-1).min().item() >= 0.999
+
+
+def test_bfloat16_linears_are_refused_off_the_encoder_kernels(tmp_path, tiny_bert_dir, monkeypatch):
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        build_embedding_engine(save_tiny_model(tmp_path / "llama", "llama"), matmul_dtype="bfloat16")
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        build_embedding_engine(tiny_bert_dir, matmul_dtype="float16")
+    monkeypatch.setenv(cpu_extension.DISABLE_ENV, "0")
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        build_embedding_engine(tiny_bert_dir, matmul_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_decoder_embedder_matches_hugging_face_last_token(tmp_path, family):
     path = save_tiny_model(tmp_path / family, family)

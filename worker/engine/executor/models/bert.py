@@ -119,6 +119,7 @@ class BertLayer(nn.Module):
         self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.use_cpu_kernels = False
         self.onednn_weights: tuple[torch.Tensor, ...] | None = None  # qkv, o, up, down: pack_onednn_weights
+        self.onednn_dtype = torch.float32  # what the packed weights and the linears' inputs are
 
     def forward(self, hidden_states: torch.Tensor, seq_lens: list[int], cu_seqlens: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_kernels:
@@ -148,10 +149,13 @@ class BertLayer(nn.Module):
         self, index: int, x: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False
     ) -> torch.Tensor:
         """Projection ``index`` (0 qkv, 1 o, 2 up, 3 down) of ``x`` plus ``bias``, then exact GELU when ``gelu``:
-        on oneDNN's packed weights (:meth:`pack_onednn_weights`; bias and GELU in the GEMM's pass), else
-        ``F.linear`` (MKL) with GELU by the C++ bias+GELU pass."""
+        on oneDNN's packed weights (:meth:`pack_onednn_weights`; bias and GELU in the GEMM's pass, ``x`` cast to
+        bfloat16 and the result back to float32 when they are bfloat16), else ``F.linear`` (MKL) with GELU by the
+        C++ bias+GELU pass."""
         if self.onednn_weights is not None:
-            return packed_linear(x, self.onednn_weights[index], bias, gelu=gelu)
+            if self.onednn_dtype == torch.float32:
+                return packed_linear(x, self.onednn_weights[index], bias, gelu=gelu)
+            return packed_linear(x.to(self.onednn_dtype), self.onednn_weights[index], bias, gelu=gelu).float()
         weight = self._linears()[index].weight
         if not gelu:
             return F.linear(x, weight, bias)
@@ -163,10 +167,14 @@ class BertLayer(nn.Module):
     def _linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
         return self.qkv_proj, self.o_proj, self.up_proj, self.down_proj
 
-    def pack_onednn_weights(self, batch_size_hint: int) -> None:
-        """Reorder qkv, o, up and down weights for oneDNN (:func:`pack_linear_weight`); the parameters stay as
-        they are (the torch path and ``load_weights`` use them), so re-pack after loading new weights."""
-        self.onednn_weights = tuple(pack_linear_weight(linear.weight, batch_size_hint) for linear in self._linears())
+    def pack_onednn_weights(self, batch_size_hint: int, dtype: torch.dtype = torch.float32) -> None:
+        """Reorder qkv, o, up and down weights for oneDNN (:func:`pack_linear_weight`), as ``dtype`` (float32, or
+        bfloat16 for AMX/AVX-512-BF16 products); the parameters stay as they are (the torch path and
+        ``load_weights`` use them), so re-pack after loading new weights."""
+        self.onednn_dtype = dtype
+        self.onednn_weights = tuple(
+            pack_linear_weight(linear.weight.to(dtype), batch_size_hint) for linear in self._linears()
+        )
 
 
 class BertModel(nn.Module):
@@ -224,18 +232,28 @@ class BertModel(nn.Module):
             hidden_states = layer(hidden_states, seq_lens, cu_seqlens)
         return hidden_states[:num_tokens]
 
-    def enable_cpu_kernels(self) -> None:
+    def enable_cpu_kernels(self, matmul_dtype: torch.dtype = torch.float32) -> None:
         """Run every layer and the embeddings on the C++ kernels (:mod:`kernels.cpu_attention`,
         :mod:`kernels.cpu_elementwise`); for a float32 model on CPU with
         :func:`kernels.cpu_extension.cpu_kernels_available` (the caller checks; the head size must be a
         multiple of 8 and the intermediate size too, as BERT's are), the linears on oneDNN's prepacked weights
-        where :func:`onednn_linear_available` (call again after loading new weights: it packs them)."""
+        where :func:`onednn_linear_available` (call again after loading new weights: it packs them).
+
+        ``matmul_dtype`` bfloat16 runs the four linears' products in bfloat16 (weights and inputs rounded to it,
+        float32 bias and results; AMX where the CPU has it), everything else in float32: opt-in, not the float32
+        reference (docs/engine.md, "Embeddings").
+
+        Raises:
+            ValueError: bfloat16 asked where torch has no oneDNN or this CPU no bfloat16 support.
+        """
         use_onednn = onednn_linear_available()
+        if matmul_dtype != torch.float32 and not (use_onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            raise ValueError(f"matmul dtype {matmul_dtype} needs oneDNN with bfloat16 support on this CPU")
         for module in self.modules():
             if isinstance(module, (BertEmbeddings, BertLayer)):
                 module.use_cpu_kernels = True
             if use_onednn and isinstance(module, BertLayer):
-                module.pack_onednn_weights(_ONEDNN_BATCH_HINT)
+                module.pack_onednn_weights(_ONEDNN_BATCH_HINT, matmul_dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into this model, fusing query/key/value on the way.
