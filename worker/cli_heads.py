@@ -53,6 +53,13 @@ def add_heads_commands(commands: Any, settings: Settings) -> None:
     train.add_argument("--batch-size", type=_positive_int, help="sequences per step (default 4)")
     train.add_argument("--lr", type=float, help="peak AdamW learning rate (default 1e-3)")
     train.add_argument("--medusa-heads", type=_positive_int, help="Medusa heads (default 3)")
+    train.add_argument("--ce-weight", type=float, help="EAGLE: weight of the token cross-entropy (default 0.1)")
+    train.add_argument(
+        "--training-time-test",
+        action="store_true",
+        default=None,
+        help="EAGLE: a second pass over the head's own predicted features, as drafts at depth 2 see them",
+    )
     train.add_argument("--out", type=Path, help="the heads' folder (default <model>/heads/<method>)")
     train.set_defaults(handler=_train)
 
@@ -182,6 +189,8 @@ def _train(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "num_medusa_heads": args.medusa_heads,
+        "ce_weight": args.ce_weight,
+        "training_time_test": args.training_time_test,
     }
     config = TrainConfig(method=args.method, **{name: value for name, value in given.items() if value is not None})
     progress = _Progress(config.num_steps, 0, f"{args.method} heads")

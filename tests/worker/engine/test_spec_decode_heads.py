@@ -25,6 +25,7 @@ from tests.worker.engine.test_spec_decode import (
     run_checked,
 )
 from worker.engine import SamplingParams
+from worker.engine.spec_decode.heads.train import target_features
 
 METHODS = ["eagle", "medusa"]
 
@@ -58,6 +59,40 @@ def test_greedy_identical_alone_and_batched(heads_model_dir, plain_engine, metho
     assert stats.mean_accepted_length > 1.2
     if tree_width > 1:
         assert stats.num_draft_tokens >= 3 * stats.num_drafts, "drafts were not trees of width 3"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_heads_see_the_features_of_accepted_tree_paths(heads_model_dir, method):
+    """After a tree's verification the features handed to the heads are those of the accepted path's positions
+    (node rows moved like their K/V), equal to one prefill over the finished sequence, also when the path left
+    the tree's leading chain."""
+    engine = _engine(heads_model_dir, method, speculative_tree_width=3)
+    runner = engine.model_runner
+    features: dict[int, torch.Tensor] = {}  # position -> the latest row written there
+    sink = runner.hidden_states_sink
+
+    def record(seqs, num_computed, num_scheduled, hidden_states):
+        features.update({num_computed[0] + row: hidden_states[row].clone() for row in range(num_scheduled[0])})
+        sink(seqs, num_computed, num_scheduled, hidden_states)
+
+    runner.hidden_states_sink = record
+    moved_paths = 0
+    execute = runner.execute_model
+
+    def count_moves(*args, **kwargs):
+        nonlocal moved_paths
+        output = execute(*args, **kwargs)
+        moved_paths += sum(r.accepted_nodes != list(range(len(r.accepted_nodes))) for r in output.verified)
+        return output
+
+    runner.execute_model = count_moves
+    prompt = VARIED
+    out = run_checked(engine, [prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    tokens = prompt + list(out.outputs[0].token_ids)
+    reference = target_features(runner.model, [tokens]).features[0]
+    assert moved_paths > 0, "no accepted path left the leading chain"
+    recorded = torch.stack([features[p] for p in range(len(tokens) - 1)])
+    torch.testing.assert_close(recorded, reference[:-1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])

@@ -12,9 +12,10 @@ is built with NumPy over per-sequence arrays, so the Python work per step grows 
 sequences, not of tokens.
 
 A proposer that drafts from the target's features (EAGLE, Medusa) sets :attr:`ModelRunner.hidden_states_sink`:
-after each forward it receives the final-norm hidden states of every row the step computed (the features the
-LM head reads, as EAGLE's and Medusa's training data take them from Hugging Face models); without one nothing
-is kept.
+after each step it receives the final-norm hidden states of every row the step computed (the features the
+LM head reads, as EAGLE's and Medusa's training data take them from Hugging Face models), with a verified
+tree's accepted nodes' rows moved to the rows right after the last token's, as their K/V are; without one
+nothing is kept.
 """
 
 from __future__ import annotations
@@ -397,10 +398,10 @@ class ModelRunner:
             self.kv_caches,
             attn_metadata,
         )
-        if self.hidden_states_sink is not None:
-            self.hidden_states_sink(seqs, num_computed_list, query_lens_list, hidden_states)
         rows = logits_rows + [row for rows_of_seq in prompt_rows for row in rows_of_seq] + verify_rows
         if not rows:  # only prefill chunks that sample nothing yet
+            if self.hidden_states_sink is not None:
+                self.hidden_states_sink(seqs, num_computed_list, query_lens_list, hidden_states)
             self._synchronize()
             return ModelRunnerOutput([], None, [], forward_s=time.perf_counter() - start_s)
         logits = self.model.compute_logits(hidden_states[torch.tensor(rows, dtype=torch.long, device=device)])
@@ -456,6 +457,9 @@ class ModelRunner:
         if verified_seqs:
             verified = self._verify(logits[offset:], verified_seqs, draft_probs or {}, verify_masks)
             self._keep_accepted_paths(seqs, block_ids, verified_seqs, verified)
+        if self.hidden_states_sink is not None:
+            _move_accepted_rows(hidden_states, seqs, cu_query_lens, verified_seqs, verified)
+            self.hidden_states_sink(seqs, num_computed_list, query_lens_list, hidden_states)
         self._synchronize()
         return ModelRunnerOutput(
             sampled_seqs,
@@ -573,3 +577,27 @@ class ModelRunner:
             rows.append(list(range(first_row, first_row + end - start)))
             chunks.append((seq, start + 1))
         return rows, chunks
+
+
+def _move_accepted_rows(
+    hidden_states: torch.Tensor,
+    seqs: list[Sequence],
+    cu_query_lens: list[int],
+    verified_seqs: list[Sequence],
+    verified: list[VerifiedTokens],
+) -> None:
+    """Move each verified tree's accepted nodes' rows of ``hidden_states`` (``[rows, hidden]``, in place) to the rows
+    right after its last token's, in path order (``_keep_accepted_paths``' moves), so a sequence's rows are those
+    of the positions it now holds, as a chain's are; the rows after the path are stale like rejected drafts'."""
+    first_row = {id(seq): cu_query_lens[i] + 1 for i, seq in enumerate(seqs)}
+    src: list[int] = []
+    dst: list[int] = []
+    for seq, result in zip(verified_seqs, verified, strict=True):
+        for depth, node in enumerate(result.accepted_nodes):
+            if node != depth:
+                src.append(first_row[id(seq)] + node)
+                dst.append(first_row[id(seq)] + depth)
+    if src:
+        device = hidden_states.device
+        moved = hidden_states[torch.tensor(src, dtype=torch.long, device=device)]
+        hidden_states[torch.tensor(dst, dtype=torch.long, device=device)] = moved

@@ -33,7 +33,7 @@ from worker.engine.core.kv_cache_manager import cdiv
 from worker.engine.core.request import Sequence
 from worker.engine.executor.layers.attention import build_attention_metadata
 from worker.engine.executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
-from worker.engine.spec_decode.draft_sampling import DraftDrawer
+from worker.engine.spec_decode.draft_sampling import DraftDrawer, chain_proposal
 from worker.engine.spec_decode.proposer import DraftProposal, Proposer
 
 if TYPE_CHECKING:
@@ -208,10 +208,7 @@ class DraftModelProposer(Proposer):
             logits = self._forward(seqs, step_seqs, inputs)
             self._draw(seqs, step_seqs, logits, drafts, probs)
         for i in active:
-            seq = seqs[i]
-            proposal = drafts[i]
-            q = None if seq.params.is_greedy else torch.stack(probs[i])
-            proposals[i] = DraftProposal(proposal, q)
+            proposals[i] = chain_proposal(seqs[i], drafts[i], probs[i])
         return proposals
 
     def _reserve(self, state: _DraftSeq, num_positions: int) -> bool:

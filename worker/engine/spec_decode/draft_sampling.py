@@ -13,6 +13,13 @@ import torch
 from worker.engine.core.request import Sequence
 from worker.engine.sample.metadata import SamplingMetadata
 from worker.engine.sample.sampler import DRAFT_STREAM, Sampler, counter_generator, make_sampling_key
+from worker.engine.spec_decode.proposer import DraftProposal
+
+
+def chain_proposal(seq: Sequence, drafts: list[int], probs: list[torch.Tensor]) -> DraftProposal:
+    """A drawn chain as a proposal: a greedy line's drafts are one-hot (no ``probs``), a sampled line's carry the
+    distributions ``q`` (float32 ``[vocab_size]`` each) :meth:`DraftDrawer.draw` drew them from."""
+    return DraftProposal(drafts, None if seq.params.is_greedy else torch.stack(probs))
 
 
 class DraftDrawer:

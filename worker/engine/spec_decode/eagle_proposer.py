@@ -34,7 +34,7 @@ import torch
 
 from worker.engine.core.request import Sequence
 from worker.engine.executor.layers.attention.tree import MAX_TREE_QUERY_LEN
-from worker.engine.spec_decode.draft_sampling import DraftDrawer
+from worker.engine.spec_decode.draft_sampling import DraftDrawer, chain_proposal
 from worker.engine.spec_decode.head_trees import DraftLMHead, best_nodes, reindex
 from worker.engine.spec_decode.heads.eagle import EagleHead
 from worker.engine.spec_decode.proposer import DraftProposal, Proposer
@@ -171,9 +171,7 @@ class EagleProposer(Proposer):
                         features[n], embed(token), torch.tensor([position], device=logits.device), pasts[n]
                     )
         for n in chains:
-            i = active[n]
-            greedy = seqs[i].params.is_greedy
-            proposals[i] = DraftProposal(drafts[n], None if greedy else torch.stack(probs[n]))
+            proposals[active[n]] = chain_proposal(seqs[active[n]], drafts[n], probs[n])
         return proposals
 
     def _tree(

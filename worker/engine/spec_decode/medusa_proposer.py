@@ -22,7 +22,7 @@ import torch
 
 from worker.engine.core.request import Sequence
 from worker.engine.executor.layers.attention.tree import MAX_TREE_QUERY_LEN
-from worker.engine.spec_decode.draft_sampling import DraftDrawer
+from worker.engine.spec_decode.draft_sampling import DraftDrawer, chain_proposal
 from worker.engine.spec_decode.head_trees import DraftLMHead, product_tree
 from worker.engine.spec_decode.heads.medusa import MedusaHeads
 from worker.engine.spec_decode.proposer import DraftProposal, Proposer
@@ -112,7 +112,5 @@ class MedusaProposer(Proposer):
                 drafts[n].append(tokens[row])
                 probs[n].append(q[row])
         for n in chains:
-            i = active[n]
-            greedy = seqs[i].params.is_greedy
-            proposals[i] = DraftProposal(drafts[n], None if greedy else torch.stack(probs[n]))
+            proposals[active[n]] = chain_proposal(seqs[active[n]], drafts[n], probs[n])
         return proposals

@@ -13,7 +13,7 @@ from tests.helpers.tiny_llama import save_tiny_llama
 from worker.engine.spec_decode.heads.eagle import EagleHead, EagleHeadConfig
 from worker.engine.spec_decode.heads.medusa import MedusaHeads
 from worker.engine.spec_decode.heads.storage import load_head, save_head
-from worker.engine.spec_decode.heads.train import STATE_FILE
+from worker.engine.spec_decode.heads.train import STATE_FILE, depth_two_visible
 
 HIDDEN = 64
 
@@ -44,6 +44,23 @@ def test_eagle_incremental_matches_full_sequence():
         out, past = head(features[p : p + 1], embeds[p : p + 1], torch.tensor([p]), past)
         rows.append(out)
     torch.testing.assert_close(torch.cat(rows), full, atol=1e-5, rtol=1e-5)
+
+
+def test_training_time_test_rows_are_depth_two_drafts():
+    """The second training pass (depth_two_visible) computes what drafting computes at depth 2: the head over its
+    own predicted feature, attending the committed entries before it."""
+    torch.manual_seed(0)
+    head = EagleHead(
+        EagleHeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    ).eval()
+    length = 10
+    features, embeds = torch.randn(length, 32), torch.randn(length, 32)
+    num = length - 1
+    pred, kv = head(features[:num], embeds[1:], torch.arange(num))
+    second, _ = head(pred[:-1], embeds[2:], torch.arange(1, num), kv, depth_two_visible(num))
+    for q in range(1, num):
+        draft, _ = head(pred[q - 1 : q], embeds[q + 1 : q + 2], torch.tensor([q]), (kv[0][:, :q], kv[1][:, :q]))
+        torch.testing.assert_close(second[q - 1 : q], draft, atol=1e-5, rtol=1e-5)
 
 
 def test_eagle_and_medusa_round_trip(tmp_path):

@@ -9,8 +9,10 @@ its final-norm features ``f`` and its next-token argmax ``t`` (the teacher), cac
 Losses, per sequence of ``L`` tokens ``x``:
 
 - EAGLE: the head reads ``(f[p], x[p + 1])`` for ``p < L - 1`` and predicts ``f[p + 1]``; loss = Smooth L1 of the
-  features + ``0.1`` x cross-entropy of the target's LM head over the predicted feature against ``t[p + 1]``
-  (EAGLE's weights).
+  features + ``ce_weight`` (``0.1``, EAGLE's weight) x cross-entropy of the target's LM head over the predicted
+  feature against ``t[p + 1]``. With ``training_time_test`` (EAGLE-3's "training-time test", Li et al. 2025) a
+  second pass feeds the head its own predicted features, as drafting does from depth 2 on
+  (:func:`depth_two_visible`), and adds the same two losses for it.
 - Medusa: head ``k`` reads ``f[p]`` and is scored by cross-entropy against ``t[p + 1 + k]``, head ``k``
   weighted ``0.8 ** k`` (Medusa's decay).
 
@@ -39,7 +41,6 @@ from worker.engine.spec_decode.heads.medusa import MedusaHeads
 from worker.engine.spec_decode.heads.storage import save_draft_vocab, save_head
 
 STATE_FILE = "train_state.pt"
-EAGLE_CE_WEIGHT = 0.1
 MEDUSA_DECAY = 0.8
 
 
@@ -50,7 +51,8 @@ class TrainConfig:
     ``num_steps`` optimizer steps of ``batch_size`` sequences each; ``lr`` the peak AdamW learning rate after
     ``warmup_steps``; ``ce_rows`` rows per sequence scored through the LM head; ``num_medusa_heads`` and
     ``num_medusa_layers`` shape Medusa heads; ``checkpoint_every`` steps between saved states; ``draft_vocab_size``
-    the most frequent tokens of the data saved as the head's draft vocabulary (0: none, draft over all tokens).
+    the most frequent tokens of the data saved as the head's draft vocabulary (0: none, draft over all tokens);
+    ``ce_weight`` EAGLE's cross-entropy weight; ``training_time_test`` EAGLE's second pass over its own predictions.
     """
 
     method: str = "eagle"
@@ -65,6 +67,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     seed: int = 0
     draft_vocab_size: int = 8192
+    ce_weight: float = 0.1
+    training_time_test: bool = False
 
 
 @dataclass(slots=True)
@@ -165,6 +169,15 @@ def new_head(method: str, target_config: Any, train_config: TrainConfig) -> Eagl
     raise ValueError(f"method must be 'eagle' or 'medusa', got {method!r}")
 
 
+def depth_two_visible(num: int) -> torch.Tensor:
+    """The attention mask of EAGLE's second training pass (EAGLE-3's "training-time test", Li et al. 2025) over
+    ``num`` first-pass entries: row ``q - 1`` (``q = 1 .. num - 1``) reads the head's own predicted feature of
+    position ``q``, as a draft at depth 2 does, and sees the first pass's entries ``0 .. q - 1`` (the committed
+    ones at test time) and itself: bool ``[num - 1, 2 * num - 1]`` (:meth:`EagleHead.forward`'s ``visible``)."""
+    own = torch.arange(num - 1)
+    return torch.cat((torch.arange(num)[None, :] <= own[:, None], torch.eye(num - 1, dtype=torch.bool)), dim=1)
+
+
 def _eagle_loss(
     head: EagleHead,
     embed: torch.Tensor,
@@ -173,12 +186,18 @@ def _eagle_loss(
     f: torch.Tensor,
     teacher: torch.Tensor,
     rows: torch.Tensor,
+    config: TrainConfig,
 ) -> torch.Tensor:
     num = tokens.shape[0] - 1
-    pred, _ = head(f[:num], F.embedding(tokens[1:], embed), torch.arange(num))
-    regression = F.smooth_l1_loss(pred, f[1:])
-    logits = pred[rows] @ lm_head.T
-    return regression + EAGLE_CE_WEIGHT * F.cross_entropy(logits, teacher[1:][rows])
+    embeds = F.embedding(tokens[1:], embed)
+    pred, kv = head(f[:num], embeds, torch.arange(num))
+    loss = F.smooth_l1_loss(pred, f[1:]) + config.ce_weight * F.cross_entropy(pred[rows] @ lm_head.T, teacher[1:][rows])
+    if config.training_time_test and num >= 2:
+        pred2, _ = head(pred[:-1], embeds[1:], torch.arange(1, num), kv, depth_two_visible(num))
+        rows2 = rows[rows < num - 1]
+        loss = loss + F.smooth_l1_loss(pred2, f[2:])
+        loss = loss + config.ce_weight * F.cross_entropy(pred2[rows2] @ lm_head.T, teacher[2:][rows2])
+    return loss
 
 
 def _medusa_loss(
@@ -268,7 +287,7 @@ def train_heads(
             num_rows = tokens.shape[0] - 1
             rows = torch.randperm(num_rows, generator=generator)[: config.ce_rows]
             if isinstance(head, EagleHead):
-                losses.append(_eagle_loss(head, embed, lm_head, tokens, f, teacher, rows))
+                losses.append(_eagle_loss(head, embed, lm_head, tokens, f, teacher, rows, config))
             else:
                 losses.append(_medusa_loss(head, lm_head, f, teacher, rows))
         loss = torch.stack(losses).mean()
