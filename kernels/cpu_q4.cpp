@@ -386,13 +386,38 @@ void permute_rows_q4_1(const float* x, int64_t ldx, int64_t M, int64_t nb, float
   });
 }
 
+// One group of Q4_1 blocks at p (kGroup blocks, or the row's last 1-3: `blocks`; past them nothing is read):
+// `quants` holds the 16 nibble dwords of the group's blocks side by side, `dm` each block's (d, m) as floats and
+// `d` each block's d spread over its four lanes of `quants`.
+struct Q41Group {
+  __m512i quants;
+  __m256 dm;
+  __m512 d;
+};
+
+inline Q41Group load_q4_1_group(const uint8_t* p, int64_t blocks) {
+  const __m512i nibbles_at = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
+  const __m512i scales_at = _mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  __m512i lo, hi;
+  if (blocks >= kGroup) {
+    lo = _mm512_loadu_si512(p);
+    hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+  } else {  // 5 dwords a block, the rest masked off
+    lo = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (5 * blocks)) - 1u), p);
+    hi = _mm512_setzero_si512();
+  }
+  Q41Group group;
+  group.quants = _mm512_permutex2var_epi32(lo, nibbles_at, hi);
+  group.dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(scales_at, lo)));
+  group.d = _mm512_permutexvar_ps(d_lanes, _mm512_castps256_ps512(group.dm));
+  return group;
+}
+
 // out[r] = x_r . w for MR permuted activation rows (xp, sxi with strides ld_xp, ld_sxi) over one Q4_1 weight row.
 template <int MR>
 void dot_rows_q4_1_f32(const float* xp, int64_t ld_xp, const float* sxi, int64_t ld_sxi, const uint8_t* wrow,
                        int64_t nb, float* out) {
-  const __m512i nibbles_at = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
-  const __m512i scales_at = _mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const int64_t groups = (nb + kGroup - 1) / kGroup;
   __m512 acc[MR];
   __m256 terms[MR];
@@ -401,22 +426,11 @@ void dot_rows_q4_1_f32(const float* xp, int64_t ld_xp, const float* sxi, int64_t
     terms[r] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = wrow + g * kGroup * 20;
-    __m512i lo, hi;
-    if (kGroup * (g + 1) <= nb) {
-      lo = _mm512_loadu_si512(p);
-      hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
-    } else {  // a last group of 1-3 blocks: 5 dwords each, the rest masked off (never read)
-      const __mmask16 dwords = static_cast<__mmask16>((1u << (5 * (nb - kGroup * g))) - 1u);
-      lo = _mm512_maskz_loadu_epi32(dwords, p);
-      hi = _mm512_setzero_si512();
-    }
-    const __m512i quants = _mm512_permutex2var_epi32(lo, nibbles_at, hi);
-    const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(scales_at, lo)));
-    const __m512 d = _mm512_permutexvar_ps(d_lanes, _mm512_castps256_ps512(dm));
+    const Q41Group group = load_q4_1_group(wrow + g * kGroup * 20, nb - kGroup * g);
     __m512 q[8];
     for (int j = 0; j < 8; ++j) {
-      q[j] = _mm512_cvtepu32_ps(_mm512_and_si512(quants, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * j)))));
+      q[j] = _mm512_cvtepu32_ps(
+          _mm512_and_si512(group.quants, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * j)))));
     }
     for (int r = 0; r < MR; ++r) {
       const float* xg = xp + r * ld_xp + g * kGroupFloats;
@@ -426,8 +440,8 @@ void dot_rows_q4_1_f32(const float* xp, int64_t ld_xp, const float* sxi, int64_t
         even = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16 * j), q[j], even);
         odd = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16 * (j + 1)), q[j + 1], odd);
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even, odd), d, acc[r]);
-      terms[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sxi + r * ld_sxi + g * kGroupTerms), terms[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even, odd), group.d, acc[r]);
+      terms[r] = _mm256_fmadd_ps(group.dm, _mm256_loadu_ps(sxi + r * ld_sxi + g * kGroupTerms), terms[r]);
     }
   }
   for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(terms[r]);
@@ -439,9 +453,6 @@ void dot_rows_q4_1_f32(const float* xp, int64_t ld_xp, const float* sxi, int64_t
 template <int NR>
 void dot_weight_rows_q4_1_f32(const float* xp, const float* sxi, const uint8_t* wrow, int64_t row_bytes, int64_t nb,
                               float* out) {
-  const __m512i nibbles_at = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
-  const __m512i scales_at = _mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const int64_t groups = (nb + kGroup - 1) / kGroup;
   __m512 acc[NR];
   __m256 terms[NR];
@@ -450,25 +461,11 @@ void dot_weight_rows_q4_1_f32(const float* xp, const float* sxi, const uint8_t* 
     terms[i] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    const bool full = kGroup * (g + 1) <= nb;
-    const __mmask16 dwords = full ? 0 : static_cast<__mmask16>((1u << (5 * (nb - kGroup * g))) - 1u);
-    __m512i quants[NR];
-    __m512 d[NR];
+    Q41Group group[NR];
     const __m256 sx = _mm256_loadu_ps(sxi + g * kGroupTerms);
     for (int i = 0; i < NR; ++i) {
-      const uint8_t* p = wrow + i * row_bytes + g * kGroup * 20;
-      __m512i lo, hi;
-      if (full) {
-        lo = _mm512_loadu_si512(p);
-        hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
-      } else {
-        lo = _mm512_maskz_loadu_epi32(dwords, p);
-        hi = _mm512_setzero_si512();
-      }
-      quants[i] = _mm512_permutex2var_epi32(lo, nibbles_at, hi);
-      const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(scales_at, lo)));
-      d[i] = _mm512_permutexvar_ps(d_lanes, _mm512_castps256_ps512(dm));
-      terms[i] = _mm256_fmadd_ps(dm, sx, terms[i]);
+      group[i] = load_q4_1_group(wrow + i * row_bytes + g * kGroup * 20, nb - kGroup * g);
+      terms[i] = _mm256_fmadd_ps(group[i].dm, sx, terms[i]);
     }
     const float* xg = xp + g * kGroupFloats;
     __m512 even[NR], odd[NR];
@@ -477,13 +474,13 @@ void dot_weight_rows_q4_1_f32(const float* xp, const float* sxi, const uint8_t* 
       const __m512i me = _mm512_set1_epi32(static_cast<int>(0xFu << (4 * j)));
       const __m512i mo = _mm512_set1_epi32(static_cast<int>(0xFu << (4 * (j + 1))));
       for (int i = 0; i < NR; ++i) {
-        const __m512 qe = _mm512_cvtepu32_ps(_mm512_and_si512(quants[i], me));
-        const __m512 qo = _mm512_cvtepu32_ps(_mm512_and_si512(quants[i], mo));
+        const __m512 qe = _mm512_cvtepu32_ps(_mm512_and_si512(group[i].quants, me));
+        const __m512 qo = _mm512_cvtepu32_ps(_mm512_and_si512(group[i].quants, mo));
         even[i] = j == 0 ? _mm512_mul_ps(xe, qe) : _mm512_fmadd_ps(xe, qe, even[i]);
         odd[i] = j == 0 ? _mm512_mul_ps(xo, qo) : _mm512_fmadd_ps(xo, qo, odd[i]);
       }
     }
-    for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(even[i], odd[i]), d[i], acc[i]);
+    for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(even[i], odd[i]), group[i].d, acc[i]);
   }
   for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(terms[i]);
 }
