@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 from rounds import alternate, run_json, vllm_run  # noqa: E402
 from workload import humaneval_problems, humaneval_prompts, humaneval_throughput  # noqa: E402
 
+from kernels.cpu_extension import cpu_flags  # noqa: E402
 from worker.cpu_threads import use_passive_wait  # noqa: E402
 from worker.model_prepare import builtin_gguf_path, prepare_model  # noqa: E402
 
@@ -184,8 +185,7 @@ LLAMACPP_PYTHON = HERE / ".llamacpp-venv" / "bin" / "python"
 def _llamacpp_flags(threads: int) -> list[str]:
     """Flags of every llama.cpp run: the threads, and ``--no-extra-bufts`` where the CPU reports AMX
     (llama-cpp-python 0.3.36 crashes in its AMX matmul on the project's Xeon VM; bench/llamacpp_peer.py)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    amx = cpuinfo.is_file() and "amx_tile" in cpuinfo.read_text().split()
+    amx = "amx_tile" in cpu_flags()
     return ["--threads", str(threads), *(["--no-extra-bufts"] if amx else [])]
 
 

@@ -60,18 +60,28 @@ _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 _loaded: bool | None = None  # None: not tried yet; False: the build failed
 
 
+def _cpu_flags_line() -> str:
+    """The feature-flags line of ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm); "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as ``/proc/cpuinfo`` names them (``avx512_bf16``, ``amx_bf16``, ``amx_tile``, ...);
+    empty where the file is unreadable (not Linux)."""
+    return frozenset(_cpu_flags_line().partition(":")[2].split())
+
+
 def build_tag() -> str:
     """Short digest of the machine type, the CPU feature flags (``/proc/cpuinfo``), the compiler flags, the
     Python and torch versions and the sources: names the build and
     anything laid out for it (a cache of weights packed by it)."""
     import torch
 
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
+    flags = _cpu_flags_line()
     versions = f"{sys.version_info[:2]} {sys.abiflags} torch {torch.__version__}"
     digest = hashlib.sha256(f"{platform.machine()} {flags} {' '.join(_CFLAGS)} {versions}".encode())
     for source in _SOURCES + _HEADERS:

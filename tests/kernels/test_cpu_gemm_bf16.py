@@ -6,19 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu_extension import cpu_flags
 from kernels.cpu_gemm import linear_bf16_supported, linear_packed_bf16, pack_linear_weight_bf16
 from kernels.reference import linear_bf16_reference
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
-def _has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    return "avx512_bf16" in flags.split()
-
-
-needs_bf16 = pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512_BF16")
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the CPU has no AVX512_BF16")
 
 
 def _weights(out_features, in_features, seed=0):
@@ -28,10 +23,10 @@ def _weights(out_features, in_features, seed=0):
 
 
 def test_supported_exactly_when_the_cpu_has_avx512_bf16():
-    assert linear_bf16_supported() == _has_avx512_bf16()
+    assert linear_bf16_supported() == ("avx512_bf16" in cpu_flags())
 
 
-@pytest.mark.skipif(_has_avx512_bf16(), reason="the CPU has AVX512_BF16")
+@pytest.mark.skipif("avx512_bf16" in cpu_flags(), reason="the CPU has AVX512_BF16")
 def test_refused_without_avx512_bf16():
     with pytest.raises(RuntimeError, match="AVX512_BF16"):
         pack_linear_weight_bf16(torch.ones(4, 4, dtype=torch.bfloat16))

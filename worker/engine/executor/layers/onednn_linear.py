@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_extension import cpu_flags
+
 _ROW_MULTIPLE = 64  # rows a padded token batch is a multiple of (few primitive builds, < 64 wasted rows)
 
 
@@ -37,12 +39,7 @@ def onednn_linear_available() -> bool:
 def amx_bf16_available() -> bool:
     """Whether the CPU reports AMX-BF16 (``amx_bf16`` in ``/proc/cpuinfo``), on which oneDNN runs bfloat16 GEMMs
     on tiles; False where the file is unreadable (not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "amx_bf16" in flags.split()
+    return "amx_bf16" in cpu_flags()
 
 
 def pack_linear_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
