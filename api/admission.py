@@ -8,9 +8,9 @@ waiting for a thread: nothing moves until the pool's 30 s timeout (seen with 100
 pollers). Admitting fewer requests than the pool has connections (`jobs.db.MAX_CONNECTIONS`, less
 room for background validation) makes that cycle impossible; waiting requests hold neither a thread
 nor a connection. A request leaves the count when its response starts: by then its session has
-committed (``SessionDep`` commits before the response), and a streamed body reads storage in short
-sessions of its own. A request body is received before the request is admitted (`api.limits`), so a
-slow upload holds no slot.
+ended (``SessionDep`` commits, ``ReadSessionDep`` rolls back, before the response), and a streamed
+body reads storage in short sessions of its own. A request body is received before the request is
+admitted (`api.limits`), so a slow upload holds no slot.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 def _log_access_mode(settings: Settings) -> None:
     try:
-        with session_scope(settings.database_url) as session:
+        with session_scope(settings.database_url, read_only=True) as session:
             required = keys_required(session)
     except Exception as exc:
         logger.warning("could not tell whether API keys exist: %s", exc)

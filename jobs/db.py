@@ -64,22 +64,33 @@ def _create_engine(url: str) -> Engine:
         # NOTE: a deferred transaction that reads and then writes fails at once (SQLITE_BUSY) when
         # another process wrote in between; IMMEDIATE takes the write lock up front and waits for it.
         # A read-only transaction takes no lock: under WAL it reads a snapshot while a writer works.
-        read_only = connection.get_execution_options().get(_READ_ONLY, False)
-        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+        connection.exec_driver_sql("BEGIN" if is_read_only(connection) else "BEGIN IMMEDIATE")
 
     return engine
 
 
-def get_engine(url: str | None = None) -> Engine:
+def get_engine(url: str | None = None, *, read_only: bool = False) -> Engine:
     """The process-wide engine for ``url`` (default: ``settings.database_url``), created once per URL.
 
-    A SQLite file's parent directory is created if missing.
+    A SQLite file's parent directory is created if missing. ``read_only``: a view of that engine (same
+    pool) whose transactions only read: on SQLite a deferred ``BEGIN``, which takes no write lock, so it
+    neither waits for nor blocks a writer; on PostgreSQL ``READ ONLY``, where a write raises.
     """
     url = _resolve(url)
     with _lock:
         if url not in _engines:
             _engines[url] = _create_engine(url)
-        return _engines[url]
+        engine = _engines[url]
+    if not read_only:
+        return engine
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(**{_READ_ONLY: True, "postgresql_readonly": True})
+    return engine.execution_options(**{_READ_ONLY: True})
+
+
+def is_read_only(connection: Connection) -> bool:
+    """Whether ``connection`` came from `get_engine` with ``read_only`` (its transactions only read)."""
+    return bool(connection.get_execution_options().get(_READ_ONLY, False))
 
 
 def make_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
@@ -96,19 +107,14 @@ def make_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
 def session_scope(url: str | None = None, *, read_only: bool = False) -> Iterator[Session]:
     """One transaction: commit when the block exits normally, roll back (and re-raise) on error.
 
-    ``read_only``: for readers (the API's GETs). On SQLite the transaction is a deferred ``BEGIN``, which
-    takes no write lock, so it neither waits for nor blocks a writer (a grading task storing 20,000
-    grades); on PostgreSQL it is ``READ ONLY``. Either way it ends in a rollback; a write in it raises
-    on PostgreSQL and waits for the write lock on SQLite.
+    ``read_only``: for readers (the API's GETs), on `get_engine` with ``read_only``. On SQLite the
+    transaction is a deferred ``BEGIN``, which takes no write lock, so it neither waits for nor blocks a
+    writer (a grading task storing 20,000 grades); on PostgreSQL it is ``READ ONLY``. Either way it ends
+    in a rollback: a write in it raises on PostgreSQL; on SQLite it takes the write lock after all (the
+    wait a reader must avoid) and is then rolled back.
     """
     factory = make_sessionmaker(url)
-    if read_only:
-        engine = get_engine(url)
-        option = "postgresql_readonly" if engine.dialect.name == "postgresql" else _READ_ONLY
-        engine = engine.execution_options(**{option: True})
-        session = factory(bind=engine)
-    else:
-        session = factory()
+    session = factory(bind=get_engine(url, read_only=True)) if read_only else factory()
     try:
         yield session
         if read_only:

@@ -54,8 +54,9 @@ class FileStorage(Protocol):
     def read(self, key: str, *, session: Session | None = None) -> Iterator[bytes]:
         """The bytes under ``key`` in chunks of at most `CHUNK_BYTES`.
 
-        ``session``: read inside this transaction (else short transactions of their own; on SQLite,
-        whose transactions take the write lock, a caller holding a transaction must pass it).
+        ``session``: read inside this transaction (else in short read-only transactions of their own,
+        `jobs.db.session_scope` with ``read_only``, which take no lock even while the caller holds one:
+        for a stream that outlives the request's session).
 
         Raises:
             FileNotFoundError: nothing is stored under ``key`` (raised by the first ``next``).
@@ -167,7 +168,7 @@ class DatabaseStorage:
             if session is not None:
                 chunk = session.scalar(query)
             else:
-                with session_scope(self.database_url) as own:
+                with session_scope(self.database_url, read_only=True) as own:
                     chunk = own.scalar(query)
             if chunk is None:
                 if seq == 0 and not self._exists(key, session):
@@ -181,7 +182,7 @@ class DatabaseStorage:
         query = select(File.id).where(File.storage_path == key)
         if session is not None:
             return session.scalar(query) is not None
-        with session_scope(self.database_url) as own:
+        with session_scope(self.database_url, read_only=True) as own:
             return own.scalar(query) is not None
 
     def delete(self, session: Session, key: str) -> None:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, BackgroundTasks, Query
 from pydantic import BaseModel, ConfigDict
 
 from api.auth import OwnerDep
-from api.deps import SessionDep, SettingsDep
+from api.deps import ReadSessionDep, SessionDep, SettingsDep
 from api.quotas import check_enqueued_tokens
 from jobs.config import Settings
 from jobs.intake import validate_and_start
@@ -79,7 +79,7 @@ def create(
 
 @router.get("", response_model=ListPage[BatchObject])
 def list_all(
-    session: SessionDep, owner: OwnerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+    session: ReadSessionDep, owner: OwnerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
 ) -> ListPage[BatchObject]:
     """Batches, newest first; ``after`` is the last id of the previous page."""
     batches, has_more = list_batches(session, after=after, limit=limit, owner=owner)
@@ -88,7 +88,7 @@ def list_all(
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve(session: SessionDep, owner: OwnerDep, batch_id: str) -> BatchObject:
+def retrieve(session: ReadSessionDep, owner: OwnerDep, batch_id: str) -> BatchObject:
     return BatchObject.from_row(get_batch(session, batch_id=batch_id, owner=owner))
 
 

@@ -15,9 +15,10 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 
 from api.auth import OwnerDep
-from api.deps import SessionDep, SettingsDep
+from api.deps import ReadSessionDep, SessionDep, SettingsDep
 from api.errors import UploadTooLarge, too_large_message
 from jobs.errors import Conflict, InvalidRequest, NotFound
 from jobs.files import delete_file, file_chunks, get_file, list_files, read_chunks, write_file
@@ -31,7 +32,7 @@ from jobs.validation import TooManyLines, limit_lines
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 
-def store_upload(session: SessionDep, settings: SettingsDep, upload: UploadFile, owner: str | None) -> File:
+def store_upload(session: Session, settings: SettingsDep, upload: UploadFile, owner: str | None) -> File:
     """Write an uploaded batch input file (purpose "batch") owned by ``owner``, within the upload limits.
 
     Raises:
@@ -58,7 +59,7 @@ def store_upload(session: SessionDep, settings: SettingsDep, upload: UploadFile,
         raise UploadTooLarge(message, code="too_many_lines") from None
 
 
-def _existing(session: SessionDep, file_id: str, owner: str | None) -> File:
+def _existing(session: Session, file_id: str, owner: str | None) -> File:
     file = get_file(session, file_id=file_id, owner=owner)
     if file is None:
         raise NotFound("file", file_id)
@@ -79,7 +80,7 @@ def create_file(
 
 @router.get("", response_model=ListPage[FileObject])
 def list_all_files(
-    session: SessionDep,
+    session: ReadSessionDep,
     owner: OwnerDep,
     purpose: str | None = None,
     after: str | None = None,
@@ -93,7 +94,7 @@ def list_all_files(
 
 
 @router.get("/{file_id}", response_model=FileObject)
-def retrieve_file(session: SessionDep, owner: OwnerDep, file_id: str) -> FileObject:
+def retrieve_file(session: ReadSessionDep, owner: OwnerDep, file_id: str) -> FileObject:
     return FileObject.from_row(_existing(session, file_id, owner))
 
 
@@ -114,7 +115,7 @@ def remove_file(session: SessionDep, settings: SettingsDep, owner: OwnerDep, fil
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse)
-def file_content(session: SessionDep, settings: SettingsDep, owner: OwnerDep, file_id: str) -> StreamingResponse:
+def file_content(session: ReadSessionDep, settings: SettingsDep, owner: OwnerDep, file_id: str) -> StreamingResponse:
     """The file's raw bytes (JSONL for batch files), streamed from storage."""
     file = _existing(session, file_id, owner)
     chunks = file_chunks(file, storage=storage_from_settings(settings))

@@ -26,7 +26,7 @@ _BROKER_TIMEOUT_S = 2.0
 def health(settings: SettingsDep) -> JSONResponse:
     database = broker = "ok"
     try:
-        with get_engine(settings.database_url).connect() as connection:
+        with get_engine(settings.database_url, read_only=True).connect() as connection:
             connection.execute(text("SELECT 1"))
     except SQLAlchemyError as exc:
         database = str(getattr(exc, "orig", None) or exc)

@@ -68,7 +68,7 @@ class DatabaseCollector:
         yield from families
 
     def _families(self) -> list[Metric]:
-        with get_engine(self.database_url).connect() as connection:
+        with get_engine(self.database_url, read_only=True).connect() as connection:
             by_status = dict(connection.execute(select(Batch.status, func.count()).group_by(Batch.status)).all())
             completed, failed, input_tokens, output_tokens, cached_tokens = tuple(
                 connection.execute(

@@ -15,7 +15,7 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from api.deps import SessionDep, SettingsDep
+from api.deps import ReadSessionDep, SettingsDep
 from jobs.config import ModelEntry, Settings
 from jobs.errors import NotFound
 from jobs.status import now_s
@@ -61,14 +61,14 @@ class ModelList(BaseModel):
 
 
 @router.get("")
-def list_models(session: SessionDep, settings: SettingsDep) -> ModelList:
+def list_models(session: ReadSessionDep, settings: SettingsDep) -> ModelList:
     """Every configured model, in the settings' order."""
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
     return ModelList(data=[ModelObject.of(entry, live.get(entry.name), settings) for entry in settings.models])
 
 
 @router.get("/{model_id}")
-def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep) -> ModelObject:
+def retrieve_model(model_id: str, session: ReadSessionDep, settings: SettingsDep) -> ModelObject:
     """The configured model named ``model_id`` (or an alias of it); 404 ``model_not_found`` for any other id."""
     try:
         entry = settings.model_entry(model_id)

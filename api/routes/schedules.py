@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
 from api.auth import OwnerDep
-from api.deps import SessionDep
+from api.deps import ReadSessionDep, SessionDep
 from jobs.schedules import (
     ScheduleDeleted,
     ScheduleObject,
@@ -61,7 +61,7 @@ def create(request: ScheduleCreateRequest, session: SessionDep, owner: OwnerDep)
 
 @router.get("", response_model=ListPage[ScheduleObject])
 def list_all(
-    session: SessionDep, owner: OwnerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+    session: ReadSessionDep, owner: OwnerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
 ) -> ListPage[ScheduleObject]:
     """Schedules, newest first; ``after`` is the last id of the previous page."""
     schedules, has_more = list_schedules(session, after=after, limit=limit, owner=owner)
@@ -70,7 +70,7 @@ def list_all(
 
 
 @router.get("/{schedule_id}", response_model=ScheduleObject)
-def retrieve(session: SessionDep, owner: OwnerDep, schedule_id: str) -> ScheduleObject:
+def retrieve(session: ReadSessionDep, owner: OwnerDep, schedule_id: str) -> ScheduleObject:
     return ScheduleObject.from_row(get_schedule(session, schedule_id=schedule_id, owner=owner))
 
 

@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from api.auth import OwnerDep
-from api.deps import SessionDep, SettingsDep
+from api.deps import ReadSessionDep, SettingsDep
 from jobs.errors import NotFound
 from jobs.files import file_chunks, get_file
 from jobs.progress import FinishPoint, batch_progress, finish_series, first_failed_lines
@@ -96,7 +96,7 @@ def _plot(series: list[FinishPoint], start_s: int | None, width: int = 600, heig
 
 
 @router.get("", response_class=HTMLResponse)
-def index(request: Request, session: SessionDep, settings: SettingsDep, owner: OwnerDep) -> HTMLResponse:
+def index(request: Request, session: ReadSessionDep, settings: SettingsDep, owner: OwnerDep) -> HTMLResponse:
     now = now_s()
     batches, _ = list_batches(session, limit=MAX_BATCHES, owner=owner)
     progress = [batch_progress(batch, now=now) for batch in batches]
@@ -121,7 +121,7 @@ def index(request: Request, session: SessionDep, settings: SettingsDep, owner: O
 
 @router.get("/batches/{batch_id}", response_class=HTMLResponse)
 def batch_page(
-    request: Request, session: SessionDep, settings: SettingsDep, owner: OwnerDep, batch_id: str
+    request: Request, session: ReadSessionDep, settings: SettingsDep, owner: OwnerDep, batch_id: str
 ) -> HTMLResponse:
     batch = get_batch(session, batch_id=batch_id, owner=owner)
     now = now_s()
@@ -145,7 +145,7 @@ def batch_page(
 
 @router.get("/files/{file_id}", response_class=HTMLResponse)
 def file_page(
-    request: Request, session: SessionDep, settings: SettingsDep, owner: OwnerDep, file_id: str
+    request: Request, session: ReadSessionDep, settings: SettingsDep, owner: OwnerDep, file_id: str
 ) -> HTMLResponse:
     file = get_file(session, file_id=file_id, owner=owner)
     if file is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.auth import OwnerDep
-from api.deps import SessionDep, SettingsDep
+from api.deps import ReadSessionDep, SettingsDep
 from jobs.status import now_s
 from jobs.workers import WorkerList, live_worker_objects
 
@@ -18,6 +18,6 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
 
 @router.get("", response_model=WorkerList)
-def list_all(session: SessionDep, settings: SettingsDep, owner: OwnerDep) -> WorkerList:
+def list_all(session: ReadSessionDep, settings: SettingsDep, owner: OwnerDep) -> WorkerList:
     """Every live worker, most recently started first (not paged: a deployment has few)."""
     return WorkerList(data=live_worker_objects(session, now=now_s(), live_s=settings.worker_live_s, owner=owner))
