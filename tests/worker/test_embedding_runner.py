@@ -91,6 +91,7 @@ def test_embedding_lines_answer_openai_bodies_and_bad_lines_fail_alone(service, 
     assert "129 tokens" in error("too many tokens")["message"] and "at most 128" in error("too many tokens")["message"]
     assert error("too long text")["message"].startswith("line 11: input[1] has 300 tokens")
     assert error("out of vocabulary")["param"] == "input" and "259, 1000" in error("out of vocabulary")["message"]
+    assert error("out of vocabulary")["message"].startswith("line 12: input: holds token ids outside the vocabulary")
     assert error("dimensions")["param"] == "dimensions" and "Matryoshka" in error("dimensions")["message"]
 
 
