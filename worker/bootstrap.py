@@ -136,9 +136,11 @@ def get_engine() -> LLMEngine | PoolingEngine:
 
 
 def _embedding_engine(settings: Settings) -> PoolingEngine | None:
-    """A warmed-up `PoolingEngine` when the served model is an embedding model, else None."""
+    """A warmed-up `PoolingEngine` when the served model is an embedding model (an encoder, or a decoder the
+    model list marks ``embed``: last-token pooling), else None."""
     model_dir = _prepared_model(settings)
-    if _model_kind(model_dir, settings) != "embed":
+    marked_embed = settings.model_entry(settings.served_model_name).kind == "embed"
+    if not marked_embed and _model_kind(model_dir, settings) != "embed":
         return None  # NOTE: before importing the pooling engine (transformers' auto mappings: 0.3 CPU-s)
     from worker.engine.pooling_engine import EmbeddingEngineConfig, PoolingEngine
 

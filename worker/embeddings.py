@@ -27,6 +27,7 @@ class EmbeddingEngine(Protocol):
 
     hidden_size: int
     max_model_len: int
+    matryoshka_dimensions: tuple[int, ...] | None
 
     def supports_dimensions(self, dimensions: int) -> bool: ...
 
@@ -64,12 +65,7 @@ def map_embedding_request(body: dict[str, Any], engine: EmbeddingEngine) -> Embe
     parsed = parse_body(EMBEDDINGS, body)
     assert isinstance(parsed, EmbeddingBody)
     if parsed.dimensions is not None and not engine.supports_dimensions(parsed.dimensions):
-        raise InvalidRequest(
-            f"this model does not support dimensions={parsed.dimensions} (it embeds in {engine.hidden_size} "
-            "dimensions and is not a Matryoshka model that can shorten them); leave dimensions out",
-            param="dimensions",
-            code="invalid_value",
-        )
+        raise InvalidRequest(_dimensions_refused(parsed.dimensions, engine), param="dimensions", code="invalid_value")
     truncate = parsed.truncate_prompt_tokens
     inputs = parsed.inputs()
     token_ids: list[list[int]] = []
@@ -90,6 +86,21 @@ def map_embedding_request(body: dict[str, Any], engine: EmbeddingEngine) -> Embe
         except ValueError as exc:
             raise InvalidRequest(f"{where}: {exc}", param="input") from None
     return EmbeddingRequest(token_ids, parsed.dimensions, parsed.encoding_format)
+
+
+def _dimensions_refused(dimensions: int, engine: EmbeddingEngine) -> str:
+    """Why ``dimensions`` is refused, naming the widths the model serves."""
+    full = engine.hidden_size
+    served = engine.matryoshka_dimensions
+    if served is None:
+        return f"dimensions={dimensions}: this model shortens its {full}-dimension embeddings to at most {full}"
+    if served:
+        widths = ", ".join(map(str, sorted({*served, full})))
+        return f"dimensions={dimensions}: this Matryoshka model serves dimensions {widths} only"
+    return (
+        f"this model does not support dimensions={dimensions} (it embeds in {full} dimensions and is not a "
+        "Matryoshka model that can shorten them); leave dimensions out"
+    )
 
 
 def embedding_body(embeddings: torch.Tensor, request: EmbeddingRequest, *, model: str) -> dict[str, Any]:

@@ -521,6 +521,8 @@ def _embed_stream(
         while end < len(mapped) and (end == start or num_tokens + mapped[end][1].num_tokens <= EMBED_CHUNK_TOKENS):
             num_tokens += mapped[end][1].num_tokens
             end += 1
+        # NOTE: the chunk's lines are the running requests while it is embedded (the gauge and the heartbeat).
+        observer.step_done(EngineStats(num_running_reqs=end - start, num_waiting_reqs=len(mapped) - end), [])
         started_s = time.perf_counter()
         for result in _embed_chunk(engine, mapped[start:end], model_name):
             sink.add(result)
@@ -528,6 +530,7 @@ def _embed_stream(
             num_steps=1,
             num_prompt_tokens_computed=num_tokens,
             num_prompt_tokens=num_tokens,
+            num_waiting_reqs=len(mapped) - end,
             forward_s=time.perf_counter() - started_s,
         )
         observer.step_done(stats, [])

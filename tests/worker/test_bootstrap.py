@@ -110,3 +110,32 @@ def test_get_engine_starts_a_warm_engine(tiny_model_dir, tmp_path, monkeypatch, 
             assert list((tmp_path / "models" / "prepared").glob("*.safetensors"))  # the next start maps them
     finally:
         get_settings.cache_clear()
+
+
+def test_get_engine_embeds_with_a_decoder_the_model_list_marks_embed(tiny_model_dir, tmp_path, monkeypatch):
+    # docs/operations.md, "Several models": kind `embed` on a decoder folder is a decoder embedder (last-token
+    # pooling), served by the pooling engine; the same folder as kind `generate` stays a generating engine.
+    import json
+
+    from jobs.config import get_settings
+    from worker import bootstrap
+    from worker.engine.pooling_engine import PoolingEngine
+
+    models = {"gen": str(tiny_model_dir), "emb": {"source": str(tiny_model_dir), "kind": "embed"}}
+    for name, value in {
+        "BATCHINFER_DATA_DIR": str(tmp_path),
+        "BATCHINFER_MODELS": json.dumps(models),
+        "BATCHINFER_WORKER_MODEL": "emb",
+        "BATCHINFER_DEVICE": "cpu",
+        "BATCHINFER_TORCH_NUM_THREADS": "1",
+        "BATCHINFER_MODEL_CACHE_DIR": str(tmp_path / "models"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    get_settings.cache_clear()
+    monkeypatch.setattr(bootstrap, "_engine", None)
+    try:
+        engine = bootstrap.get_engine()
+        assert isinstance(engine, PoolingEngine) and not engine.is_encoder
+        assert engine.pooling.pooling_type == "last"
+    finally:
+        get_settings.cache_clear()

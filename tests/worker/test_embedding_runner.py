@@ -16,7 +16,10 @@ from jobs.status import BatchStatus
 from tests.helpers.stand_in_engine import StandInEngine, run_batch
 from tests.helpers.tiny_models import save_tiny_bert
 from tests.worker.test_runner import make_batch, read_results, service  # noqa: F401 (the fixture)
+from tests.worker.test_telemetry import scrape
 from worker.engine.pooling_engine import build_embedding_engine
+from worker.metrics import EngineMetrics
+from worker.telemetry import WorkerActivity, WorkerTelemetry
 
 EMBEDDINGS = "/v1/embeddings"
 
@@ -88,6 +91,7 @@ def test_embedding_lines_answer_openai_bodies_and_bad_lines_fail_alone(service, 
     assert "129 tokens" in error("too many tokens")["message"] and "at most 128" in error("too many tokens")["message"]
     assert error("too long text")["message"].startswith("line 11: input[1] has 300 tokens")
     assert error("out of vocabulary")["param"] == "input" and "259, 1000" in error("out of vocabulary")["message"]
+    assert error("out of vocabulary")["message"].startswith("line 12: input: holds token ids outside the vocabulary")
     assert error("dimensions")["param"] == "dimensions" and "Matryoshka" in error("dimensions")["message"]
 
 
@@ -103,3 +107,29 @@ def test_an_endpoint_the_model_does_not_serve_is_a_400_per_line(service, engine,
         for entry in errors.values():
             error = entry["response"]["body"]["error"]
             assert entry["response"]["status_code"] == 400 and error["param"] == "model" and words in error["message"]
+
+
+def test_embedding_lines_show_as_running_in_the_metrics_and_the_heartbeat(service, engine, monkeypatch):
+    # A user watching /metrics or /ui while an embedding batch runs must see its lines running, as for chat.
+    bodies = [embedding(["one", "two three"]), embedding("four"), embedding([5, 6, 7])]
+    batch_id = make_batch(bodies, endpoint=EMBEDDINGS)
+    telemetry = WorkerTelemetry(EngineMetrics("m"), WorkerActivity())
+    seen: list[tuple[float, float, int]] = []
+    embed = engine.embed
+
+    def watched_embed(*args, **kwargs):
+        samples = scrape(telemetry.metrics.registry)
+        running = samples["batchinfer:num_requests_running{}"]
+        seen.append((running, samples["batchinfer:num_requests_waiting{}"], telemetry.activity.num_running_requests))
+        return embed(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "embed", watched_embed)
+
+    assert run_batch(batch_id, engine=engine, observer=telemetry) == BatchStatus.COMPLETED
+
+    assert seen == [(3, 0, 3)]  # one chunk of all three lines
+    samples = scrape(telemetry.metrics.registry)
+    assert samples["batchinfer:num_requests_running{}"] == samples["batchinfer:num_requests_waiting{}"] == 0
+    batch, _, _ = read_results(batch_id)
+    assert samples["batchinfer:prompt_tokens_total{}"] == batch.input_tokens > 0
+    assert telemetry.activity.num_running_requests == 0

@@ -153,7 +153,7 @@ class PoolingEngine:
         if bad:
             shown = ", ".join(map(str, bad[:_MAX_IDS_SHOWN])) + (", ..." if len(bad) > _MAX_IDS_SHOWN else "")
             raise InvalidParameterError(
-                f"input holds token ids outside the vocabulary [0, {vocab_size}): {shown} ({len(bad)} in all)", "input"
+                f"holds token ids outside the vocabulary [0, {vocab_size}): {shown} ({len(bad)} in all)", "input"
             )
         if truncate_prompt_tokens is not None:
             ids = ids[-self._truncation_limit(truncate_prompt_tokens) :]
