@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import torch
+from transformers import AutoConfig
 
 from tests.helpers.tiny_llama import save_tiny_llama
 from worker import cli
-from worker.cli_heads import DATA_FILE
+from worker.cli_heads import DATA_FILE, kv_budget_bytes
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.spec_decode.heads.storage import DRAFT_VOCAB_FILE, load_head
 from worker.engine.spec_decode.heads.train import STATE_FILE
 
 
@@ -42,9 +45,20 @@ def test_train_writes_heads_the_engine_loads_and_resumes(tmp_path, capsys):
         "--batch-size",
         "2",
     ]
-    assert cli.main([*argv, "--steps", "3"]) == 0
+    assert cli.main([*argv, "--steps", "3", "--snapshot-at", "2"]) == 0
     out_dir = model_dir / "heads" / "medusa"
-    assert capsys.readouterr().out.strip() == str(out_dir)
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(out_dir)
+    # Each phase reports its CPU time.
+    for phase in ("generation: ", "feature pass: ", "training: steps 1-3"):
+        assert re.search(phase + r".* in \d+\.\d CPU-s", captured.err), phase
+    hidden = int(AutoConfig.from_pretrained(model_dir).hidden_size)
+    snapshot, final = (
+        load_head(folder, hidden_size=hidden, dtype=torch.float32, device="cpu")
+        for folder in (out_dir / "step-2", out_dir)
+    )
+    assert (out_dir / "step-2" / DRAFT_VOCAB_FILE).is_file()
+    assert any(not torch.equal(a, b) for a, b in zip(snapshot.state_dict().values(), final.state_dict().values()))
     assert len(torch.load(out_dir / DATA_FILE)) == 2  # the skipped line is not used
     assert cli.main([*argv, "--steps", "5"]) == 0  # resumes at step 3 on the cached text
     assert "2 cached sequences" in capsys.readouterr().err
@@ -56,3 +70,25 @@ def test_train_writes_heads_the_engine_loads_and_resumes(tmp_path, capsys):
     )
     output = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(output.outputs[0].token_ids) == 8 and engine.make_stats().num_drafts > 0
+
+
+def test_kv_budget_holds_every_line_at_once(tmp_path):
+    """The data generation's KV budget runs all prompts as one batch without preemption; a third of it cannot."""
+    model_dir = save_tiny_llama(tmp_path / "model")
+    prompts = [[5 + i, 6, 7, 8] * (1 + i % 3) for i in range(12)]
+    max_tokens = 24
+    lengths = [len(prompt) + max_tokens for prompt in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    preemptions = []
+    for budget in (kv_budget_bytes(model_dir, lengths, 8), kv_budget_bytes(model_dir, lengths, 8) // 3):
+        config = EngineConfig(
+            model=str(model_dir),
+            kv_cache_memory_bytes=budget,
+            block_size=8,
+            max_num_seqs=12,
+            max_model_len=max(lengths),
+        )
+        engine = LLMEngine(config)
+        engine.generate([list(prompt) for prompt in prompts], params)
+        preemptions.append(engine.make_stats().num_preemptions)
+    assert preemptions[0] == 0 and preemptions[1] > 0

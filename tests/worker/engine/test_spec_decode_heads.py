@@ -170,3 +170,39 @@ def test_auto_method_chooses_among_ngram_and_the_heads_beside_the_model(heads_mo
     assert engine.speculator is not None and len(engine.speculator.alternatives) == 2
     assert_alone_and_batched_match_plain(engine, plain_engine, PROMPTS, params)
     assert engine.make_stats().num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_head_replay_counts_what_the_engine_accepts(heads_model_dir, method):
+    """bench/head_replay.py's held-out replay of 1-deep chains accepts what the engine accepts on the same lines."""
+    from bench.head_replay import eagle_taus, medusa_taus
+    from worker.engine.executor.model_loader import load_model
+    from worker.engine.spec_decode.eagle_proposer import EagleProposer
+    from worker.engine.spec_decode.head_trees import DraftLMHead
+    from worker.engine.spec_decode.heads.storage import default_heads_dir, load_draft_vocab, load_head
+
+    prompts = [VARIED, CYCLE, KS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    taus = []
+    for prompt in prompts:  # batch 1, one draft per step
+        engine = make_engine(heads_model_dir, speculative_method=method, num_speculative_tokens=1)
+        completion = list(engine.generate([list(prompt)], params)[0].outputs[0].token_ids)
+        stats = engine.make_stats()
+        taus.append((len(prompt), prompt + completion, stats.num_drafts, stats.num_accepted_tokens))
+    model = load_model(heads_model_dir, torch.float32, "cpu")
+    folder = default_heads_dir(heads_model_dir, method)
+    head = load_head(folder, hidden_size=int(model.config.hidden_size), dtype=torch.float32, device="cpu")
+    vocab = load_draft_vocab(folder)
+    for prompt_len, seq, num_drafts, num_accepted in taus:
+        data = target_features(model, [seq])
+        with torch.inference_mode():
+            if method == "eagle":
+                proposer = EagleProposer(head, model, None, vocab)
+                tau = eagle_taus(proposer, model.model.embed_tokens, [(prompt_len, seq)], data, [1], 1)["chain1"]
+            else:
+                tau = medusa_taus(head, DraftLMHead(model, vocab), [(prompt_len, seq)], data, [1])["chain1"]
+        generated = len(seq) - prompt_len - 1  # after the prefill's token
+        # The replay's steps: generated tokens / tau; the engine drafts at every step but (maybe) the last.
+        replay_accepted = generated - round(generated / tau)
+        assert abs(replay_accepted - num_accepted) <= 1, (tau, num_drafts, num_accepted)

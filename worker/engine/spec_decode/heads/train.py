@@ -52,7 +52,9 @@ class TrainConfig:
     ``warmup_steps``; ``ce_rows`` rows per sequence scored through the LM head; ``num_medusa_heads`` and
     ``num_medusa_layers`` shape Medusa heads; ``checkpoint_every`` steps between saved states; ``draft_vocab_size``
     the most frequent tokens of the data saved as the head's draft vocabulary (0: none, draft over all tokens);
-    ``ce_weight`` EAGLE's cross-entropy weight; ``training_time_test`` EAGLE's second pass over its own predictions.
+    ``ce_weight`` EAGLE's cross-entropy weight; ``training_time_test`` EAGLE's second pass over its own predictions;
+    ``snapshot_steps`` steps after which the head is also kept in ``<out_dir>/step-<N>`` (a budget's checkpoint:
+    the learning rate there follows the whole run's schedule, not a run of that length).
     """
 
     method: str = "eagle"
@@ -69,6 +71,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192
     ce_weight: float = 0.1
     training_time_test: bool = False
+    snapshot_steps: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -264,6 +267,11 @@ def train_heads(
         progress = (n - config.warmup_steps) / max(1, config.num_steps - config.warmup_steps)
         return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
+    def save_head_only(folder: Path) -> None:
+        save_head(head, folder)
+        if config.draft_vocab_size > 0:
+            save_draft_vocab(folder, data.token_ids, config.draft_vocab_size)
+
     def save() -> None:
         state = {
             "method": config.method,
@@ -273,9 +281,7 @@ def train_heads(
             "generator": generator.get_state(),
         }
         torch.save(state, state_path)
-        save_head(head, out_dir)
-        if config.draft_vocab_size > 0:
-            save_draft_vocab(out_dir, data.token_ids, config.draft_vocab_size)
+        save_head_only(out_dir)
 
     while step < config.num_steps:
         for group in optimizer.param_groups:
@@ -299,6 +305,8 @@ def train_heads(
         result.losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(step, result.losses[-1])
+        if step in config.snapshot_steps:
+            save_head_only(out_dir / f"step-{step}")
         if step % config.checkpoint_every == 0 or step == config.num_steps:
             save()
     if not state_path.is_file():  # num_steps 0: the fresh head
