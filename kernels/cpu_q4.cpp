@@ -34,7 +34,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -358,6 +357,10 @@ constexpr int64_t kGroupTerms = 8;        // (0, s_b) pairs per group
 // Rows of x [M, K] permuted to the lane order of dot_rows_q4_1_f32: xp [M, groups * 128], element j * 16 + l of
 // group g being x[32 (4g + l / 4) + 4 (l % 4) + j / 2 + 16 (j % 2)] 2^(-4j) (zero past the last block), and
 // sxi [M, groups * 8] holding (0, s_b) per block, s_b summed in order.
+// 2^(-4j), j = 0..7: exact powers of two (a table rather than a std::ldexp call per element).
+constexpr float kNibbleScale[8] = {1.0f,        0x1p-4f,  0x1p-8f,  0x1p-12f,
+                                   0x1p-16f,    0x1p-20f, 0x1p-24f, 0x1p-28f};
+
 void permute_rows_q4_1(const float* x, int64_t ldx, int64_t M, int64_t nb, float* xp, float* sxi) {
   const int64_t groups = (nb + kGroup - 1) / kGroup;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -367,7 +370,7 @@ void permute_rows_q4_1(const float* x, int64_t ldx, int64_t M, int64_t nb, float
       float* s = sxi + m * groups * kGroupTerms;
       for (int64_t g = 0; g < groups; ++g) {
         for (int j = 0; j < 8; ++j) {
-          const float scale = std::ldexp(1.0f, -4 * j);
+          const float scale = kNibbleScale[j];
           for (int l = 0; l < 16; ++l) {
             const int64_t b = kGroup * g + l / 4;
             const int64_t k = kBlock * b + 4 * (l % 4) + j / 2 + 16 * (j % 2);
@@ -627,19 +630,25 @@ void run_type(int64_t type, bool q8, const float* x, int64_t ldx, const Q8Rows& 
 #endif  // BATCHINFER_GGUF_AVX2
 
 // The paths this build offers on this CPU, best first ("avx512vnni", "avx2"); empty without AVX2/FMA/F16C.
-std::vector<std::string> gguf_linear_isas() {
-  std::vector<std::string> isas;
+// Computed once: every call asks for it.
+const std::vector<std::string>& available_isas() {
+  static const std::vector<std::string> isas = [] {
+    std::vector<std::string> found;
 #if defined(BATCHINFER_GGUF_AVX512)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512vnni")) {
-    isas.emplace_back("avx512vnni");
-  }
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+      found.emplace_back("avx512vnni");
+    }
 #endif
 #if defined(BATCHINFER_GGUF_AVX2)
-  isas.emplace_back("avx2");
+    found.emplace_back("avx2");
 #endif
+    return found;
+  }();
   return isas;
 }
+
+std::vector<std::string> gguf_linear_isas() { return available_isas(); }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
                        const std::optional<at::Tensor>& bias, bool quantize_activations, c10::string_view isa) {
@@ -660,7 +669,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
     TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "bias must be float32 [out_features]");
     b = bias_c.data_ptr<float>();
   }
-  const std::vector<std::string> isas = gguf_linear_isas();
+  const std::vector<std::string>& isas = available_isas();
   TORCH_CHECK(!isas.empty(), "the GGUF block kernels need AVX2, FMA and F16C, which this CPU (or build) lacks");
   const std::string chosen = isa.empty() ? isas.front() : std::string(isa);
   TORCH_CHECK(std::find(isas.begin(), isas.end(), chosen) != isas.end(), "instruction set '", chosen,
