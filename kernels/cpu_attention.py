@@ -102,21 +102,23 @@ def varlen_attention_cpu(
     (FlashAttention's ``cu_seqlens`` convention, Dao et al. 2022); no padding and no mask are built. Work is
     one item per (sequence, head), split into one run of about equal cost (``L ** 2``) per
     ``torch.get_num_threads()`` thread; per item, Q K^T and P V run as register-blocked tiles over a packed
-    copy of the head's K (transposed) and V, with an exact two-pass float32 softmax. A row's result does not
-    depend on the other sequences of the call (batch invariant).
+    copy of the head's K (transposed) and V, with an exact two-pass float32 softmax (each row's max taken as
+    its scores leave the registers, then ``exp(scale * (s - max))`` and the sum). A row's result does not
+    depend on the other sequences of the call (batch invariant) nor on the thread count.
 
     Args:
         query, key, value: float32 CPU ``[num_tokens, num_heads, head_size]`` with unit stride in the last
             dimension (views into a fused QKV projection are fine); ``head_size`` a multiple of 8.
         cu_seqlens: int32 ``[num_seqs + 1]`` prefix sums of the sequence lengths, from 0 to ``num_tokens``,
             strictly increasing (no empty sequence).
-        scale: multiplier of ``q . k``.
+        scale: multiplier of ``q . k``, positive.
 
     Returns:
         float32 contiguous ``[num_tokens, num_heads, head_size]``.
 
     Raises:
-        RuntimeError: when the kernels are unavailable, or on bad shapes, dtypes, strides or ``cu_seqlens``.
+        RuntimeError: when the kernels are unavailable, on bad shapes, dtypes, strides or ``cu_seqlens``, or a
+            scale that is not positive.
     """
     require_cpu_kernels()
     out = torch.empty(query.shape, dtype=torch.float32)

@@ -70,6 +70,27 @@ def test_thread_count_does_not_change_the_bits():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("length", [17, 33, 40])
+def test_scores_far_below_zero_keep_their_softmax(length):
+    # Every score is below -10^4 and the keys are padded to whole vectors with zeros: the row max must come
+    # from the real keys only, or every exponential would clamp to the same value (a uniform average).
+    query = torch.full((length, 1, 32), 1.0)
+    key = -(torch.arange(length, dtype=torch.float32) * 0.1 + 10.0).view(length, 1, 1).expand(length, 1, 32)
+    value = torch.randn(length, 1, 32, generator=torch.Generator().manual_seed(4))
+    cu_seqlens = torch.tensor([0, length], dtype=torch.int32)
+
+    out = varlen_attention_cpu(query, key.contiguous(), value, cu_seqlens, 40.0)
+
+    torch.testing.assert_close(out, _dense_sdpa(query, key, value, [length], 40.0), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, value[:1].expand(length, 1, 32), atol=1e-5, rtol=1e-4)
+
+
+def test_non_positive_scale_raises():
+    query, key, value, cu_seqlens = _packed([4], 2, 16)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        varlen_attention_cpu(query, key, value, cu_seqlens, 0.0)
+
+
 @pytest.mark.parametrize(
     ("cu_seqlens", "message"),
     [([0, 5, 5, 10], "strictly increasing"), ([0, 4], "from 0 to num_tokens"), ([1, 10], "from 0 to num_tokens")],
