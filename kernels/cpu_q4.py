@@ -80,12 +80,10 @@ def linear_gguf(
             path this CPU does not run (named), a block type is not served, or on mismatched shapes or dtypes.
     """
     require_cpu_kernels()
-    if x.dim() == 2:  # NOTE: the layers' case; reshape and view cost about 2 us of a batch-1 call's 8 (121 a step)
-        rows: torch.Tensor = torch.ops.batchinfer_cpu.gguf_linear(
-            x, blocks, block_type, out_features, bias, quantize_activations, isa
-        )
-        return rows
+    # NOTE: 2-D input (the layers' case) goes as it is: reshape and view cost about 2 us of a batch-1 call's 8
+    # (121 a step).
+    flat = x.dim() == 2
     out: torch.Tensor = torch.ops.batchinfer_cpu.gguf_linear(
-        x.reshape(-1, x.shape[-1]), blocks, block_type, out_features, bias, quantize_activations, isa
+        x if flat else x.reshape(-1, x.shape[-1]), blocks, block_type, out_features, bias, quantize_activations, isa
     )
-    return out.view(*x.shape[:-1], out_features)
+    return out if flat else out.view(*x.shape[:-1], out_features)

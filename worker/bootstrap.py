@@ -139,8 +139,7 @@ def _embedding_engine(settings: Settings) -> PoolingEngine | None:
     """A warmed-up `PoolingEngine` when the served model is an embedding model (an encoder, or a decoder the
     model list marks ``embed``: last-token pooling), else None."""
     model_dir = _prepared_model(settings)
-    marked_embed = settings.model_entry(settings.served_model_name).kind == "embed"
-    if not marked_embed and _model_kind(model_dir, settings) != "embed":
+    if _model_kind(model_dir, settings) != "embed":
         return None  # NOTE: before importing the pooling engine (transformers' auto mappings: 0.3 CPU-s)
     from worker.engine.pooling_engine import EmbeddingEngineConfig, PoolingEngine
 
@@ -169,6 +168,10 @@ def _prepared_model(settings: Settings) -> Path:
 
 
 def _model_kind(model_dir: Path, settings: Settings) -> str:
+    """The served model's kind: ``embed`` where the model list marks it so (a decoder as embedder), else the
+    kind of the folder's architecture."""
+    if settings.model_entry(settings.served_model_name).kind == "embed":
+        return "embed"
     from worker.engine.executor.models.registry import model_kind_of
     from worker.engine.model_files import load_config
 
