@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 from rounds import alternate, run_json  # noqa: E402
 from workload import humaneval_prompts, humaneval_throughput  # noqa: E402
 
-from worker.cpu_threads import use_passive_wait  # noqa: E402
+from worker.cpu_threads import use_bounded_wait  # noqa: E402
 from worker.model_prepare import prepare_model  # noqa: E402
 
 QUANTIZED = ("int8", "fp8_e4m3", "int4")
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     args = parser.parse_args()
-    use_passive_wait()  # as the worker does (docs/engine.md, "Threads on shared cores")
+    use_bounded_wait()  # as the worker does (docs/engine.md, "Threads on shared cores")
     if args.run == "throughput":
         print(json.dumps(run_throughput(args.kv_cache_dtype, args.kv_cache_mib, args.threads, args.num_prompts)))
         return

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.cpu_threads import use_passive_wait
+from worker.cpu_threads import use_bounded_wait
 
 
 def cpu_ms(fn: Callable[[], Any], calls: int, repeats: int) -> dict[str, float]:
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    use_passive_wait()
+    use_bounded_wait()
     from quant import _engine
 
     from worker.engine import SamplingParams

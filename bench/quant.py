@@ -51,7 +51,7 @@ from rounds import alternate, run_json, vllm_run  # noqa: E402
 from workload import humaneval_problems, humaneval_prompts, humaneval_throughput  # noqa: E402
 
 from kernels.cpu_extension import cpu_flags  # noqa: E402
-from worker.cpu_threads import use_passive_wait  # noqa: E402
+from worker.cpu_threads import use_bounded_wait  # noqa: E402
 from worker.model_prepare import builtin_gguf_path, prepare_model  # noqa: E402
 
 
@@ -259,7 +259,7 @@ def main() -> None:
     parser.add_argument("--run", choices=["b1", "mixed", "quality", "bandwidth"], help="internal: one measurement")
     parser.add_argument("--quantization", default="none", help="internal: none or a --settings name")
     args = parser.parse_args()
-    use_passive_wait()  # as the worker does (docs/engine.md, "Threads on shared cores")
+    use_bounded_wait()  # as the worker does (docs/engine.md, "Threads on shared cores")
     if args.run == "b1":
         print(json.dumps(run_b1(args.quantization, args.threads, args.b1_tokens)))
         return

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobs.config import Settings, get_settings
-from worker.cpu_threads import available_cpus, use_passive_wait
+from worker.cpu_threads import available_cpus, use_bounded_wait
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
@@ -115,7 +115,7 @@ def get_engine() -> LLMEngine | PoolingEngine:
     global _engine
     with _lock:
         if _engine is None:
-            use_passive_wait()  # before torch loads libgomp (a no-op for this process if it already has)
+            use_bounded_wait()  # before torch loads libgomp (a no-op for this process if it already has)
             import torch
 
             from worker.engine.llm_engine import LLMEngine

@@ -280,10 +280,10 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from worker.cpu_threads import use_passive_wait
+    from worker.cpu_threads import use_bounded_wait
 
     # NOTE: first, before any import below loads torch (libgomp reads its wait policy once, when loaded).
-    use_passive_wait()
+    use_bounded_wait()
     from celery.signals import worker_ready
     from pydantic import ValidationError
 

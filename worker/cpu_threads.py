@@ -6,7 +6,7 @@ CPU affinity mask), or with libgomp's default active wait (threads spin at the b
 iterations before sleeping), a thread that finished its share burns the time slice the late thread needed,
 and a 2-core machine loaded by other processes ran the engine about 7x slower (issue #27; docs/engine.md,
 "Threads on shared cores"). So the worker sizes its threads to :func:`available_cpus` and sets
-``OMP_WAIT_POLICY=PASSIVE`` (:func:`use_passive_wait`) before torch, and with it libgomp, is first imported.
+``OMP_WAIT_POLICY=PASSIVE`` with a bounded spin (:func:`use_bounded_wait`) before torch, and with it libgomp, is first imported.
 
 Sources: Linux cgroup v2 ``cpu.max`` ("``$MAX $PERIOD``", ``max`` when unlimited) and v1
 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` (-1 when unlimited), kernel docs
@@ -24,6 +24,8 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
+BOUNDED_SPIN_COUNT = "30000"
 
 
 def parse_cpu_max(text: str) -> float | None:
@@ -104,11 +106,18 @@ def available_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROU
     return max(1, affinity)
 
 
-def use_passive_wait() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy; True when it takes effect here.
+def use_bounded_wait() -> bool:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` with a bounded spin, ``GOMP_SPINCOUNT`` :data:`BOUNDED_SPIN_COUNT`, unless
+    the user chose a policy or a spin count; True when it takes effect here.
 
-    libgomp reads the variable once, when it is loaded (with torch's first import): a later call only
-    changes it for child processes, and returns False.
+    A thread that reaches a barrier first spins about 0.3 ms (libgomp counts ~100,000 spins a millisecond)
+    before it sleeps on a futex: long enough to bridge the gap between a decode step's consecutive parallel
+    regions (a futex wake-up per region cost batch-1 q4 decode a third of its speed), short enough that a
+    descheduled partner costs little (docs/engine.md, "Threads on shared cores"). libgomp reads both variables
+    once, when it is loaded (with torch's first import): a later call only changes them for child processes,
+    and returns False.
     """
-    os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+    if WAIT_POLICY_ENV not in os.environ:
+        os.environ[WAIT_POLICY_ENV] = "PASSIVE"
+        os.environ.setdefault(SPIN_COUNT_ENV, BOUNDED_SPIN_COUNT)
     return "torch" not in sys.modules

@@ -5,11 +5,11 @@ Start a worker with ``batchinfer worker`` (or ``celery -A worker.tasks worker --
 
 from __future__ import annotations
 
-from worker.cpu_threads import use_passive_wait
+from worker.cpu_threads import use_bounded_wait
 
 # NOTE: before anything below imports torch: ``celery -A worker.tasks worker`` starts here, not in
 # ``batchinfer worker``, and libgomp reads its wait policy once, when torch loads it (worker/cpu_threads.py).
-use_passive_wait()
+use_bounded_wait()
 
 from typing import Any
 

@@ -83,22 +83,24 @@ def test_affinity_mask_is_honoured() -> None:
     assert out.stdout.strip() == "1"
 
 
-def test_passive_wait_set_before_torch_unless_chosen() -> None:
+def test_bounded_wait_set_before_torch_unless_chosen() -> None:
     code = (
-        "import os, sys; from worker.cpu_threads import use_passive_wait; "
-        "print(use_passive_wait(), os.environ['OMP_WAIT_POLICY']); import torch; print(use_passive_wait())"
+        "import os, sys; from worker.cpu_threads import use_bounded_wait; "
+        "print(use_bounded_wait(), os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT')); "
+        "import torch; print(use_bounded_wait())"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.split() == ["True", "PASSIVE", "False"]
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-    )
-    assert out.stdout.split()[:2] == ["True", "ACTIVE"]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def run(extra: dict[str, str]) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**env, **extra}
+        )
+        return out.stdout.split()
+
+    assert run({}) == ["True", "PASSIVE", "30000", "False"]
+    # A policy or a spin count the user chose is kept as it is.
+    assert run({"OMP_WAIT_POLICY": "ACTIVE"})[:3] == ["True", "ACTIVE", "None"]
+    assert run({"GOMP_SPINCOUNT": "0"})[:3] == ["True", "PASSIVE", "0"]
 
 
 @pytest.mark.parametrize(
@@ -115,14 +117,18 @@ def test_worker_start_sets_passive_wait_before_anything_loads_torch(tmp_path: Pa
         "class StopAtTorch:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'torch':\n"
-        "            print(os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
+        "            print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), flush=True)\n"
         "            os._exit(0)\n"
         "sys.meta_path.insert(0, StopAtTorch())\n" + start
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY" and not k.startswith("BATCHINFER_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") and not k.startswith("BATCHINFER_")
+    }
     env["BATCHINFER_DATA_DIR"] = str(tmp_path)
     out = subprocess.run(
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "PASSIVE"
+    assert out.stdout.split() == ["PASSIVE", "30000"]
