@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +74,8 @@ class EmbeddingEngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingStats:
-    """Work of one :meth:`PoolingEngine.embed` call: inputs, tokens, forward passes, seconds in the model."""
+    """Work of one :meth:`PoolingEngine.embed` call: inputs, tokens, forward passes, wall seconds from the first
+    batch to the last (forward passes, pooling and normalisation)."""
 
     num_inputs: int
     num_tokens: int
@@ -185,25 +187,48 @@ class PoolingEngine:
             raise ValueError(f"every input must hold 1 to {self.max_model_len} tokens")
         width = dimensions or self.hidden_size
         out = torch.empty(len(prompt_token_ids), width, dtype=torch.float32)
+        norm = self.pooling.normalize if normalize is None else normalize
+        batches = self._batches(lengths)
+
+        def run(batch: np.ndarray) -> None:
+            with torch.inference_mode():
+                pooled = self._forward_pool([prompt_token_ids[i] for i in batch])
+                out[torch.from_numpy(batch)] = finish_embeddings(pooled, dimensions=dimensions, normalize=norm).cpu()
+
+        started_s = time.perf_counter()
+        threads = torch.get_num_threads()
+        num_streams = min(threads, len(batches)) if self.device.type == "cpu" else 1
+        if num_streams > 1:
+            # NOTE: batches run side by side, one per thread, each op on its own thread (torch's thread count is
+            # process-wide, so it is 1 until they finish): no barrier between the threads at every op
+            # (docs/engine.md, "Embeddings").
+            torch.set_num_threads(1)
+            try:
+                with ThreadPoolExecutor(num_streams, thread_name_prefix="embed-stream") as executor:
+                    list(executor.map(run, batches))
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            for batch in batches:
+                run(batch)
+        self.last_stats = EmbeddingStats(
+            len(prompt_token_ids), int(lengths.sum()), len(batches), time.perf_counter() - started_s
+        )
+        return out
+
+    def _batches(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """Input indices cut into batches of at most ``max_num_batched_tokens`` tokens, longest inputs first."""
         # NOTE: longest first, so the largest batch (and its memory) comes first and equal lengths sit together.
         order = np.argsort(-lengths, kind="stable")
-        num_batches, forward_s = 0, 0.0
-        start = 0
+        batches, start = [], 0
         while start < len(order):
             end, budget = start, 0
             while end < len(order) and (end == start or budget + lengths[order[end]] <= self.max_num_batched_tokens):
                 budget += int(lengths[order[end]])
                 end += 1
-            batch = order[start:end]
-            started_s = time.perf_counter()
-            pooled = self._forward_pool([prompt_token_ids[i] for i in batch])
-            forward_s += time.perf_counter() - started_s
-            norm = self.pooling.normalize if normalize is None else normalize
-            out[torch.from_numpy(batch)] = finish_embeddings(pooled, dimensions=dimensions, normalize=norm).cpu()
-            num_batches += 1
+            batches.append(order[start:end])
             start = end
-        self.last_stats = EmbeddingStats(len(prompt_token_ids), int(lengths.sum()), num_batches, forward_s)
-        return out
+        return batches
 
     def _forward_pool(self, batch: list[Sequence[int]]) -> torch.Tensor:
         """Pooled float32 ``[len(batch), hidden_size]`` of one packed batch."""

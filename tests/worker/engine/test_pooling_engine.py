@@ -54,6 +54,27 @@ def test_tiny_bert_matches_hugging_face_mean_pooling(tiny_bert_dir, kernels, mon
     torch.testing.assert_close(ours, torch.stack(reference), atol=1e-5, rtol=1e-5)
 
 
+def test_batches_side_by_side_equal_one_stream_and_restore_threads(tiny_bert_dir):
+    """With 2 torch threads, ``embed`` runs its packed batches on 2 streams of one thread each: every vector is
+    bit-identical to the one-thread run's, and torch's thread count is 2 again afterwards, also after an error."""
+    engine = build_embedding_engine(tiny_bert_dir, max_num_batched_tokens=64)
+    prompts = [[(i * 5 + n) % 256 + 3 for i in range(n)] for n in (3, 64, 9, 33, 50, 2, 17, 64, 40, 1, 28, 61)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_stream = engine.embed(prompts)
+        torch.set_num_threads(2)
+        streams = engine.embed(prompts)
+        assert engine.last_stats.num_batches > 2
+        assert torch.get_num_threads() == 2
+        assert torch.equal(streams, one_stream)
+        with pytest.raises(IndexError):
+            engine.embed(prompts[:6] + [[10**9]] + prompts[6:])  # an out-of-vocabulary id fails inside a stream
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _bf16_linears_available() -> bool:
     return (
         cpu_extension.cpu_kernels_available()
