@@ -48,18 +48,18 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.cpu_extension import cpu_flags, require_cpu_kernels  # noqa: E402
-from kernels.cpu_gemm import (  # noqa: E402
+from kernels.cpu_extension import cpu_flags, require_cpu_kernels
+from kernels.cpu_gemm import (
     linear_bf16_supported,
     linear_packed,
     linear_packed_bf16,
     pack_linear_weight,
     pack_linear_weight_bf16,
 )
-from kernels.cpu_q4 import GGUF_BLOCK_TYPES, linear_gguf  # noqa: E402
-from kernels.reference import quantize_q4_1, quantize_q8_0  # noqa: E402
-from worker.engine.executor.layers import onednn_linear  # noqa: E402
-from worker.engine.executor.layers.linear import PackedLinear, onednn_bf16_applies  # noqa: E402
+from kernels.cpu_q4 import GGUF_BLOCK_TYPES, linear_gguf
+from kernels.reference import quantize_q4_1, quantize_q8_0
+from worker.engine.executor.layers import onednn_linear
+from worker.engine.executor.layers.linear import PackedLinear, onednn_bf16_applies
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 DECODE_ONLY = ("lm_head",)
