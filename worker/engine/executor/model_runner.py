@@ -129,7 +129,7 @@ def copy_blocks(
         for kv_cache in kv_caches:
             if isinstance(kv_cache, QuantizedKVCache):
                 copy_blocks_triton(kv_cache.data, src, dst)
-                copy_blocks_triton(kv_cache.scales.unsqueeze(-1), src, dst)
+                copy_blocks_triton(kv_cache.scales, src, dst)
             else:
                 copy_blocks_triton(kv_cache, src, dst)
         return
