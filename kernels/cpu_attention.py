@@ -55,8 +55,10 @@ def paged_attention_cpu(
             log-sum-exp (natural log) of its scaled scores, for merging partial attention states.
         sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
         logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
-        kv_scales: float32 contiguous ``[2, num_blocks, block_size, num_kv_heads]``, the scale of every stored
-            (token, KV head) of a quantized ``kv_cache`` (its value is ``element * scale``); None for float32.
+        kv_scales: float32 contiguous ``[2, num_blocks, block_size, num_kv_heads, num_groups]``, the scales of
+            every stored (token, KV head, group of ``head_size // num_groups`` channels) of a quantized
+            ``kv_cache`` (an element's value is ``element * scale`` of its group,
+            :func:`kernels.reference.quantize_kv`); None for float32.
         tree_mask: contiguous int64 ``[num_tokens]``, the token-tree mask of speculative verification (as
             :func:`kernels.reference.paged_attention_reference`: 0 = causal row; else bit ``j`` lets the row
             see its sequence's query row ``j``, positions before the query stay visible); None: all causal.

@@ -1,10 +1,11 @@
 // Quantize-on-store for a quantized paged KV cache (int8 or fp8 e4m3 elements, one float32 scale per stored
-// (token, KV head); docs/engine.md "Quantized KV cache").
+// (token, KV head, group of channels); docs/engine.md "Quantized KV cache").
 //
 // Registered as the Torch op `batchinfer_cpu::quantize_kv_store_` (built and loaded by cpu_extension.py).
-// One pass per (token, KV head) row of K and of V: the row's absmax, its scale (absmax / q_max, 1 for an all-zero
-// row), the elements divided by the scale, clamped to +-q_max and rounded (int8: half away from zero; fp8:
-// to nearest even, c10's cast), stored at the token's slot with the scale. The same float operations in the
+// One pass per (token, KV head) row of K and of V, group by group (head_size / num_groups channels each, the
+// scales' last dimension): the group's absmax, its scale (absmax / q_max, 1 for an all-zero group), the elements
+// divided by the scale, clamped to +-q_max and rounded (int8: half away from zero; fp8: to nearest even, c10's
+// cast), stored at the token's slot with the scales. The same float operations in the
 // same order as kernels/reference.py:quantize_kv (its twin), so the stored bytes and scales are identical.
 // Optionally it also writes each row as stored (element * scale), what every later read sees. This replaces
 // two dozen small tensor ops per layer and step (abs, amax, where, divide, clamp, round, cast, indexed copies).
@@ -24,7 +25,7 @@ namespace {
 constexpr float kInt8Max = 127.0f;
 constexpr float kFp8Max = 448.0f;
 
-// Row `x` (n floats) quantized into `data` with its scale returned; `stored` (or null) gets element * scale.
+// Group `x` (n floats) quantized into `data` with its scale returned; `stored` (or null) gets element * scale.
 template <bool kInt8>
 float quantize_row(const float* __restrict x, int64_t n, uint8_t* __restrict data, float* __restrict stored) {
   const float q_max = kInt8 ? kInt8Max : kFp8Max;
@@ -64,9 +65,11 @@ void quantize_kv_store(const at::Tensor& data, const at::Tensor& scales, const a
               "quantize_kv_store_: data must be a contiguous int8 or float8_e4m3fn [2, num_blocks, block_size, num_kv_heads, head_size]");
   const int64_t num_slots = data.size(1) * data.size(2), num_kv_heads = data.size(3), head_size = data.size(4);
   TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.dim() == 4 && scales.size(0) == 2 && scales.size(1) * scales.size(2) == num_slots &&
-                  scales.size(3) == num_kv_heads,
-              "quantize_kv_store_: scales must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads]");
+                  scales.dim() == 5 && scales.size(0) == 2 && scales.size(1) * scales.size(2) == num_slots &&
+                  scales.size(3) == num_kv_heads && scales.size(4) >= 1 && head_size % scales.size(4) == 0,
+              "quantize_kv_store_: scales must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads, "
+              "num_groups] with num_groups dividing head_size");
+  const int64_t num_groups = scales.size(4), group_size = head_size / num_groups;
   TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.is_contiguous(),
               "quantize_kv_store_: slot_mapping must be a contiguous int64 [num_tokens]");
@@ -100,10 +103,14 @@ void quantize_kv_store(const at::Tensor& data, const at::Tensor& scales, const a
         for (int64_t g = 0; g < num_kv_heads; ++g) {
           const float* row = x_ptr + t * x.stride(0) + g * x.stride(1);
           const int64_t slot_row = (half * num_slots + slots[t]) * num_kv_heads + g;
-          uint8_t* dst = data_ptr + slot_row * head_size;
           float* stored = stored_ptrs[half] == nullptr ? nullptr : stored_ptrs[half] + t * row_elements + g * head_size;
-          scales_ptr[slot_row] =
-              int8 ? quantize_row<true>(row, head_size, dst, stored) : quantize_row<false>(row, head_size, dst, stored);
+          for (int64_t i = 0; i < num_groups; ++i) {
+            const int64_t d = i * group_size;
+            uint8_t* dst = data_ptr + slot_row * head_size + d;
+            float* stored_group = stored == nullptr ? nullptr : stored + d;
+            scales_ptr[slot_row * num_groups + i] = int8 ? quantize_row<true>(row + d, group_size, dst, stored_group)
+                                                         : quantize_row<false>(row + d, group_size, dst, stored_group);
+          }
         }
       }
     }

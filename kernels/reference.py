@@ -18,14 +18,37 @@ import torch
 # Largest magnitude each quantized KV element type stores, and its torch storage dtype.
 KV_QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 KV_STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV_SCALE_GROUP_SIZE = 32
+"""Channels per scale of an int8 or float8 K/V row (:func:`quantize_kv`): two scales a head at ``head_size`` 64."""
+KV_INT4_GROUP_SIZE = 32
+KV_INT4_LEVELS = 15  # codes 0 .. 15
+
+
+def kv_group_size(head_size: int, group_size: int = KV_SCALE_GROUP_SIZE) -> int:
+    """Channels per group of a quantized K/V row of ``head_size``: ``group_size``, or the whole head when it is
+    smaller.
+
+    Raises:
+        ValueError: when ``head_size`` is not a multiple of the group.
+    """
+    size = min(group_size, head_size)
+    if head_size % size:
+        raise ValueError(f"a quantized KV cache needs a head_size divisible by {size}, got {head_size}")
+    return size
+
+
+def kv_num_scale_groups(head_size: int) -> int:
+    """Scales per (token, KV head) of an int8 or float8 cache: ``head_size // kv_group_size(head_size)``."""
+    return head_size // kv_group_size(head_size)
 
 
 def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax quantization of K or V rows, one scale per (token, KV head) (KIVI-style per-token
-    scales; vLLM's fp8 cache uses one per-tensor scale instead).
+    """Symmetric absmax quantization of K or V rows, one scale per (token, KV head, group of
+    :func:`kv_group_size` channels) (KIVI-style per-token scales, Liu et al. 2024, split into channel groups as
+    its values are; vLLM's fp8 cache uses one per-tensor scale instead).
 
-    ``scale = max|x| / q_max`` over the head's ``head_size`` values (``q_max`` 127 for int8, 448 for float8
-    e4m3, its largest finite value); an all-zero row gets scale 1. int8 rounds half away from zero
+    ``scale = max|x| / q_max`` over the group's values (``q_max`` 127 for int8, 448 for float8 e4m3, its
+    largest finite value); an all-zero group gets scale 1. int8 rounds half away from zero
     (``floor(|y| + 0.5)``, as the Triton store does), fp8 rounds to nearest even (torch's cast).
     ``dequantize_kv`` gives back ``element * scale``.
 
@@ -35,38 +58,41 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, tor
 
     Returns:
         ``(data, scales)``: ``data`` like ``x`` in ``KV_STORAGE_DTYPES[kv_cache_dtype]``; float32 ``scales``
-        ``x.shape[:-1]``.
+        ``[..., num_groups]`` (:func:`kv_num_scale_groups`), group ``i`` covering channels
+        ``i * group_size .. (i + 1) * group_size - 1``.
+
+    Raises:
+        ValueError: on a ``head_size`` the group does not divide.
     """
     q_max = KV_QUANT_MAX[kv_cache_dtype]
-    x = x.float()
-    amax = x.abs().amax(dim=-1)
+    head_size = x.shape[-1]
+    groups = x.float().view(*x.shape[:-1], kv_num_scale_groups(head_size), -1)
+    amax = groups.abs().amax(dim=-1)
     scales = torch.where(amax > 0, amax / q_max, torch.ones_like(amax))
-    y = (x / scales.unsqueeze(-1)).clamp(-q_max, q_max)
+    y = (groups / scales.unsqueeze(-1)).clamp(-q_max, q_max).flatten(-2)
     if kv_cache_dtype == "int8":
         y = torch.floor(y.abs() + 0.5).copysign(y)
     return y.to(KV_STORAGE_DTYPES[kv_cache_dtype]), scales
 
 
 def dequantize_kv(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 ``data * scales[..., None]``: the values a quantized ``[..., head_size]`` row stands for."""
-    return data.float() * scales.unsqueeze(-1)
-
-
-KV_INT4_GROUP_SIZE = 32
-KV_INT4_LEVELS = 15  # codes 0 .. 15
+    """float32 ``element * scale`` of its group: the values quantized ``[..., head_size]`` rows stand for
+    (``scales: [..., num_groups]``, :func:`quantize_kv`)."""
+    groups = data.float().view(*data.shape[:-1], scales.shape[-1], -1)
+    values: torch.Tensor = (groups * scales.unsqueeze(-1)).flatten(-2)
+    return values
 
 
 def kv_int4_group_size(head_size: int) -> int:
-    """Channels per int4 group for a head of ``head_size``: :data:`KV_INT4_GROUP_SIZE`, or the whole head when
-    it is smaller.
+    """Channels per int4 group for a head of ``head_size``: :func:`kv_group_size` with
+    :data:`KV_INT4_GROUP_SIZE`.
 
     Raises:
         ValueError: when ``head_size`` is odd or not a multiple of the group.
     """
-    group_size = min(KV_INT4_GROUP_SIZE, head_size)
-    if head_size % 2 or head_size % group_size:
-        raise ValueError(f"an int4 KV cache needs an even head_size divisible by {group_size}, got {head_size}")
-    return group_size
+    if head_size % 2:
+        raise ValueError(f"an int4 KV cache needs an even head_size, got {head_size}")
+    return kv_group_size(head_size, KV_INT4_GROUP_SIZE)
 
 
 def quantize_kv_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +201,9 @@ def paged_attention_reference(
             its scaled (masked) scores.
         sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
         logits_soft_cap: the soft-cap ``cap > 0``, or None for none.
-        kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads]`` when ``kv_cache`` is quantized
-            (:func:`quantize_kv`): each element stands for ``element * scale``; None for a float cache.
+        kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads, num_groups]`` when ``kv_cache`` is
+            quantized (:func:`quantize_kv`): each element stands for ``element * scale`` of its channel group;
+            None for a float cache.
         tree_mask: int64 ``[num_tokens]`` or None (every row causal). A row whose value is 0 is causal; a
             nonzero value is a bit set over its sequence's query rows (``query_len <= 64``): bit ``j`` set
             lets the row see query row ``j``'s key, and every position before the query stays visible. This
@@ -204,8 +231,8 @@ def paged_attention_reference(
         keys = kv_cache[0][block_ids, offsets].float()  # [seq_len - first, num_kv_heads, head_size]
         values = kv_cache[1][block_ids, offsets].float()
         if kv_scales is not None:
-            keys = keys * kv_scales[0][block_ids, offsets].unsqueeze(-1)
-            values = values * kv_scales[1][block_ids, offsets].unsqueeze(-1)
+            keys = dequantize_kv(keys, kv_scales[0][block_ids, offsets])
+            values = dequantize_kv(values, kv_scales[1][block_ids, offsets])
         keys = keys.repeat_interleave(num_queries_per_kv, dim=1)
         values = values.repeat_interleave(num_queries_per_kv, dim=1)
         q = query[start:end].float()

@@ -17,9 +17,10 @@ same contract; CUDA runs these, CPU runs the twins (tests compare the two under 
   switches: off, the kernel is unchanged.
 - :func:`reshape_and_cache_triton`: store new K/V through ``slot_mapping`` (vLLM's ``reshape_and_cache``).
 - A quantized cache (int8 or float8 e4m3 elements with float32 ``kv_scales: [2, num_blocks, block_size,
-  num_kv_heads]``, :func:`kernels.reference.quantize_kv`): the store quantizes each (token, KV head) row
-  by its absmax; attention converts each K/V tile as it is loaded, applies the K scales to the scores and
-  the V scales to the softmax weights, so the blocks are read in place.
+  num_kv_heads, num_groups]``, :func:`kernels.reference.quantize_kv`): the store quantizes each (token, KV
+  head, group of ``head_size // num_groups`` channels) by its absmax; attention dequantizes each K/V tile
+  as it is loaded (element times its group's scale, in float32, then the compute dtype: the values a fresh
+  prompt attends, ``QuantizedKVCache.write``), so the blocks are read in place.
 - :func:`copy_blocks_triton`: copy-on-write block copies, all pairs in one launch.
 
 Every load and store is masked; block ids and token offsets are widened to int64 before they are
@@ -58,6 +59,8 @@ def _paged_attention_kernel(
     stride_skv,
     stride_sb,
     stride_ss,
+    stride_sh,
+    scale_group_size,
     stride_bt,
     stride_ls,
     stride_lt,
@@ -130,12 +133,14 @@ def _paged_attention_kernel(
         kv_mask = pos_valid[None, :] & dim_valid[:, None]
         k = tl.load(cache_ptr + slot_offsets[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
         if QUANTIZED:
-            # int8 and e4m3 values are exact in every compute dtype; each position's scale multiplies its column.
-            scale_offsets = block_ids * stride_sb + (positions % block_size).to(tl.int64) * stride_ss + kv_head
-            k_scales = tl.load(scales_ptr + scale_offsets, mask=pos_valid, other=0.0)
-            scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * (k_scales * scale)[None, :]
-        else:
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+            # Each element times its (position, channel group)'s scale, in float32, then the compute dtype.
+            scale_offsets = (
+                block_ids * stride_sb + (positions % block_size).to(tl.int64) * stride_ss + kv_head * stride_sh
+            )
+            groups = dims // scale_group_size
+            k_scales = tl.load(scales_ptr + scale_offsets[None, :] + groups[:, None], mask=kv_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scales).to(q.dtype)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if HAS_SOFT_CAP:
             # cap * tanh(s / cap), tanh from one exp of a non-positive argument (no overflow).
             capped = scores / soft_cap
@@ -162,10 +167,11 @@ def _paged_attention_kernel(
         v_mask = pos_valid[:, None] & dim_valid[None, :]
         v = tl.load(cache_ptr + stride_ckv + slot_offsets[:, None] + dims[None, :], mask=v_mask, other=0.0)
         if QUANTIZED:
-            v_scales = tl.load(scales_ptr + stride_skv + scale_offsets, mask=pos_valid, other=0.0)
-            pv = tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v_scales = tl.load(
+                scales_ptr + stride_skv + scale_offsets[:, None] + groups[None, :], mask=v_mask, other=0.0
+            )
+            v = (v.to(tl.float32) * v_scales).to(q.dtype)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -194,9 +200,16 @@ def _check_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> Non
     if (kv_scales is not None) != quantized:
         raise ValueError(f"kv_scales are required with (only with) an int8 or float8 cache, got {kv_cache.dtype}")
     if kv_scales is not None and (
-        kv_scales.dtype != torch.float32 or kv_scales.shape != kv_cache.shape[:4] or not kv_scales.is_contiguous()
+        kv_scales.dtype != torch.float32
+        or kv_scales.dim() != 5
+        or kv_scales.shape[:4] != kv_cache.shape[:4]
+        or kv_cache.shape[4] % kv_scales.shape[4]
+        or not kv_scales.is_contiguous()
     ):
-        raise ValueError(f"kv_scales must be contiguous float32 {tuple(kv_cache.shape[:4])}")
+        raise ValueError(
+            f"kv_scales must be contiguous float32 {tuple(kv_cache.shape[:4])} + (num_groups,), num_groups dividing "
+            f"head_size {kv_cache.shape[4]}, got {tuple(kv_scales.shape)}"
+        )
 
 
 def paged_attention_triton(
@@ -244,8 +257,9 @@ def paged_attention_triton(
             their log-sum-exps (split-KV, "flash-decoding": fills the GPU when few sequences have long contexts).
         sliding_window: keys each query sees (``>= 1``), or None for the whole causal context.
         logits_soft_cap: soft-cap of the scaled scores (``> 0``), or None.
-        kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads]`` of a quantized cache (an
-            element stands for ``element * scale``); None for a cache in ``query.dtype``.
+        kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads, num_groups]`` of a quantized
+            cache (an element stands for ``element * scale`` of its group of ``head_size // num_groups``
+            channels); None for a cache in ``query.dtype``.
         tree_mask: int64 ``[num_tokens]``, the token-tree mask of speculative verification (as
             :func:`kernels.reference.paged_attention_reference`: 0 = causal row; else bit ``j`` lets the row see
             its sequence's query row ``j``); None: every row causal. Not with ``sliding_window``.
@@ -308,7 +322,8 @@ def paged_attention_triton(
         stride_ls, stride_lt = lse_arg.stride(0), lse_arg.stride(1)
     grid = (num_seqs, num_kv_heads, num_q_tiles * num_kv_splits)
     scales_arg = kv_scales if kv_scales is not None else kv_cache
-    scale_strides = kv_scales.stride()[:3] if kv_scales is not None else (0, 0, 0)
+    scale_strides = kv_scales.stride()[:4] if kv_scales is not None else (0, 0, 0, 0)
+    scale_group_size = head_size // kv_scales.shape[4] if kv_scales is not None else head_size
     _paged_attention_kernel[grid](
         query,
         kv_cache,
@@ -330,6 +345,7 @@ def paged_attention_triton(
         kv_cache.stride(2),
         kv_cache.stride(3),
         *scale_strides,
+        scale_group_size,
         block_tables.stride(0),
         stride_ls,
         stride_lt,
@@ -373,7 +389,7 @@ def choose_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int, min_
 
 @triton.jit
 def _quantize_and_store(x, dst_ptrs, scale_ptrs, mask, q_max, ROUND_TO_INT: tl.constexpr):
-    """The twin's quantize_kv on a [heads, dims] tile: scale = absmax / q_max per head (1 for all zeros)."""
+    """The twin's quantize_kv on a [heads, group's dims] tile: scale = absmax / q_max per head (1 for all zeros)."""
     x = x.to(tl.float32)
     amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
     scales = tl.where(amax > 0, amax / q_max, 1.0)
@@ -406,24 +422,34 @@ def _reshape_and_cache_kernel(
     q_max,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     QUANTIZED: tl.constexpr,
     ROUND_TO_INT: tl.constexpr,
 ):
     token_idx = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
-    dst = (
-        (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads[:, None] * stride_ch + dims[None, :]
-    )
-    key = tl.load(key_ptr + token_idx * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    value = tl.load(value_ptr + token_idx * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads[:, None] * stride_ch
     if QUANTIZED:
-        scale_ptrs = scales_ptr + slot * num_kv_heads + heads  # scales: contiguous [2, num_slots, num_kv_heads]
-        _quantize_and_store(key, cache_ptr + dst, scale_ptrs, mask, q_max, ROUND_TO_INT)
-        _quantize_and_store(value, cache_ptr + stride_ckv + dst, scale_ptrs + stride_skv, mask, q_max, ROUND_TO_INT)
+        # One [heads, group] tile per channel group; scales: contiguous [2, num_slots, num_kv_heads, NUM_GROUPS].
+        group_size = head_size // NUM_GROUPS
+        in_group = tl.arange(0, BLOCK_G)
+        mask = (heads[:, None] < num_kv_heads) & (in_group[None, :] < group_size)
+        for group in tl.static_range(NUM_GROUPS):
+            dims = group * group_size + in_group
+            key = tl.load(key_ptr + token_idx * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+            value = tl.load(value_ptr + token_idx * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+            dst = cache_ptr + row + dims[None, :]
+            scale_ptrs = scales_ptr + (slot * num_kv_heads + heads) * NUM_GROUPS + group
+            _quantize_and_store(key, dst, scale_ptrs, mask, q_max, ROUND_TO_INT)
+            _quantize_and_store(value, dst + stride_ckv, scale_ptrs + stride_skv, mask, q_max, ROUND_TO_INT)
     else:
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
+        dst = row + dims[None, :]
+        key = tl.load(key_ptr + token_idx * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        value = tl.load(value_ptr + token_idx * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
         tl.store(cache_ptr + dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(cache_ptr + stride_ckv + dst, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -445,8 +471,8 @@ def reshape_and_cache_triton(
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, unit stride in the last dim;
             mutated in place; int8 or float8_e4m3fn with ``kv_scales`` to quantize on store.
         slot_mapping: integer ``[num_tokens]`` distinct slots, each in ``[0, num_blocks * block_size)``.
-        kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads]`` of a quantized cache
-            (mutated: each stored row's scale), or None.
+        kv_scales: contiguous float32 ``[2, num_blocks, block_size, num_kv_heads, num_groups]`` of a quantized
+            cache (mutated: each stored group's scale), or None.
 
     Raises:
         ValueError: on a cache of the wrong layout, scales missing or misshaped, or K/V without unit stride
@@ -459,6 +485,7 @@ def reshape_and_cache_triton(
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    num_groups = kv_scales.shape[4] if kv_scales is not None else 1
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -480,6 +507,8 @@ def reshape_and_cache_triton(
         127.0 if kv_cache.dtype == torch.int8 else 448.0,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
+        NUM_GROUPS=num_groups,
+        BLOCK_G=triton.next_power_of_2(head_size // num_groups),
         QUANTIZED=kv_scales is not None,
         ROUND_TO_INT=kv_cache.dtype == torch.int8,
     )

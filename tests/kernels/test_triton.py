@@ -290,25 +290,29 @@ def test_paged_attention_rejects_bad_inputs() -> None:
         triton_attention.paged_attention_triton(query, bad, query_start_loc, seq_lens, block_tables, 0.25)
 
 
+@pytest.mark.parametrize("head_size,num_groups", [(16, 1), (64, 2)])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_quantized_store_and_attention_match_twin(kv_cache_dtype: str) -> None:
-    """The quantizing store gives the twin's elements and scales; attention over those blocks (read in place,
-    scales applied in the kernel) gives the twin's output; block copies carry the scales."""
+def test_quantized_store_and_attention_match_twin(kv_cache_dtype: str, head_size: int, num_groups: int) -> None:
+    """The quantizing store gives the twin's elements and scales, one per group of 32 channels (the whole head
+    below 32), the second group of keys 20x the first so each needs its own; attention over those blocks (read
+    in place, scales applied in the kernel) gives the twin's output; block copies carry the scales."""
     generator = torch.Generator().manual_seed(4)
     query_lens, seq_lens = [1, 5, 1, 9], [13, 5, 24, 20]
-    num_kv_heads, num_queries_per_kv, head_size, block_size = 2, 3, 16, 8
+    num_kv_heads, num_queries_per_kv, block_size = 2, 3, 8
     query, float_cache, query_start_loc, seq_lens_t, block_tables = _make_batch(
         query_lens, seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
         num_queries_per_kv=num_queries_per_kv, head_size=head_size, dtype=torch.float32,
     )  # fmt: skip
     float_cache = torch.nan_to_num(float_cache, nan=0.0)
+    float_cache[0, ..., 32:] *= 20
     num_slots = float_cache.shape[1] * block_size
     fused = float_cache.view(2, num_slots, num_kv_heads, head_size)
     slot_mapping = torch.randperm(num_slots, generator=generator)
     twin_data, twin_scales = reference.quantize_kv(float_cache, kv_cache_dtype)
+    assert twin_scales.shape == (*float_cache.shape[:4], num_groups)
     storage = reference.KV_STORAGE_DTYPES[kv_cache_dtype]
     data = torch.zeros(float_cache.shape, dtype=storage, device=DEVICE)
-    scales = torch.zeros(float_cache.shape[:4], device=DEVICE)
+    scales = torch.zeros(twin_scales.shape, device=DEVICE)
     triton_attention.reshape_and_cache_triton(
         fused[0, slot_mapping].to(DEVICE), fused[1, slot_mapping].to(DEVICE), data, slot_mapping.to(DEVICE),
         kv_scales=scales,
@@ -329,7 +333,9 @@ def test_quantized_store_and_attention_match_twin(kv_cache_dtype: str) -> None:
     torch.testing.assert_close(out.cpu(), twin, atol=2e-5, rtol=2e-5)
 
     src, dst = torch.tensor([0, 1]), torch.tensor([2, 3])
-    triton_attention.copy_blocks_triton(scales.unsqueeze(-1), src.to(DEVICE), dst.to(DEVICE))
+    triton_attention.copy_blocks_triton(scales, src.to(DEVICE), dst.to(DEVICE))
     assert torch.equal(scales[:, dst].cpu(), twin_scales[:, src])
     with pytest.raises(ValueError, match="kv_scales"):
         triton_attention.paged_attention_triton(query.to(DEVICE), data, *device_args)
+    with pytest.raises(ValueError, match="kv_scales"):  # the per-head layout of before
+        triton_attention.paged_attention_triton(query.to(DEVICE), data, *device_args, kv_scales=scales[..., 0])

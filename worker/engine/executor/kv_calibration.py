@@ -9,12 +9,13 @@ the cache stores ``k / s`` and attention multiplies ``q`` by ``s``, so ``q . k``
 
 ``s = absmax ** alpha`` per (layer, KV head, channel) over the calibration keys (after RoPE and any key norm, as
 they are stored), with ``alpha = 0.5`` (SmoothQuant's balance), normalised to a mean of 1 per head and floored
-at 1% of the head's largest (a channel silent at calibration must not blow up later). The per-token scale stays
-on top, so a key larger than any calibration key still cannot overflow. The calibration batch is
-:data:`NUM_CALIBRATION_SEQS` sequences of :data:`CALIBRATION_LEN` token ids drawn uniformly with a fixed seed:
-model-independent and deterministic (every engine on a model gets the same factors, so prefix caching and the
-reference engines of the tests agree), and on SmolLM2 it covered the key ranges of real prompts better than
-HumanEval prompts did (``bench/kv_quant.py --quality``: 99.56% against 99.37% agreement).
+at 1% of the head's largest (a channel silent at calibration must not blow up later). The per-token scales
+(one per group of 32 channels, :func:`kernels.reference.quantize_kv`) stay on top, so a key larger than any
+calibration key still cannot overflow. The calibration batch is :data:`NUM_CALIBRATION_SEQS` sequences of
+:data:`CALIBRATION_LEN` token ids drawn uniformly with a fixed seed: model-independent and deterministic (every
+engine on a model gets the same factors, so prefix caching and the reference engines of the tests agree), and on
+SmolLM2 it covered the key ranges of real prompts better than HumanEval prompts did (``bench/kv_quant.py
+--quality``: 99.56% against 99.37% agreement).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def kv_cache_bytes_per_block(
     kv_cache_dtype: str = "auto",
 ) -> int:
     """Bytes one block takes across all layers, K and V: ``2 * layers * block_size * kv_heads * head_size * itemsize``
-    in the compute ``dtype``; quantized, one byte per element plus a float32 scale per (token, KV head)."""
+    in the compute ``dtype``; quantized, one byte per element plus a float32 scale per (token, KV head, group of 32
+    channels) (:func:`~worker.engine.executor.layers.attention.kv_cache.kv_cache_bytes_per_token_head`)."""
     per_token_head = kv_cache_bytes_per_token_head(kv_cache_dtype, head_size, dtype)
     return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
@@ -129,7 +130,7 @@ def copy_blocks(
         for kv_cache in kv_caches:
             if isinstance(kv_cache, QuantizedKVCache):
                 copy_blocks_triton(kv_cache.data, src, dst)
-                copy_blocks_triton(kv_cache.scales.unsqueeze(-1), src, dst)
+                copy_blocks_triton(kv_cache.scales, src, dst)
             else:
                 copy_blocks_triton(kv_cache, src, dst)
         return

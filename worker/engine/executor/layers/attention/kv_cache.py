@@ -3,8 +3,9 @@
 A quantized cache (``"int8"``, ``"fp8_e4m3"``; vLLM's ``kv_cache_dtype``, its ``"fp8"`` an alias) keeps the
 elements in one byte each, ``data: [2, num_blocks, block_size, num_kv_heads, head_size]`` (the layout of a
 float cache, so block tables, slots and copy-on-write are unchanged), and beside it one float32 scale per
-stored (token, KV head), ``scales: [2, num_blocks, block_size, num_kv_heads]``: a slot's scales belong to
-the slot, so every operation on block ids (prefix caching, forks, preemption) carries them along.
+stored (token, KV head, group of :data:`kernels.reference.KV_SCALE_GROUP_SIZE` channels), ``scales: [2,
+num_blocks, block_size, num_kv_heads, num_groups]`` (two groups at ``head_size`` 64): a slot's scales belong
+to the slot, so every operation on block ids (prefix caching, forks, preemption) carries them along.
 ``"int4"`` packs two 4-bit codes a byte, ``data: [..., head_size // 2]``, with a float32 scale and zero per
 group of channels, ``scales: [..., 2 * num_groups]`` (:func:`kernels.reference.quantize_kv_int4`); no kernel
 reads it yet, so an int4 engine attends gathered, dequantized blocks on every path.
@@ -31,6 +32,7 @@ from kernels.reference import (
     dequantize_kv,
     dequantize_kv_int4,
     kv_int4_group_size,
+    kv_num_scale_groups,
     quantize_kv,
     quantize_kv_int4,
 )
@@ -53,17 +55,18 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
 
 
 def kv_cache_bytes_per_token_head(kv_cache_dtype: str, head_size: int, dtype: torch.dtype) -> int:
-    """Bytes one (token, KV head) takes in K or V: ``head_size`` elements, plus a float32 scale when quantized
-    (int4: half a byte an element and a float32 scale and zero per group, :func:`kernels.reference.quantize_kv_int4`).
+    """Bytes one (token, KV head) takes in K or V: ``head_size`` elements, plus a float32 scale per channel group
+    when quantized (:func:`kernels.reference.kv_num_scale_groups`; 64 + 8 bytes at ``head_size`` 64; int4: half a
+    byte an element and a float32 scale and zero per group, :func:`kernels.reference.quantize_kv_int4`).
 
     Raises:
-        ValueError: for int4, on a ``head_size`` its groups do not divide.
+        ValueError: when quantized, on a ``head_size`` the groups do not divide (int4: or an odd one).
     """
     if kv_cache_dtype == "auto":
         return head_size * dtype.itemsize
     if kv_cache_dtype == "int4":
         return head_size // 2 + 2 * 4 * (head_size // kv_int4_group_size(head_size))
-    return head_size * KV_STORAGE_DTYPES[kv_cache_dtype].itemsize + 4
+    return head_size * KV_STORAGE_DTYPES[kv_cache_dtype].itemsize + 4 * kv_num_scale_groups(head_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,8 @@ class QuantizedKVCache:
     Attributes:
         data: int8 or float8_e4m3fn ``[2, num_blocks, block_size, num_kv_heads, head_size]``; for int4, uint8
             ``[..., head_size // 2]``, two codes a byte.
-        scales: float32 ``[2, num_blocks, block_size, num_kv_heads]``; a value is ``element * scale``; for int4
+        scales: float32 ``[2, num_blocks, block_size, num_kv_heads, num_groups]``; a value is ``element * scale``
+            of its channel group (:func:`kernels.reference.quantize_kv`); for int4
             ``[..., 2 * num_groups]``, each group's scale and zero (:func:`kernels.reference.quantize_kv_int4`).
         kv_cache_dtype: ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``.
         key_smoothing: float32 ``[num_kv_heads, head_size]``, positive: a stored key is ``k / key_smoothing``
@@ -100,7 +104,8 @@ class QuantizedKVCache:
         ``[num_kv_heads, head_size]`` or None.
 
         Raises:
-            ValueError: on a ``key_smoothing`` of another shape or with an entry that is not positive.
+            ValueError: on a ``key_smoothing`` of another shape or with an entry that is not positive, or on a
+                ``head_size`` the channel groups do not divide (:func:`kernels.reference.kv_group_size`).
         """
         shape = (2, num_blocks, block_size, num_kv_heads)
         if kv_cache_dtype == "int4":
@@ -109,7 +114,8 @@ class QuantizedKVCache:
             scales = torch.zeros(*shape, num_params, dtype=torch.float32, device=device)
         else:
             data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
-            scales = torch.zeros(shape, dtype=torch.float32, device=device)
+            num_groups = kv_num_scale_groups(head_size)
+            scales = torch.zeros(*shape, num_groups, dtype=torch.float32, device=device)
         if key_smoothing is None:
             return cls(data, scales, kv_cache_dtype)
         if key_smoothing.shape != (num_kv_heads, head_size) or not bool((key_smoothing > 0).all()):
