@@ -19,7 +19,12 @@ import torch
 KV_QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 KV_STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 KV_SCALE_GROUP_SIZE = 32
-"""Channels per scale of an int8 or float8 K/V row (:func:`quantize_kv`): two scales a head at ``head_size`` 64."""
+"""Channels per scale of an int8 K/V row (:func:`quantize_kv`): two scales a head at ``head_size`` 64."""
+KV_GROUPED_SCALE_DTYPES = ("int8",)
+"""The cache dtypes with a scale per :data:`KV_SCALE_GROUP_SIZE` channels; float8 keeps one scale a head: e4m3
+spends its bits on an exponent, so a small channel keeps its relative precision beside an outlier. On SmolLM2
+(64 x 128 teacher-forced, one Intel Xeon) groups took int8 from 99.43% to 99.60% and fp8 from 98.01% to 97.92%,
+under its 98% bound."""
 KV_INT4_GROUP_SIZE = 32
 KV_INT4_LEVELS = 15  # codes 0 .. 15
 
@@ -37,15 +42,21 @@ def kv_group_size(head_size: int, group_size: int = KV_SCALE_GROUP_SIZE) -> int:
     return size
 
 
-def kv_num_scale_groups(head_size: int) -> int:
-    """Scales per (token, KV head) of an int8 or float8 cache: ``head_size // kv_group_size(head_size)``."""
-    return head_size // kv_group_size(head_size)
+def kv_num_scale_groups(head_size: int, kv_cache_dtype: str) -> int:
+    """Scales per (token, KV head) of an int8 or float8 cache: ``head_size // kv_group_size(head_size)`` for
+    :data:`KV_GROUPED_SCALE_DTYPES`, else 1.
+
+    Raises:
+        ValueError: for a grouped dtype, on a ``head_size`` the group does not divide.
+    """
+    return head_size // kv_group_size(head_size) if kv_cache_dtype in KV_GROUPED_SCALE_DTYPES else 1
 
 
 def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax quantization of K or V rows, one scale per (token, KV head, group of
-    :func:`kv_group_size` channels) (KIVI-style per-token scales, Liu et al. 2024, split into channel groups as
-    its values are; vLLM's fp8 cache uses one per-tensor scale instead).
+    """Symmetric absmax quantization of K or V rows, one scale per (token, KV head, group of channels)
+    (:func:`kv_num_scale_groups`: int8 in groups of :func:`kv_group_size`, fp8 one group a head; KIVI-style
+    per-token scales, Liu et al. 2024, split into channel groups as its values are; vLLM's fp8 cache uses one
+    per-tensor scale instead).
 
     ``scale = max|x| / q_max`` over the group's values (``q_max`` 127 for int8, 448 for float8 e4m3, its
     largest finite value); an all-zero group gets scale 1. int8 rounds half away from zero
@@ -66,7 +77,7 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, tor
     """
     q_max = KV_QUANT_MAX[kv_cache_dtype]
     head_size = x.shape[-1]
-    groups = x.float().view(*x.shape[:-1], kv_num_scale_groups(head_size), -1)
+    groups = x.float().view(*x.shape[:-1], kv_num_scale_groups(head_size, kv_cache_dtype), -1)
     amax = groups.abs().amax(dim=-1)
     scales = torch.where(amax > 0, amax / q_max, torch.ones_like(amax))
     y = (groups / scales.unsqueeze(-1)).clamp(-q_max, q_max).flatten(-2)

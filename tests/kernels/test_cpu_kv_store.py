@@ -11,15 +11,15 @@ from kernels.reference import KV_STORAGE_DTYPES, dequantize_kv, kv_num_scale_gro
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 6, 4, 3, 64
-NUM_GROUPS = kv_num_scale_groups(HEAD_SIZE)  # 2: channels 0..31 and 32..63
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_store_equals_reference_bytes_and_scales(kv_cache_dtype):
     """Same bytes and scales as quantize_kv plus indexed copies, on strided views of a fused QKV output, with an
     all-zero row, an all-zero group beside a nonzero one, a row past the fp8 range, a group 100x its neighbour
-    and ties of int8 rounding; other slots untouched; stored rows equal the dequantized twin; each group has its
-    own scale."""
+    and ties of int8 rounding; other slots untouched; stored rows equal the dequantized twin; each int8 group
+    (channels 0..31, 32..63) has its own scale, fp8 one a head."""
+    num_groups = kv_num_scale_groups(HEAD_SIZE, kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
     num_tokens = 7
     qkv = torch.randn(num_tokens, 5, NUM_KV_HEADS, HEAD_SIZE, generator=gen) * 3
@@ -32,7 +32,7 @@ def test_store_equals_reference_bytes_and_scales(kv_cache_dtype):
     slots = torch.tensor([3, 0, 17, 9, 22, 5, 12])
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS)
     data = torch.full((*shape, HEAD_SIZE), 7, dtype=torch.uint8).view(KV_STORAGE_DTYPES[kv_cache_dtype])
-    scales = torch.full((*shape, NUM_GROUPS), -1.0)
+    scales = torch.full((*shape, num_groups), -1.0)
     expected_data, expected_scales = data.clone(), scales.clone()
 
     stored = quantize_kv_store_cpu(data, scales, key, value, slots, return_stored=True)
@@ -41,21 +41,23 @@ def test_store_equals_reference_bytes_and_scales(kv_cache_dtype):
     for half, x in enumerate((key, value)):
         q, s = quantize_kv(x, kv_cache_dtype)
         expected_data.view(torch.uint8)[half].view(-1, NUM_KV_HEADS, HEAD_SIZE)[slots] = q.view(torch.uint8)
-        expected_scales[half].view(-1, NUM_KV_HEADS, NUM_GROUPS)[slots] = s
+        expected_scales[half].view(-1, NUM_KV_HEADS, num_groups)[slots] = s
         assert torch.equal(stored[half], dequantize_kv(q, s))
     assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
     assert torch.equal(scales, expected_scales)
-    q_max = 127.0 if kv_cache_dtype == "int8" else 448.0
-    key_scales = scales[0].view(-1, NUM_KV_HEADS, NUM_GROUPS)
-    assert key_scales[slots[3], 0].tolist() == [(key[3, 0, :32].abs().max() / q_max).item(), 1.0]  # zero group: 1
-    small, big = key_scales[slots[6], 2].tolist()
-    assert big > 50 * small
+    key_scales = scales[0].view(-1, NUM_KV_HEADS, num_groups)
+    if kv_cache_dtype == "int8":
+        assert key_scales[slots[3], 0].tolist() == [(key[3, 0, :32].abs().max() / 127).item(), 1.0]  # zero group: 1
+        small, big = key_scales[slots[6], 2].tolist()
+        assert big > 50 * small
+    else:
+        assert key_scales[slots[6], 2].tolist() == [(key[6, 2].abs().max() / 448).item()]
     assert quantize_kv_store_cpu(data, scales, key, value, slots) is None
 
 
 def test_store_rejects_bad_slots_and_dtypes():
     data = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.int8)
-    scales = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_GROUPS)
+    scales = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 2)
     key = torch.randn(2, NUM_KV_HEADS, HEAD_SIZE)
     with pytest.raises(RuntimeError, match="out of range"):
         quantize_kv_store_cpu(data, scales, key, key, torch.tensor([0, NUM_BLOCKS * BLOCK_SIZE]))

@@ -202,26 +202,37 @@ def test_int4_rows_round_trip_within_half_a_step_per_group():
         quantize_kv_int4(x[..., :48])
 
 
-@pytest.mark.parametrize("kv_cache_dtype,q_max", [("int8", 127.0), ("fp8_e4m3", 448.0)])
-def test_quantized_rows_take_one_scale_per_group_of_32_channels(kv_cache_dtype, q_max):
-    """Scales ``[..., head_size // 32]``, each the absmax of its own 32 channels over q_max (an all-zero group
-    gets 1 and comes back as zeros); a group 100x its neighbour leaves the neighbour's precision alone; int8
-    rows come back within half a step of their group; a 16-channel head is one group; 48 channels refused."""
+def test_int8_rows_take_one_scale_per_group_of_32_channels():
+    """Scales ``[..., head_size // 32]``, each the absmax of its own 32 channels over 127 (an all-zero group
+    gets 1 and comes back as zeros); a group 100x its neighbour leaves the neighbour's precision alone; rows
+    come back within half a step of their group; a 16-channel head is one group; 48 channels refused."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 2, 64, generator=gen)
     x[0, 1, 32:] *= 100
     x[2, 0, :32] = 0.0
-    data, scales = quantize_kv(x, kv_cache_dtype)
+    data, scales = quantize_kv(x, "int8")
     assert data.shape == x.shape and scales.shape == (3, 2, 2)
-    torch.testing.assert_close(scales[0, 0], x[0, 0].view(2, 32).abs().amax(-1) / q_max, rtol=0, atol=0)
+    torch.testing.assert_close(scales[0, 0], x[0, 0].view(2, 32).abs().amax(-1) / 127, rtol=0, atol=0)
     assert scales[2, 0, 0].item() == 1.0
     back = dequantize_kv(data, scales)
     assert torch.equal(back[2, 0, :32], torch.zeros(32))
     # The 100x group does not coarsen its neighbour, which one scale over the whole head would (half its step).
     assert (back[0, 1, :32] - x[0, 1, :32]).abs().max() < scales[0, 1, 1] / 10
-    if kv_cache_dtype == "int8":
-        step = scales.repeat_interleave(32, dim=-1)
-        assert bool(((back - x).abs() <= step / 2 + 1e-6).all())
-    assert quantize_kv(x[..., :16], kv_cache_dtype)[1].shape == (3, 2, 1)
+    step = scales.repeat_interleave(32, dim=-1)
+    assert bool(((back - x).abs() <= step / 2 + 1e-6).all())
+    assert quantize_kv(x[..., :16], "int8")[1].shape == (3, 2, 1)
     with pytest.raises(ValueError, match="divisible"):
-        quantize_kv(x[..., :48], kv_cache_dtype)
+        quantize_kv(x[..., :48], "int8")
+
+
+def test_fp8_rows_take_one_scale_a_head():
+    """float8 e4m3: one scale per (token, head), its absmax over 448; e4m3's 3 mantissa bits keep every element
+    within 1/16 of itself (a normal number) however large its neighbours."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 2, 64, generator=gen)
+    x[0, 1, 32:] *= 100
+    data, scales = quantize_kv(x, "fp8_e4m3")
+    assert data.dtype == torch.float8_e4m3fn and scales.shape == (3, 2, 1)
+    torch.testing.assert_close(scales[..., 0], x.abs().amax(-1) / 448, rtol=0, atol=0)
+    back = dequantize_kv(data, scales)
+    assert bool(((back - x).abs() <= x.abs() / 16 + scales * 2**-9).all())  # + half e4m3's smallest subnormal

@@ -290,11 +290,12 @@ def test_paged_attention_rejects_bad_inputs() -> None:
         triton_attention.paged_attention_triton(query, bad, query_start_loc, seq_lens, block_tables, 0.25)
 
 
-@pytest.mark.parametrize("head_size,num_groups", [(16, 1), (64, 2)])
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,head_size,num_groups", [("int8", 16, 1), ("int8", 64, 2), ("fp8_e4m3", 16, 1), ("fp8_e4m3", 64, 1)]
+)
 def test_quantized_store_and_attention_match_twin(kv_cache_dtype: str, head_size: int, num_groups: int) -> None:
-    """The quantizing store gives the twin's elements and scales, one per group of 32 channels (the whole head
-    below 32), the second group of keys 20x the first so each needs its own; attention over those blocks (read
+    """The quantizing store gives the twin's elements and scales, int8's one per group of 32 channels (the whole
+    head below 32; the second group of keys 20x the first so each needs its own), fp8's one a head; attention over those blocks (read
     in place, scales applied in the kernel) gives the twin's output; block copies carry the scales."""
     generator = torch.Generator().manual_seed(4)
     query_lens, seq_lens = [1, 5, 1, 9], [13, 5, 24, 20]

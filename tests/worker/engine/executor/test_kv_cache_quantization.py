@@ -62,18 +62,20 @@ def test_quantized_cache_top1_agreement_with_fp32_on_humaneval(served_model_dir,
 
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "head_size", "per_token_head"),
-    [("int8", 64, 64 + 2 * 4), ("fp8_e4m3", 64, 64 + 2 * 4), ("int8", 128, 128 + 4 * 4), ("int8", 16, 16 + 4)],
+    [("int8", 64, 64 + 2 * 4), ("fp8_e4m3", 64, 64 + 4), ("int8", 128, 128 + 4 * 4), ("int8", 16, 16 + 4)],
 )
 def test_a_quantized_token_head_takes_its_elements_and_a_scale_per_32_channels(
     kv_cache_dtype, head_size, per_token_head
 ):
-    """One byte an element and a float32 scale per group of 32 channels (the whole head below 32): 72 bytes at
-    SmolLM2's head_size 64, so its blocks at a fixed budget are 256 / 72 = 3.56x float32's."""
+    """One byte an element and a float32 scale per group of 32 channels for int8 (the whole head below 32), one
+    a head for fp8: 72 and 68 bytes at SmolLM2's head_size 64, 256 / 72 = 3.56x and 3.76x float32's blocks."""
     assert kv_cache_bytes_per_token_head(kv_cache_dtype, head_size, torch.float32) == per_token_head
     cache = QuantizedKVCache.zeros(kv_cache_dtype, 3, 4, 2, head_size, torch.device("cpu"))
-    assert cache.scales.shape == (2, 3, 4, 2, max(1, head_size // 32)) and cache.shape == (2, 3, 4, 2, head_size)
-    with pytest.raises(ValueError, match="divisible"):
-        kv_cache_bytes_per_token_head(kv_cache_dtype, 48, torch.float32)
+    num_groups = max(1, head_size // 32) if kv_cache_dtype == "int8" else 1
+    assert cache.scales.shape == (2, 3, 4, 2, num_groups) and cache.shape == (2, 3, 4, 2, head_size)
+    if kv_cache_dtype == "int8":
+        with pytest.raises(ValueError, match="divisible"):
+            kv_cache_bytes_per_token_head(kv_cache_dtype, 48, torch.float32)
 
 
 @pytest.mark.parametrize("store", ["cpp", "torch"])
@@ -98,7 +100,7 @@ def test_grouped_scales_are_written_read_and_moved_with_their_slots(monkeypatch,
     assert stored is not None
     for half, x in enumerate((key, value)):
         data, scales = quantize_kv(x, kv_cache_dtype)
-        assert scales.shape == (5, 2, 2)
+        assert scales.shape == (5, 2, 2 if kv_cache_dtype == "int8" else 1)
         assert torch.equal(cache.scales[half].flatten(0, 1)[slots], scales)
         assert torch.equal(stored[half], dequantize_kv(data, scales))
     gathered = gather_kv_blocks(cache, torch.arange(4), torch.float32).flatten(1, 2)[:, slots]

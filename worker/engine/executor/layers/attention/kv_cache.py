@@ -3,9 +3,10 @@
 A quantized cache (``"int8"``, ``"fp8_e4m3"``; vLLM's ``kv_cache_dtype``, its ``"fp8"`` an alias) keeps the
 elements in one byte each, ``data: [2, num_blocks, block_size, num_kv_heads, head_size]`` (the layout of a
 float cache, so block tables, slots and copy-on-write are unchanged), and beside it one float32 scale per
-stored (token, KV head, group of :data:`kernels.reference.KV_SCALE_GROUP_SIZE` channels), ``scales: [2,
-num_blocks, block_size, num_kv_heads, num_groups]`` (two groups at ``head_size`` 64): a slot's scales belong
-to the slot, so every operation on block ids (prefix caching, forks, preemption) carries them along.
+stored (token, KV head, group of channels), ``scales: [2, num_blocks, block_size, num_kv_heads, num_groups]``
+(int8: groups of :data:`kernels.reference.KV_SCALE_GROUP_SIZE` channels, two at ``head_size`` 64; fp8: one
+group a head, :func:`kernels.reference.kv_num_scale_groups`): a slot's scales belong to the slot, so every
+operation on block ids (prefix caching, forks, preemption) carries them along.
 ``"int4"`` packs two 4-bit codes a byte, ``data: [..., head_size // 2]``, with a float32 scale and zero per
 group of channels, ``scales: [..., 2 * num_groups]`` (:func:`kernels.reference.quantize_kv_int4`); no kernel
 reads it yet, so an int4 engine attends gathered, dequantized blocks on every path.
@@ -56,7 +57,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
 
 def kv_cache_bytes_per_token_head(kv_cache_dtype: str, head_size: int, dtype: torch.dtype) -> int:
     """Bytes one (token, KV head) takes in K or V: ``head_size`` elements, plus a float32 scale per channel group
-    when quantized (:func:`kernels.reference.kv_num_scale_groups`; 64 + 8 bytes at ``head_size`` 64; int4: half a
+    when quantized (:func:`kernels.reference.kv_num_scale_groups`; int8 64 + 8 bytes at ``head_size`` 64, fp8
+    64 + 4; int4: half a
     byte an element and a float32 scale and zero per group, :func:`kernels.reference.quantize_kv_int4`).
 
     Raises:
@@ -66,7 +68,7 @@ def kv_cache_bytes_per_token_head(kv_cache_dtype: str, head_size: int, dtype: to
         return head_size * dtype.itemsize
     if kv_cache_dtype == "int4":
         return head_size // 2 + 2 * 4 * (head_size // kv_int4_group_size(head_size))
-    return head_size * KV_STORAGE_DTYPES[kv_cache_dtype].itemsize + 4 * kv_num_scale_groups(head_size)
+    return head_size * KV_STORAGE_DTYPES[kv_cache_dtype].itemsize + 4 * kv_num_scale_groups(head_size, kv_cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,7 @@ class QuantizedKVCache:
             scales = torch.zeros(*shape, num_params, dtype=torch.float32, device=device)
         else:
             data = torch.zeros(*shape, head_size, dtype=KV_STORAGE_DTYPES[kv_cache_dtype], device=device)
-            num_groups = kv_num_scale_groups(head_size)
+            num_groups = kv_num_scale_groups(head_size, kv_cache_dtype)
             scales = torch.zeros(*shape, num_groups, dtype=torch.float32, device=device)
         if key_smoothing is None:
             return cls(data, scales, kv_cache_dtype)
