@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 from transformers import AutoConfig
 
@@ -63,6 +64,9 @@ def test_train_writes_heads_the_engine_loads_and_resumes(tmp_path, capsys):
     assert cli.main([*argv, "--steps", "5"]) == 0  # resumes at step 3 on the cached text
     assert "2 cached sequences" in capsys.readouterr().err
     assert torch.load(out_dir / STATE_FILE, weights_only=False)["step"] == 5
+    # The other method's run in the same folder is refused in one line, not a traceback.
+    with pytest.raises(SystemExit, match=r"^batchinfer heads train: .*train_state\.pt holds a medusa run, not eagle$"):
+        cli.main([*argv[:2], "--method", "eagle", *argv[4:], "--steps", "6", "--out", str(out_dir)])
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir), kv_cache_memory_bytes=8 << 20, speculative_mode="on", speculative_method="medusa"
@@ -92,3 +96,31 @@ def test_kv_budget_holds_every_line_at_once(tmp_path):
         engine.generate([list(prompt) for prompt in prompts], params)
         preemptions.append(engine.make_stats().num_preemptions)
     assert preemptions[0] == 0 and preemptions[1] > 0
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--steps", "-1", "must be 0 or more, got -1"),
+        ("--skip-prompts", "-1", "must be 0 or more, got -1"),
+        ("--draft-vocab-size", "-8", "must be 0 or more, got -8"),
+        ("--lr", "0", "must be above 0, got 0"),
+        ("--lr", "nan", "must be a finite number"),
+        ("--ce-weight", "-0.5", "must be 0 or more, got -0.5"),
+        ("--ce-weight", "x", "must be a number, got 'x'"),
+        ("--method", "hydra", "invalid choice: 'hydra'"),
+    ],
+)
+def test_bad_option_values_are_refused_naming_the_option(option, value, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["heads", "train", option, value])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {option}: {message}" in error
+
+
+def test_an_unknown_model_is_one_line(tmp_path):
+    with pytest.raises(
+        SystemExit, match=r"^batchinfer heads train: model .*nowhere.* nor a folder containing config\.json$"
+    ):
+        cli.main(["heads", "train", "--model", str(tmp_path / "nowhere")])
