@@ -183,16 +183,28 @@ def kv_budget_bytes(model_dir: Path, lengths: list[int], block_size: int) -> int
 
 
 def database_sequences(model: str, tokenizer: Any, limit: int) -> list[list[int]]:
-    """Prompt + completion ids of up to ``limit`` completed lines for ``model`` in the service's database."""
+    """Prompt + completion ids of up to ``limit`` completed lines for ``model`` in the service's database.
+
+    Raises:
+        SystemExit: a database that cannot be read (unreachable, or without the service's tables).
+    """
+    from sqlalchemy.exc import SQLAlchemyError
+
     from jobs.db import session_scope
     from jobs.repository import completed_lines
 
     sequences = []
-    with session_scope() as session:
-        for body, completion in completed_lines(session, model=model, limit=limit):
-            prompt = body_prompt_ids(body, tokenizer)
-            if prompt is not None and completion:
-                sequences.append(prompt + tokenizer(completion, add_special_tokens=False)["input_ids"])
+    try:
+        with session_scope() as session:
+            for body, completion in completed_lines(session, model=model, limit=limit):
+                prompt = body_prompt_ids(body, tokenizer)
+                if prompt is not None and completion:
+                    sequences.append(prompt + tokenizer(completion, add_special_tokens=False)["input_ids"])
+    except SQLAlchemyError as exc:  # no such database, or one never upgraded (no tables)
+        raise SystemExit(
+            f"batchinfer heads train: --from-db cannot read the database ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}); is BATCHINFER_DATABASE_URL right, and was `batchinfer db upgrade` run?"
+        ) from None
     return sequences
 
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from tests.helpers.tiny_llama import save_tiny_llama
 from worker import cli
-from worker.cli_heads import DATA_FILE, kv_budget_bytes
+from worker.cli_heads import DATA_FILE, database_sequences, kv_budget_bytes
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.spec_decode.heads.storage import DRAFT_VOCAB_FILE, load_head
 from worker.engine.spec_decode.heads.train import STATE_FILE
@@ -124,3 +124,17 @@ def test_an_unknown_model_is_one_line(tmp_path):
         SystemExit, match=r"^batchinfer heads train: model .*nowhere.* nor a folder containing config\.json$"
     ):
         cli.main(["heads", "train", "--model", str(tmp_path / "nowhere")])
+
+
+def test_from_db_on_a_database_without_tables_is_one_line(tmp_path, monkeypatch):
+    from jobs.config import get_settings
+    from jobs.db import dispose_engines
+
+    monkeypatch.setenv("BATCHINFER_DATABASE_URL", f"sqlite:///{tmp_path / 'never-upgraded.db'}")
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit, match=r"--from-db cannot read the database .*batchinfer db upgrade"):
+            database_sequences("m", None, 4)
+    finally:
+        dispose_engines()
+        get_settings.cache_clear()
