@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from itertools import zip_longest
@@ -34,7 +35,25 @@ DATA_FILE = "train_data.pt"
 
 def add_heads_commands(commands: Any, settings: Settings) -> None:
     """Add ``heads train`` to the ``batchinfer`` sub-command parsers ``commands``."""
-    from worker.cli import _positive_int
+    from worker.cli import _positive_int, _whole_number
+
+    def non_negative_int(text: str) -> int:
+        value = _whole_number(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+        return value
+
+    def positive_float(text: str) -> float:
+        value = _number(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    def non_negative_float(text: str) -> float:
+        value = _number(text)
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        return value
 
     # NOTE: TrainConfig's defaults apply when an option is left out (None): importing it here would load torch
     # for every `batchinfer` command.
@@ -47,20 +66,26 @@ def add_heads_commands(commands: Any, settings: Settings) -> None:
     train.add_argument("--prompts", type=Path, action="append", help="batch-input JSONL file(s) of prompts")
     train.add_argument("--from-db", action="store_true", help="use completed batch lines in the database instead")
     train.add_argument("--num-prompts", type=_positive_int, default=96, help="prompts (or database lines) used")
-    train.add_argument("--skip-prompts", type=int, default=0, help="skip the first N lines of each prompt file")
+    train.add_argument(
+        "--skip-prompts", type=non_negative_int, default=0, help="skip the first N lines of each prompt file"
+    )
     train.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
-    train.add_argument("--steps", type=int, help="optimizer steps (default 400)")
+    train.add_argument("--steps", type=non_negative_int, help="optimizer steps (default 400)")
     train.add_argument("--batch-size", type=_positive_int, help="sequences per step (default 4)")
-    train.add_argument("--lr", type=float, help="peak AdamW learning rate (default 1e-3)")
+    train.add_argument("--lr", type=positive_float, help="peak AdamW learning rate (default 1e-3)")
     train.add_argument("--medusa-heads", type=_positive_int, help="Medusa heads (default 3)")
-    train.add_argument("--ce-weight", type=float, help="EAGLE: weight of the token cross-entropy (default 0.1)")
+    train.add_argument(
+        "--ce-weight", type=non_negative_float, help="EAGLE: weight of the token cross-entropy (default 0.1)"
+    )
     train.add_argument(
         "--training-time-test",
         action="store_true",
         default=None,
         help="EAGLE: a second pass over the head's own predicted features, as drafts at depth 2 see them",
     )
-    train.add_argument("--draft-vocab-size", type=int, help="tokens of the draft vocabulary (default 8192; 0: all)")
+    train.add_argument(
+        "--draft-vocab-size", type=non_negative_int, help="tokens of the draft vocabulary (default 8192; 0: all)"
+    )
     train.add_argument(
         "--snapshot-at",
         type=_positive_int,
@@ -69,6 +94,17 @@ def add_heads_commands(commands: Any, settings: Settings) -> None:
     )
     train.add_argument("--out", type=Path, help="the heads' folder (default <model>/heads/<method>)")
     train.set_defaults(handler=_train)
+
+
+def _number(text: str) -> float:
+    """``text`` as a finite float (argparse's error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def prompt_texts(files: list[Path], tokenizer: Any, *, skip: int, limit: int) -> list[list[int]]:
@@ -147,16 +183,28 @@ def kv_budget_bytes(model_dir: Path, lengths: list[int], block_size: int) -> int
 
 
 def database_sequences(model: str, tokenizer: Any, limit: int) -> list[list[int]]:
-    """Prompt + completion ids of up to ``limit`` completed lines for ``model`` in the service's database."""
+    """Prompt + completion ids of up to ``limit`` completed lines for ``model`` in the service's database.
+
+    Raises:
+        SystemExit: a database that cannot be read (unreachable, or without the service's tables).
+    """
+    from sqlalchemy.exc import SQLAlchemyError
+
     from jobs.db import session_scope
     from jobs.repository import completed_lines
 
     sequences = []
-    with session_scope() as session:
-        for body, completion in completed_lines(session, model=model, limit=limit):
-            prompt = body_prompt_ids(body, tokenizer)
-            if prompt is not None and completion:
-                sequences.append(prompt + tokenizer(completion, add_special_tokens=False)["input_ids"])
+    try:
+        with session_scope() as session:
+            for body, completion in completed_lines(session, model=model, limit=limit):
+                prompt = body_prompt_ids(body, tokenizer)
+                if prompt is not None and completion:
+                    sequences.append(prompt + tokenizer(completion, add_special_tokens=False)["input_ids"])
+    except SQLAlchemyError as exc:  # no such database, or one never upgraded (no tables)
+        raise SystemExit(
+            f"batchinfer heads train: --from-db cannot read the database ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}); is BATCHINFER_DATABASE_URL right, and was `batchinfer db upgrade` run?"
+        ) from None
     return sequences
 
 
@@ -185,7 +233,7 @@ class _Progress:
 
     def __call__(self, step: int, loss: float) -> None:
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(step - self.bar.n)  # a resumed run's first step is its checkpoint's + 1
             self.bar.set_postfix(loss=f"{loss:.4f}", cpu_s=f"{cpu_seconds() - self.start:.0f}")
         else:
             print(
@@ -209,9 +257,12 @@ def _train(args: argparse.Namespace) -> int:
     from worker.engine.executor.model_loader import load_model
     from worker.engine.spec_decode.heads.storage import default_heads_dir
     from worker.engine.spec_decode.heads.train import TrainConfig, target_features, target_weights, train_heads
-    from worker.model_prepare import prepare_model
+    from worker.model_prepare import ModelNotFoundError, prepare_model
 
-    model_dir = prepare_model(args.model)
+    try:
+        model_dir = prepare_model(args.model)
+    except ModelNotFoundError as exc:
+        raise SystemExit(f"batchinfer heads train: {exc}") from None
     out_dir = args.out or default_heads_dir(model_dir, args.method)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -250,15 +301,18 @@ def _train(args: argparse.Namespace) -> int:
     }
     config = TrainConfig(method=args.method, **{name: value for name, value in given.items() if value is not None})
     progress = _Progress(config.num_steps, 0, f"{args.method} heads")
-    result = train_heads(
-        data,
-        target_config=model.config,
-        embed_weight=embed,
-        lm_head_weight=lm_head,
-        out_dir=out_dir,
-        config=config,
-        on_step=progress,
-    )
+    try:
+        result = train_heads(
+            data,
+            target_config=model.config,
+            embed_weight=embed,
+            lm_head_weight=lm_head,
+            out_dir=out_dir,
+            config=config,
+            on_step=progress,
+        )
+    except ValueError as exc:  # a saved state of the other method in --out
+        raise SystemExit(f"batchinfer heads train: {exc}") from None
     progress.close()
     if result.losses:
         _report(

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 from transformers import AutoConfig
 
 from tests.helpers.tiny_llama import save_tiny_llama
 from worker import cli
-from worker.cli_heads import DATA_FILE, kv_budget_bytes
+from worker.cli_heads import DATA_FILE, database_sequences, kv_budget_bytes
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.spec_decode.heads.storage import DRAFT_VOCAB_FILE, load_head
 from worker.engine.spec_decode.heads.train import STATE_FILE
@@ -63,6 +64,9 @@ def test_train_writes_heads_the_engine_loads_and_resumes(tmp_path, capsys):
     assert cli.main([*argv, "--steps", "5"]) == 0  # resumes at step 3 on the cached text
     assert "2 cached sequences" in capsys.readouterr().err
     assert torch.load(out_dir / STATE_FILE, weights_only=False)["step"] == 5
+    # The other method's run in the same folder is refused in one line, not a traceback.
+    with pytest.raises(SystemExit, match=r"^batchinfer heads train: .*train_state\.pt holds a medusa run, not eagle$"):
+        cli.main([*argv[:2], "--method", "eagle", *argv[4:], "--steps", "6", "--out", str(out_dir)])
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir), kv_cache_memory_bytes=8 << 20, speculative_mode="on", speculative_method="medusa"
@@ -92,3 +96,45 @@ def test_kv_budget_holds_every_line_at_once(tmp_path):
         engine.generate([list(prompt) for prompt in prompts], params)
         preemptions.append(engine.make_stats().num_preemptions)
     assert preemptions[0] == 0 and preemptions[1] > 0
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--steps", "-1", "must be 0 or more, got -1"),
+        ("--skip-prompts", "-1", "must be 0 or more, got -1"),
+        ("--draft-vocab-size", "-8", "must be 0 or more, got -8"),
+        ("--lr", "0", "must be above 0, got 0"),
+        ("--lr", "nan", "must be a finite number"),
+        ("--ce-weight", "-0.5", "must be 0 or more, got -0.5"),
+        ("--ce-weight", "x", "must be a number, got 'x'"),
+        ("--method", "hydra", "invalid choice: 'hydra'"),
+    ],
+)
+def test_bad_option_values_are_refused_naming_the_option(option, value, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["heads", "train", option, value])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {option}: {message}" in error
+
+
+def test_an_unknown_model_is_one_line(tmp_path):
+    with pytest.raises(
+        SystemExit, match=r"^batchinfer heads train: model .*nowhere.* nor a folder containing config\.json$"
+    ):
+        cli.main(["heads", "train", "--model", str(tmp_path / "nowhere")])
+
+
+def test_from_db_on_a_database_without_tables_is_one_line(tmp_path, monkeypatch):
+    from jobs.config import get_settings
+    from jobs.db import dispose_engines
+
+    monkeypatch.setenv("BATCHINFER_DATABASE_URL", f"sqlite:///{tmp_path / 'never-upgraded.db'}")
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit, match=r"--from-db cannot read the database .*batchinfer db upgrade"):
+            database_sequences("m", None, 4)
+    finally:
+        dispose_engines()
+        get_settings.cache_clear()

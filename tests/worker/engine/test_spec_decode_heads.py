@@ -137,6 +137,46 @@ def test_a_method_without_heads_names_the_training_command(tmp_path):
         _engine(model_dir, "eagle")
 
 
+def test_broken_heads_fail_their_method_and_are_left_out_under_auto(tmp_path):
+    """A heads folder that cannot serve the target (weights missing, a truncated file, a draft vocabulary or
+    Medusa LM heads of another vocabulary) fails ``speculative_method`` eagle / medusa at start naming the folder,
+    and under ``auto`` is left out: the engine runs on n-gram lookup and greedy output stays plain decoding's."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from worker.engine.spec_decode.heads.medusa import MedusaHeads
+    from worker.engine.spec_decode.heads.storage import DRAFT_VOCAB_FILE, save_head
+
+    model_dir = save_tiny_llama(tmp_path / "model")
+    vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+    hidden = int(AutoConfig.from_pretrained(model_dir).hidden_size)
+    save_random_heads(model_dir)
+    eagle, medusa = model_dir / "heads" / "eagle", model_dir / "heads" / "medusa"
+    (eagle / "model.safetensors").unlink()
+    shutil.rmtree(medusa)
+    save_head(MedusaHeads(hidden, 2, 1, vocab_size=vocab + 50), medusa)
+    with pytest.raises(ValueError, match="eagle holds no head weights"):
+        _engine(model_dir, "eagle")
+    with pytest.raises(ValueError, match=f"own LM heads have {vocab + 50} rows, the target's vocabulary {vocab}"):
+        _engine(model_dir, "medusa")
+    shutil.rmtree(medusa)
+    save_random_heads(model_dir)
+    save_file({"token_ids": torch.arange(vocab - 4, vocab + 60)}, str(medusa / DRAFT_VOCAB_FILE))
+    (eagle / "model.safetensors").write_bytes((medusa / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match="token ids outside the target's vocabulary"):
+        _engine(model_dir, "medusa")
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read"):
+        _engine(model_dir, "eagle")
+    engine = _engine(model_dir, "auto")
+    assert engine.speculator is not None and engine.speculator.alternatives == []
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_engine(model_dir, mode="off")
+    for prompt in PROMPTS[:2]:
+        assert_same_completion(engine.generate([prompt], params)[0], plain.generate([prompt], params)[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_sampling_preserves_the_target_distribution(tmp_path_factory, method):

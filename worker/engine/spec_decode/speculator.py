@@ -17,6 +17,7 @@ turns speculation on.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from worker.engine.spec_decode.medusa_proposer import MedusaProposer
 
     HeadProposer = EagleProposer | MedusaProposer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -254,14 +257,19 @@ def build_speculator(config: EngineConfig, model_runner: ModelRunner, max_model_
 
 def found_head_proposers(config: EngineConfig, model_runner: ModelRunner, tree_width: int) -> list[Proposer]:
     """The EAGLE and Medusa proposers of the heads found in ``<model>/heads/`` (none: an empty list), all fed the
-    target's hidden states."""
+    target's hidden states. A folder whose heads do not load (:func:`build_head_proposer`'s errors: missing or
+    truncated weights, a wrong config, heads of another model) is logged as a warning and left out, so a broken
+    folder costs that method, never the engine."""
     from worker.engine.spec_decode.heads.storage import HEAD_METHODS, default_heads_dir
 
-    proposers: list[HeadProposer] = [
-        build_head_proposer(config, model_runner, method, tree_width)
-        for method in HEAD_METHODS
-        if (default_heads_dir(config.model, method) / "config.json").is_file()
-    ]
+    proposers: list[HeadProposer] = []
+    for method in HEAD_METHODS:
+        if not (default_heads_dir(config.model, method) / "config.json").is_file():
+            continue
+        try:
+            proposers.append(build_head_proposer(config, model_runner, method, tree_width))
+        except ValueError as exc:
+            logger.warning("speculative_method='auto': %s heads left out: %s", method, exc)
     if proposers:
         sinks = [proposer.observe for proposer in proposers]
 
@@ -281,10 +289,12 @@ def build_head_proposer(config: EngineConfig, model_runner: ModelRunner, method:
 
     Raises:
         ValueError: no heads in that folder (naming ``batchinfer heads train``), or heads of the other method,
-            or heads that do not fit the target (their hidden size).
+            or heads that do not fit the target (their hidden size; Medusa's own LM heads or a draft vocabulary
+            over another vocabulary size), or a folder :func:`load_head` cannot read.
     """
     from worker.engine.spec_decode.eagle_proposer import EagleProposer
     from worker.engine.spec_decode.heads.eagle import EagleHead
+    from worker.engine.spec_decode.heads.medusa import MedusaHeads
     from worker.engine.spec_decode.heads.storage import default_heads_dir, load_draft_vocab, load_head
     from worker.engine.spec_decode.medusa_proposer import MedusaProposer
 
@@ -300,7 +310,28 @@ def build_head_proposer(config: EngineConfig, model_runner: ModelRunner, method:
             f"speculative_method={method!r} needs trained heads: {exc}; train them with `batchinfer heads train "
             f"--method {method}`"
         ) from None
-    draft_vocab = load_draft_vocab(folder)
+    vocab_size = int(target.config.vocab_size)
+    try:
+        draft_vocab = load_draft_vocab(folder)
+    except Exception as exc:  # safetensors' errors of a truncated file
+        raise ValueError(f"{folder}: its draft vocabulary cannot be read ({type(exc).__name__}: {exc})") from None
+    if (
+        draft_vocab is not None
+        and draft_vocab.numel()
+        and not 0 <= int(draft_vocab.min()) <= int(draft_vocab.max()) < vocab_size
+    ):
+        raise ValueError(
+            f"{folder}: its draft vocabulary has token ids outside the target's vocabulary of {vocab_size} "
+            "(heads trained for another model?)"
+        )
+    if isinstance(head, MedusaHeads) and head.own_lm_heads:
+        # Each head is the blocks, then its own LM head (``[vocab_size, hidden_size]``), last among its parameters.
+        rows = int(list(head.medusa_head[0].parameters())[-1].shape[0])
+        if rows != vocab_size:
+            raise ValueError(
+                f"{folder}: the Medusa heads' own LM heads have {rows} rows, the target's vocabulary {vocab_size} "
+                "(heads trained for another model?)"
+            )
     proposer: EagleProposer | MedusaProposer
     if method == "eagle":
         if not isinstance(head, EagleHead):

@@ -123,6 +123,29 @@ def test_load_errors(tmp_path):
         load_head(tmp_path, hidden_size=128, dtype=torch.float32, device="cpu")
 
 
+def test_unreadable_folders_raise_value_errors_naming_the_file(tmp_path):
+    """A truncated weights file, a config that is not JSON, and EAGLE weights beside a config without a Llama
+    config's fields each raise ValueError naming the file (not a library's own exception)."""
+    save_head(_eagle(), tmp_path)
+    weights, config = tmp_path / "model.safetensors", tmp_path / "config.json"
+    good_weights, good_config = weights.read_bytes(), config.read_text()
+    weights.write_bytes(good_weights[:100])
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read"):
+        load_head(tmp_path, hidden_size=HIDDEN, dtype=torch.float32, device="cpu")
+    weights.write_bytes(good_weights)
+    for text, message in (
+        ("{not json", "is not JSON"),
+        ("[1]", "is not a JSON object"),
+        ('{"foo": 1}', "num_attention_heads"),
+    ):
+        config.write_text(text)
+        with pytest.raises(ValueError, match=message) as raised:
+            load_head(tmp_path, hidden_size=HIDDEN, dtype=torch.float32, device="cpu")
+        assert "config.json" in str(raised.value)
+    config.write_text(good_config)
+    load_head(tmp_path, hidden_size=HIDDEN, dtype=torch.float32, device="cpu")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path, method):

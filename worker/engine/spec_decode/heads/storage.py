@@ -74,10 +74,13 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = folder / name
         if path.is_file():
-            if name.endswith(".safetensors"):
-                return load_file(str(path))
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+            try:
+                if name.endswith(".safetensors"):
+                    return load_file(str(path))
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+            except Exception as exc:  # safetensors' and torch's errors of a truncated or foreign file
+                raise ValueError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
     raise FileNotFoundError(f"{folder} holds no head weights (one of {', '.join(WEIGHT_FILES)})")
 
 
@@ -88,17 +91,27 @@ def load_head(
 
     Raises:
         FileNotFoundError: no ``config.json`` or no weights file.
-        ValueError: a head whose hidden size is not the target's ``hidden_size``, or weights that fit neither layout.
+        ValueError: a head whose hidden size is not the target's ``hidden_size``, weights that fit neither layout,
+            a ``config.json`` that is not a JSON object or lacks a field the head needs, or a weights file that
+            cannot be read (truncated); each names the folder or file.
     """
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} holds no head (no config.json)")
-    fields = json.loads(config_path.read_text())
+    try:
+        fields = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config_path} is not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{config_path} is not a JSON object")
     state = _read_weights(folder)
     head: EagleHead | MedusaHeads
     if "fc.weight" in state:
-        config = EagleHeadConfig.from_dict(fields)
+        try:
+            config = EagleHeadConfig.from_dict(fields)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{config_path}: not an EAGLE head's config (a Llama config): {exc!r}") from None
         config.fc_bias = "fc.bias" in state
         config.input_layernorm = "layers.0.input_layernorm.weight" in state
         head = EagleHead(config)
