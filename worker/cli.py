@@ -788,6 +788,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = _whole_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _key_value(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep:

@@ -35,25 +35,7 @@ DATA_FILE = "train_data.pt"
 
 def add_heads_commands(commands: Any, settings: Settings) -> None:
     """Add ``heads train`` to the ``batchinfer`` sub-command parsers ``commands``."""
-    from worker.cli import _positive_int, _whole_number
-
-    def non_negative_int(text: str) -> int:
-        value = _whole_number(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-        return value
-
-    def positive_float(text: str) -> float:
-        value = _number(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return value
-
-    def non_negative_float(text: str) -> float:
-        value = _number(text)
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-        return value
+    from worker.cli import _non_negative_int, _positive_int
 
     # NOTE: TrainConfig's defaults apply when an option is left out (None): importing it here would load torch
     # for every `batchinfer` command.
@@ -67,10 +49,10 @@ def add_heads_commands(commands: Any, settings: Settings) -> None:
     train.add_argument("--from-db", action="store_true", help="use completed batch lines in the database instead")
     train.add_argument("--num-prompts", type=_positive_int, default=96, help="prompts (or database lines) used")
     train.add_argument(
-        "--skip-prompts", type=non_negative_int, default=0, help="skip the first N lines of each prompt file"
+        "--skip-prompts", type=_non_negative_int, default=0, help="skip the first N lines of each prompt file"
     )
     train.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
-    train.add_argument("--steps", type=non_negative_int, help="optimizer steps (default 400)")
+    train.add_argument("--steps", type=_non_negative_int, help="optimizer steps (default 400)")
     train.add_argument("--batch-size", type=_positive_int, help="sequences per step (default 4)")
     train.add_argument("--lr", type=positive_float, help="peak AdamW learning rate (default 1e-3)")
     train.add_argument("--medusa-heads", type=_positive_int, help="Medusa heads (default 3)")
@@ -84,7 +66,7 @@ def add_heads_commands(commands: Any, settings: Settings) -> None:
         help="EAGLE: a second pass over the head's own predicted features, as drafts at depth 2 see them",
     )
     train.add_argument(
-        "--draft-vocab-size", type=non_negative_int, help="tokens of the draft vocabulary (default 8192; 0: all)"
+        "--draft-vocab-size", type=_non_negative_int, help="tokens of the draft vocabulary (default 8192; 0: all)"
     )
     train.add_argument(
         "--snapshot-at",
@@ -104,6 +86,22 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """``text`` as a finite float above 0 (argparse's error otherwise)."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """``text`` as a finite float of 0 or more (argparse's error otherwise)."""
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 

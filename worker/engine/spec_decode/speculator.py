@@ -324,14 +324,11 @@ def build_head_proposer(config: EngineConfig, model_runner: ModelRunner, method:
             f"{folder}: its draft vocabulary has token ids outside the target's vocabulary of {vocab_size} "
             "(heads trained for another model?)"
         )
-    if isinstance(head, MedusaHeads) and head.own_lm_heads:
-        # Each head is the blocks, then its own LM head (``[vocab_size, hidden_size]``), last among its parameters.
-        rows = int(list(head.medusa_head[0].parameters())[-1].shape[0])
-        if rows != vocab_size:
-            raise ValueError(
-                f"{folder}: the Medusa heads' own LM heads have {rows} rows, the target's vocabulary {vocab_size} "
-                "(heads trained for another model?)"
-            )
+    if isinstance(head, MedusaHeads) and head.own_lm_heads and head.vocab_size != vocab_size:
+        raise ValueError(
+            f"{folder}: the Medusa heads' own LM heads have {head.vocab_size} rows, the target's vocabulary "
+            f"{vocab_size} (heads trained for another model?)"
+        )
     proposer: EagleProposer | MedusaProposer
     if method == "eagle":
         if not isinstance(head, EagleHead):

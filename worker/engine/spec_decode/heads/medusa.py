@@ -40,6 +40,7 @@ class MedusaHeads(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1, vocab_size: int | None = None) -> None:
         super().__init__()
         self.hidden_size, self.num_heads, self.num_layers = hidden_size, num_heads, num_layers
+        self.vocab_size = vocab_size
         self.own_lm_heads = vocab_size is not None
         self.medusa_head = nn.ModuleList(
             nn.Sequential(
