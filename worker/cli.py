@@ -37,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         get_settings()
     except ValidationError as exc:
         for error in exc.errors():
-            name = "BATCHINFER_" + "_".join(str(part) for part in error["loc"]).upper()
-            print(f"batchinfer: {name}: {error['msg']} (got {error.get('input')!r})", file=sys.stderr)
+            print(f"batchinfer: {_setting_error(error)}", file=sys.stderr)
         return 2
     args = _parser().parse_args(argv)
     return args.handler(args) or 0
+
+
+def _setting_error(error: Mapping[str, Any]) -> str:
+    """One line naming the ``BATCHINFER_*`` variable, the place inside it (a model list's entry and key) and
+    what was wrong with the value given."""
+    if not error["loc"]:  # a check across settings (worker_dead_s against worker_heartbeat_s, ...)
+        return f"settings: {error['msg']}"
+    setting, *place = error["loc"]
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in place)
+    return f"BATCHINFER_{str(setting).upper()}{where}: {error['msg']} (got {error.get('input')!r})"
 
 
 def _parser() -> argparse.ArgumentParser:

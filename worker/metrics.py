@@ -106,9 +106,21 @@ class EngineMetrics:
             "num_requests_waiting", "Number of requests waiting to be processed.", "livesum"
         )
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "livemax")
-        self.kv_cache_num_blocks = gauge("kv_cache_num_blocks", "KV-cache size in blocks.", "livesum")
-        self.kv_cache_bytes = gauge(
-            "kv_cache_bytes", "KV-cache size in bytes (all layers, K and V, scales included).", "livesum"
+        # NOTE: the size gauges get their model's sample only once an engine with a KV cache reports one: an
+        # embedding model's worker shows none (as /v1/workers shows null), not a size of 0.
+        self._kv_cache_num_blocks = Gauge(
+            PREFIX + "kv_cache_num_blocks",
+            "KV-cache size in blocks.",
+            ["model_name"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self._kv_cache_bytes = Gauge(
+            PREFIX + "kv_cache_bytes",
+            "KV-cache size in bytes (all layers, K and V, scales included).",
+            ["model_name"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
@@ -191,8 +203,8 @@ class EngineMetrics:
         if stats.num_steps:
             self.kv_cache_usage.set(stats.kv_cache_usage)
         if stats.num_kv_blocks:
-            self.kv_cache_num_blocks.set(stats.num_kv_blocks)
-            self.kv_cache_bytes.set(stats.kv_cache_bytes)
+            self._kv_cache_num_blocks.labels(self._model_name).set(stats.num_kv_blocks)
+            self._kv_cache_bytes.labels(self._model_name).set(stats.kv_cache_bytes)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)

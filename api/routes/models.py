@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from api.deps import ReadSessionDep, SettingsDep
-from jobs.config import ModelEntry, Settings
+from jobs.config import ModelEntry
 from jobs.errors import NotFound
 from jobs.status import now_s
 from jobs.workers import WorkerReadiness, live_workers_by_model
@@ -39,7 +39,7 @@ class ModelObject(BaseModel):
     num_ready_workers: int = 0
 
     @classmethod
-    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None, settings: Settings) -> ModelObject:
+    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None) -> ModelObject:
         """The configured ``entry`` with the live workers serving it (None: none)."""
         num_ready = readiness.num_ready if readiness else 0
         generate = entry.kind == "generate"
@@ -48,8 +48,8 @@ class ModelObject(BaseModel):
             created=_STARTED_AT,
             kind=entry.kind,
             aliases=entry.aliases,
-            quantization=(entry.quantization or settings.quantization) if generate else None,
-            kv_cache_dtype=settings.kv_cache_dtype if generate else None,
+            quantization=entry.quantization if generate else None,
+            kv_cache_dtype=entry.kv_cache_dtype if generate else None,
             num_workers=num_ready + (readiness.num_starting if readiness else 0),
             num_ready_workers=num_ready,
         )
@@ -64,7 +64,7 @@ class ModelList(BaseModel):
 def list_models(session: ReadSessionDep, settings: SettingsDep) -> ModelList:
     """Every configured model, in the settings' order."""
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
-    return ModelList(data=[ModelObject.of(entry, live.get(entry.name), settings) for entry in settings.models])
+    return ModelList(data=[ModelObject.of(entry, live.get(entry.name)) for entry in settings.models])
 
 
 @router.get("/{model_id}")
@@ -75,4 +75,4 @@ def retrieve_model(model_id: str, session: ReadSessionDep, settings: SettingsDep
     except ValueError:
         raise NotFound("model", model_id) from None
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
-    return ModelObject.of(entry, live.get(entry.name), settings)
+    return ModelObject.of(entry, live.get(entry.name))

@@ -69,14 +69,13 @@ def test_live_worker_counts_follow_the_heartbeats(client: Any, service_settings:
 
 
 def test_each_generate_model_shows_its_quantization_and_kv_cache_dtype(client: Any, service_settings: Settings) -> None:
-    service_settings.kv_cache_dtype = "int8"
     service_settings.models = [
         *service_settings.models,
-        ModelEntry(name="tiny-q4", source="/m/tiny", quantization="q4"),
+        ModelEntry(name="tiny-q4", source="/m/tiny", quantization="q4", kv_cache_dtype="fp8"),
     ]
     shown = {m["id"]: (m["quantization"], m["kv_cache_dtype"]) for m in client.get("/v1/models").json()["data"]}
     assert shown == {
-        BUILTIN_MODEL: (service_settings.quantization, "int8"),
+        BUILTIN_MODEL: (service_settings.quantization, service_settings.kv_cache_dtype),
         BUILTIN_EMBEDDING_MODEL: (None, None),
-        "tiny-q4": ("q4", "int8"),
+        "tiny-q4": ("q4", "fp8_e4m3"),  # vLLM's name shown canonical, as /v1/workers shows it
     }

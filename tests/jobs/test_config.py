@@ -46,7 +46,7 @@ def test_default_models_are_the_model_setting_and_the_builtin_embedder(tmp_path:
     folder.mkdir()
     settings = Settings(model=str(folder), quantization="int8")
     assert settings.models == [
-        ModelEntry(name="my-llama", source=str(folder)),
+        ModelEntry(name="my-llama", source=str(folder), quantization="int8", kv_cache_dtype="auto"),
         ModelEntry(name=BUILTIN_EMBEDDING_MODEL, source=BUILTIN_EMBEDDING_MODEL, kind="embed"),
     ]
     assert (settings.served_model_name, settings.model, settings.quantization) == ("my-llama", str(folder), "int8")
@@ -84,6 +84,34 @@ def test_worker_model_makes_the_process_serve_that_model(monkeypatch: pytest.Mon
         Settings()
 
 
+def test_each_model_gets_its_own_or_the_deployments_quantization_and_kv_cache_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/operations.md, "Several models": a model-list entry's ``quantization`` / ``kv_cache_dtype`` beat the
+    deployment's settings; an entry without them gets the deployment's (not the first model's), and vLLM's
+    ``fp8`` is stored as ``fp8_e4m3``."""
+    models = {
+        "chat": {"source": BUILTIN_MODEL, "quantization": "q4", "kv_cache_dtype": "fp8"},
+        "mini": {"source": "/m/tiny", "kv_cache_dtype": "int8"},
+        "plain": "/m/plain",
+    }
+    monkeypatch.setenv("BATCHINFER_MODELS", json.dumps(models))
+    monkeypatch.setenv("BATCHINFER_QUANTIZATION", "int8")
+    monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int4")
+    settings = Settings()  # the API's view: every entry filled in
+    assert [(m.name, m.quantization, m.kv_cache_dtype) for m in settings.models] == [
+        ("chat", "q4", "fp8_e4m3"),
+        ("mini", "int8", "int8"),
+        ("plain", "int8", "int4"),
+    ]
+    served = {}
+    for name in models:
+        monkeypatch.setenv("BATCHINFER_WORKER_MODEL", name)
+        worker = Settings()  # a worker's view: the deployment-wide fields are its model's
+        served[name] = (worker.quantization, worker.kv_cache_dtype)
+    assert served == {"chat": ("q4", "fp8_e4m3"), "mini": ("int8", "int8"), "plain": ("int8", "int4")}
+
+
 @pytest.mark.parametrize(
     "models",
     [
@@ -91,6 +119,8 @@ def test_worker_model_makes_the_process_serve_that_model(monkeypatch: pytest.Mon
         {"a": {"source": "x", "aliases": ["a"]}},
         {"a": {"source": "x", "kind": "classify"}},
         {"a": {"source": "x", "quantization": "q3"}},
+        {"a": {"source": "x", "kv_cache_dtype": "int2"}},
+        {"a": {"source": "x", "kv_cache_dtyp": "int8"}},  # a misspelt key is refused, not ignored
     ],
 )
 def test_bad_model_lists_are_refused(monkeypatch: pytest.MonkeyPatch, models: dict[str, object]) -> None:

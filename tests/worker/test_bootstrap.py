@@ -38,6 +38,32 @@ def test_engine_config_follows_settings(tmp_path, served_model_dir):
     assert config.kv_cache_dtype == "fp8_e4m3"  # vLLM's alias, canonical in the engine
 
 
+def test_a_model_list_entrys_kv_cache_dtype_and_quantization_reach_its_workers_engine(tmp_path, served_model_dir):
+    models = [
+        {"name": "plain", "source": str(served_model_dir)},
+        {"name": "small-cache", "source": str(served_model_dir), "kv_cache_dtype": "fp8", "quantization": "int8"},
+    ]
+    configs = {
+        name: engine_config(Settings(data_dir=tmp_path, device="cpu", models=models, worker_model=name))
+        for name in ("plain", "small-cache")
+    }
+    assert {name: (c.kv_cache_dtype, c.quantization) for name, c in configs.items()} == {
+        "plain": ("auto", "none"),
+        "small-cache": ("fp8_e4m3", "int8"),
+    }
+
+
+def test_the_settings_serve_the_engines_kv_cache_dtypes():
+    """jobs/ cannot import the engine, so it keeps its own list of names: the same as the engine's."""
+    from jobs import config
+    from worker.engine.executor.layers.attention import kv_cache
+
+    assert (config.KV_CACHE_DTYPES, config.KV_CACHE_DTYPE_ALIASES) == (
+        kv_cache.KV_CACHE_DTYPES,
+        kv_cache.KV_CACHE_DTYPE_ALIASES,
+    )
+
+
 def test_an_unknown_kv_cache_dtype_is_refused_by_the_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "int2")
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):

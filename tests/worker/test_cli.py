@@ -47,17 +47,30 @@ def test_every_command_parses(argv):
     assert callable(args.handler)
 
 
-@pytest.mark.parametrize("value", ["abc", "99999"])
-def test_an_invalid_setting_is_one_line_naming_it(monkeypatch, capsys, value):
-    monkeypatch.setenv("BATCHINFER_API_PORT", value)
+@pytest.mark.parametrize(
+    ("variable", "value", "named", "given"),
+    [
+        ("BATCHINFER_API_PORT", "abc", "BATCHINFER_API_PORT: ", "'abc'"),
+        ("BATCHINFER_API_PORT", "99999", "BATCHINFER_API_PORT: ", "99999"),
+        ("BATCHINFER_KV_CACHE_DTYPE", "int2", "BATCHINFER_KV_CACHE_DTYPE: ", "'int2'"),
+        (
+            "BATCHINFER_MODELS",
+            '{"a": {"source": "x", "kv_cache_dtyp": "int8"}}',
+            "BATCHINFER_MODELS[0].kv_cache_dtyp: ",
+            "'int8'",
+        ),
+    ],
+)
+def test_an_invalid_setting_is_one_line_naming_it(monkeypatch, capsys, variable, value, named, given):
+    monkeypatch.setenv(variable, value)
     get_settings.cache_clear()
     try:
         assert cli.main(["ls"]) == 2
     finally:
-        monkeypatch.delenv("BATCHINFER_API_PORT")
+        monkeypatch.delenv(variable)
         get_settings.cache_clear()
     err = capsys.readouterr().err
-    assert err.startswith("batchinfer: BATCHINFER_API_PORT: ") and f"(got '{value}')" in err
+    assert err.startswith("batchinfer: " + named) and err.count(given) == 1, err  # the value given, said once
     assert "Traceback" not in err and len(err.splitlines()) == 1
 
 

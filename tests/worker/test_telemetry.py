@@ -111,6 +111,18 @@ def test_step_stats_map_to_vllm_names():
     assert {name: pytest.approx(samples[name]) for name in expected} == expected
 
 
+def test_an_engine_without_a_kv_cache_shows_no_kv_cache_size():
+    """An embedding model's steps carry no KV cache size: its scrape has no size samples (not a size of 0), as
+    /v1/workers shows null for it."""
+    metrics = EngineMetrics("embedder")
+    metrics.record_step(EngineStats(num_steps=1, num_running_reqs=3, num_prompt_tokens=40))
+    samples = scrape(metrics.registry)
+    assert samples["batchinfer:num_requests_running{}"] == 3
+    assert not [
+        name for name in samples if name.startswith(("batchinfer:kv_cache_num_blocks", "batchinfer:kv_cache_bytes"))
+    ]
+
+
 def test_spec_decoding_counters_map_to_vllm_names():
     metrics = EngineMetrics("m")
     for per_pos in ([3, 2], [1, 1, 1]):
