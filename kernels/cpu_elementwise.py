@@ -2,9 +2,10 @@
 ``silu(gate) * up`` and rotary embeddings applied in place (decoders); the residual add with LayerNorm and
 the bias with exact GELU (encoders). Also a float32 Llama decoder layer in two calls around its attention
 (:func:`decoder_attention_input_cpu`, :func:`decoder_attention_output_mlp_cpu`), which chain these kernels and
-the linear layers' in C++ to spare a small batch the Python and dispatch between them. The decoder ops also take bfloat16 tensors: widened to float32,
-computed by the same kernel, and each result rounded to bfloat16 once (the PyTorch bfloat16 expressions
-round after each op, so the two differ by bfloat16 rounding).
+the linear layers' in C++ to spare a small batch the Python and dispatch between them (float32 only). The
+decoder's elementwise ops also take bfloat16 tensors: widened to float32, computed by the same kernel, and each
+result rounded to bfloat16 once (the PyTorch bfloat16 expressions round after each op, so the two differ by
+bfloat16 rounding).
 
 The source is ``cpu_elementwise.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Each op

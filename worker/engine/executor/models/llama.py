@@ -363,7 +363,8 @@ class FusedCpuLayer:
     def applies(self, hidden_states: torch.Tensor) -> bool:
         """float32 activations everywhere (a ``GGUFLinear`` may have been switched to int8 activations)."""
         return hidden_states.dtype == torch.float32 and not any(
-            getattr(linear.module, "quantize_activations", False) for linear in (self.qkv, self.o, self.gate_up, self.down)
+            getattr(linear.module, "quantize_activations", False)
+            for linear in (self.qkv, self.o, self.gate_up, self.down)
         )
 
     def forward(
