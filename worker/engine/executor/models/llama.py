@@ -295,11 +295,13 @@ class _FusedLinear:
 def _fused_linear(module: nn.Module) -> _FusedLinear | None:
     """``module`` for the fused kernels when it offers a float32-activation C++ weight (``cpu_kernel_weight``:
     float32 ``PackedLinear``, ``GGUFLinear``), else None."""
-    found = module.cpu_kernel_weight() if hasattr(module, "cpu_kernel_weight") else None
+    kernel_weight = getattr(module, "cpu_kernel_weight", None)
+    found: tuple[torch.Tensor, int] | None = kernel_weight() if callable(kernel_weight) else None
     if found is None:
         return None
-    bias = None if module.bias is None else module.bias.detach()
-    return _FusedLinear(module, found[0], found[1], int(module.out_features), bias)
+    bias: torch.Tensor | None = getattr(module, "bias", None)
+    out_features: int = getattr(module, "out_features")  # noqa: B009 (typed: nn.Module's __getattr__ is not)
+    return _FusedLinear(module, found[0], found[1], out_features, None if bias is None else bias.detach())
 
 
 @dataclass(frozen=True, slots=True)
