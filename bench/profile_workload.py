@@ -196,6 +196,11 @@ def profiling(engine: LLMEngine, profiler: StepProfiler) -> Iterator[None]:
     """Install the hooks and wrappers on ``engine`` (module docstring); remove them on exit."""
     runner = engine.model_runner
     model = runner.model
+    # NOTE: a fused decoder layer (llama.FusedCpuLayer) runs its projections, norms and RoPE in C++, where the
+    # module hooks below cannot see them: the profiled run takes the module path (the clean run does not).
+    fused_layers = [(m, m.fused_cpu) for m in model.modules() if isinstance(m, llama_module.LlamaDecoderLayer)]
+    for layer, _ in fused_layers:
+        layer.fused_cpu = None
     handles = []
     for name, module in model.named_modules():
         label = label_of(name, module)
@@ -217,6 +222,8 @@ def profiling(engine: LLMEngine, profiler: StepProfiler) -> Iterator[None]:
         llama_module.paged_attention_forward = original_attention
         for handle in handles:
             handle.remove()
+        for layer, fused in fused_layers:
+            layer.fused_cpu = fused
 
 
 def run_workload(engine: LLMEngine, workload: Workload, after_step: Callable[[float], None] | None = None) -> float:

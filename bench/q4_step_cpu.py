@@ -7,6 +7,9 @@ built-in GGUF, prefix caching off); one sequence (a 32-token prompt) is prefille
 steps first. Parts:
 
 - ``step``: ``LLMEngine.step()`` (scheduler, runner, the model, the LM head, the sampler, outputs).
+- ``step_module_path``: the same with the fused decoder layers off (``LlamaDecoderLayer.fused_cpu``: each layer
+  through its modules, as before the fused layers); the parts below are measured on this path, whose
+  ``GGUFLinear`` calls can be captured.
 - ``step_without_linears``: the same with every ``GGUFLinear`` returning the output it computed at one
   captured step (no kernel runs): attention, norms, RoPE, SwiGLU, sampler, Python and scheduling.
 - ``linears``: the step's 121 ``GGUFLinear`` calls alone (30 layers x qkv/o/gate_up/down, plus the LM head)
@@ -60,6 +63,7 @@ def main() -> None:
 
     from worker.engine import SamplingParams
     from worker.engine.executor.layers.quantization.q4 import GGUFLinear
+    from worker.engine.executor.models.llama import LlamaDecoderLayer
 
     engine = _engine(args.quantization, args.threads)
     engine.add_request(
@@ -69,6 +73,10 @@ def main() -> None:
         engine.step()
     result: dict[str, Any] = {"threads": args.threads, "quantization": args.quantization}
     result["step"] = cpu_ms(engine.step, args.steps, args.repeats)
+    for module in engine.model_runner.model.modules():
+        if isinstance(module, LlamaDecoderLayer):
+            module.fused_cpu = None
+    result["step_module_path"] = cpu_ms(engine.step, args.steps, args.repeats)
 
     inputs: dict[GGUFLinear, Any] = {}
     outputs: dict[GGUFLinear, Any] = {}

@@ -18,6 +18,7 @@
 #endif
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -308,6 +309,58 @@ void rotary_embedding_(const at::Tensor& x, const at::Tensor& positions, const a
   });
 }
 
+
+// A linear layer inside the fused decoder-layer halves below, through the dispatcher (the kernels live in
+// cpu_gemm.cpp and cpu_q4.cpp): `kind` 0 is a packed float32 weight (`linear_packed`), otherwise the ggml block
+// type id of GGUF blocks run on float32 activations (`gguf_linear`, weight-only); `x` is 2-D.
+at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t out_features,
+                        const std::optional<at::Tensor>& bias) {
+  if (kind == 0) {
+    static const auto packed =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("batchinfer_cpu::linear_packed", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>();
+    return packed.call(x, weight, out_features, bias);
+  }
+  static const auto gguf = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("batchinfer_cpu::gguf_linear", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                                 const std::optional<at::Tensor>&, bool, c10::string_view)>();
+  return gguf.call(x, weight, kind, out_features, bias, false, "");
+}
+
+// The first half of a Llama decoder layer before attention, as one call (issue #27: at batch 1 the Python and
+// op-dispatch cost between a layer's small ops is a sixth of a q4 step): qkv = linear(rms_norm(x)) viewed
+// [num_tokens, -1, head_size], its first `rotated_heads` heads (q and k) rotated in place; returns qkv
+// [num_tokens, qkv_features]. The same kernels on the same inputs in the same order as the module path, so the
+// same bits.
+at::Tensor decoder_attention_input(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                   const at::Tensor& qkv_weight, int64_t qkv_kind, int64_t qkv_features,
+                                   const std::optional<at::Tensor>& qkv_bias, const at::Tensor& positions,
+                                   const at::Tensor& cos, const at::Tensor& sin, int64_t rotated_heads,
+                                   int64_t head_size) {
+  const at::Tensor normed = rms_norm(x, norm_weight, eps, false);
+  at::Tensor qkv = fused_linear(normed, qkv_weight, qkv_kind, qkv_features, qkv_bias);
+  rotary_embedding_(qkv.view({qkv.size(0), -1, head_size}).narrow(1, 0, rotated_heads), positions, cos, sin);
+  return qkv;
+}
+
+// The rest of a Llama decoder layer after attention, as one call: h = residual + o_proj(attn), then
+// h + down(silu_and_mul(gate_up(rms_norm(h)))). Same kernels, inputs and order as the module path.
+at::Tensor decoder_attention_output_mlp(const at::Tensor& attn, const at::Tensor& residual, const at::Tensor& o_weight,
+                                        int64_t o_kind, const std::optional<at::Tensor>& o_bias,
+                                        const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_weight,
+                                        int64_t gate_up_kind, int64_t gate_up_features,
+                                        const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
+                                        int64_t down_kind, const std::optional<at::Tensor>& down_bias) {
+  const int64_t hidden = residual.size(1);
+  const at::Tensor projected = fused_linear(attn, o_weight, o_kind, hidden, o_bias);
+  auto [total, normed] = add_rms_norm(residual, projected, norm_weight, eps, false);
+  const at::Tensor gate_up = fused_linear(normed, gate_up_weight, gate_up_kind, gate_up_features, gate_up_bias);
+  const at::Tensor down = fused_linear(silu_and_mul(gate_up), down_weight, down_kind, hidden, down_bias);
+  return total.add_(down);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
@@ -317,6 +370,14 @@ TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("rotary_embedding_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("add_layer_norm(Tensor x, Tensor delta, Tensor? bias, Tensor weight, Tensor beta, float eps) -> Tensor");
   m.def("bias_gelu_(Tensor(a!) x, Tensor bias) -> ()");
+  m.def(
+      "decoder_attention_input(Tensor x, Tensor norm_weight, float eps, Tensor qkv_weight, int qkv_kind, "
+      "int qkv_features, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, int rotated_heads, "
+      "int head_size) -> Tensor");
+  m.def(
+      "decoder_attention_output_mlp(Tensor attn, Tensor residual, Tensor o_weight, int o_kind, Tensor? o_bias, "
+      "Tensor norm_weight, float eps, Tensor gate_up_weight, int gate_up_kind, int gate_up_features, "
+      "Tensor? gate_up_bias, Tensor down_weight, int down_kind, Tensor? down_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
@@ -326,4 +387,6 @@ TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
   m.impl("rotary_embedding_", rotary_embedding_);
   m.impl("add_layer_norm", add_layer_norm);
   m.impl("bias_gelu_", bias_gelu_);
+  m.impl("decoder_attention_input", decoder_attention_input);
+  m.impl("decoder_attention_output_mlp", decoder_attention_output_mlp);
 }

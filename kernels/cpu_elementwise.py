@@ -1,8 +1,11 @@
 """C++ fused elementwise layers for float32 models on CPU: RMSNorm (with the residual add), SwiGLU's
 ``silu(gate) * up`` and rotary embeddings applied in place (decoders); the residual add with LayerNorm and
-the bias with exact GELU (encoders). The decoder ops also take bfloat16 tensors: widened to float32,
-computed by the same kernel, and each result rounded to bfloat16 once (the PyTorch bfloat16 expressions
-round after each op, so the two differ by bfloat16 rounding).
+the bias with exact GELU (encoders). Also a float32 Llama decoder layer in two calls around its attention
+(:func:`decoder_attention_input_cpu`, :func:`decoder_attention_output_mlp_cpu`), which chain these kernels and
+the linear layers' in C++ to spare a small batch the Python and dispatch between them (float32 only). The
+decoder's elementwise ops also take bfloat16 tensors: widened to float32, computed by the same kernel, and each
+result rounded to bfloat16 once (the PyTorch bfloat16 expressions round after each op, so the two differ by
+bfloat16 rounding).
 
 The source is ``cpu_elementwise.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Each op
@@ -155,3 +158,97 @@ def bias_gelu_cpu_(x: torch.Tensor, bias: torch.Tensor) -> None:
     """
     require_cpu_kernels()
     torch.ops.batchinfer_cpu.bias_gelu_(x, bias)
+
+
+def decoder_attention_input_cpu(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_kind: int,
+    qkv_features: int,
+    qkv_bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated_heads: int,
+    head_size: int,
+) -> torch.Tensor:
+    """A Llama decoder layer up to attention in one call: ``qkv = linear(rms_norm(x))``, then rotary embeddings
+    on its first ``rotated_heads`` heads (q and k) in place; the same kernels in the same order as
+    :func:`rms_norm_cpu`, the linear layer's op and :func:`rotary_embedding_cpu_` one by one (same bits).
+
+    Args:
+        x: float32 CPU ``[num_tokens, hidden_size]``, unit stride in the last dimension.
+        norm_weight: float32 ``[hidden_size]`` (Llama's RMSNorm, no unit offset); eps: its epsilon.
+        qkv_weight, qkv_kind: the projection's weight: ``kind`` 0 a packed float32 weight
+            (:func:`kernels.cpu_gemm.pack_linear_weight`), else the ggml block type id of GGUF blocks
+            (:func:`kernels.cpu_q4.linear_gguf`, float32 activations).
+        qkv_features: the projection's output features; qkv_bias: optional float32 ``[qkv_features]``.
+        positions, cos, sin: as :func:`rotary_embedding_cpu_` (float32 tables).
+        rotated_heads: heads rotated from the first; head_size: the width of a head.
+
+    Returns:
+        float32 contiguous ``[num_tokens, qkv_features]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
+    """
+    require_cpu_kernels()
+    out: torch.Tensor = torch.ops.batchinfer_cpu.decoder_attention_input(
+        x, norm_weight, eps, qkv_weight, qkv_kind, qkv_features, qkv_bias, positions, cos, sin, rotated_heads, head_size
+    )
+    return out
+
+
+def decoder_attention_output_mlp_cpu(
+    attn: torch.Tensor,
+    residual: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_kind: int,
+    o_bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_kind: int,
+    gate_up_features: int,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_kind: int,
+    down_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """A Llama decoder layer after attention in one call: ``h = residual + o_proj(attn)``, then
+    ``h + down(silu_and_mul(gate_up(rms_norm(h))))``; the same kernels in the same order as the module path
+    (:func:`add_rms_norm_cpu`, :func:`silu_and_mul_cpu` and the linear layers' ops; same bits).
+
+    Args:
+        attn: float32 CPU ``[num_tokens, num_heads * head_size]``; residual: float32 ``[num_tokens, hidden_size]``.
+        o_weight, o_kind, o_bias; gate_up_weight, gate_up_kind, gate_up_bias; down_weight, down_kind, down_bias:
+            the three projections as in :func:`decoder_attention_input_cpu` (``o`` and ``down`` output
+            ``hidden_size`` features, ``gate_up`` ``gate_up_features``: gate, then up).
+        norm_weight, eps: the post-attention RMSNorm.
+
+    Returns:
+        float32 contiguous ``[num_tokens, hidden_size]``, the layer's output.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
+    """
+    require_cpu_kernels()
+    out: torch.Tensor = torch.ops.batchinfer_cpu.decoder_attention_output_mlp(
+        attn,
+        residual,
+        o_weight,
+        o_kind,
+        o_bias,
+        norm_weight,
+        eps,
+        gate_up_weight,
+        gate_up_kind,
+        gate_up_features,
+        gate_up_bias,
+        down_weight,
+        down_kind,
+        down_bias,
+    )
+    return out

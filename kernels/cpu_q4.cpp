@@ -55,6 +55,7 @@ constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kBlock = 32;     // weights per block
 constexpr int kMR = 4;             // activation rows sharing one expanded weight block
 constexpr int64_t kRowBlock = 64;  // activation rows per pass over a thread's weight rows
+constexpr int kWeightRows = 4;     // weight rows interleaved by a batch-1 call (AVX-512, Q4_0 / Q8_0)
 
 enum class Isa { kAvx2, kAvx512Vnni };
 
@@ -336,6 +337,27 @@ void dot_rows_f32(const float* x, int64_t ldx, const uint8_t* wrow, int64_t nb, 
   for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
+// out[i] = x . w_i for one activation row over NR weight rows (wrow + i * row_bytes), float32 activations, the
+// batch-1 case of the Q4_0 / Q8_0 path (SmolLM2's Q8_0 LM head): one row alone is two FMA chains, so a block
+// waits on the FMA latency; NR rows give 2 NR independent chains and share each activation load. Per row the
+// same operations in the same order as dot_rows_f32<T, 1> (bit-identical, whatever the batch).
+template <int64_t T, int NR>
+void dot_weight_rows_f32(const float* x, const uint8_t* wrow, int64_t row_bytes, int64_t nb, float* out) {
+  constexpr int64_t kBytes = block_bytes(T);
+  __m512 acc[NR][2];
+  for (int i = 0; i < NR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    for (int i = 0; i < NR; ++i) {
+      __m512 w[2];
+      dequantize_block<T>(wrow + i * row_bytes + b * kBytes, w);
+      acc[i][0] = _mm512_fmadd_ps(x0, w[0], acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(x1, w[1], acc[i][1]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+
 // Q4_1 weights against float32 activations, with the block's dequantization factored out of the dot:
 // y = sum_b d_b (x_b . q_b) + m_b s_b, where s_b is the sum of block b's 32 activations. Four blocks (80 bytes,
 // 64 of them nibbles) are one group: two loads and one two-source dword permute gather the group's 16 nibble
@@ -551,7 +573,20 @@ void run(const float* x, int64_t ldx, const Q8Rows& xq, int64_t M, int64_t K, co
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t n = n0; n < n1; ++n) {
+      int64_t n = n0;
+#if defined(BATCHINFER_GGUF_AVX512)
+      if constexpr (I == Isa::kAvx512Vnni && !kQ8) {
+        if (m1 - m0 == 1) {  // one activation row (batch-1 decode): weight rows in fours share its loads
+          float out[kWeightRows];
+          for (; n + kWeightRows <= n1; n += kWeightRows) {
+            prefetch_ahead(w + n * row_bytes, kWeightRows * row_bytes, w + n1 * row_bytes);
+            avx512::dot_weight_rows_f32<T, kWeightRows>(x + m0 * ldx, w + n * row_bytes, row_bytes, nb, out);
+            for (int i = 0; i < kWeightRows; ++i) y[m0 * N + n + i] = out[i] + (bias == nullptr ? 0.0f : bias[n + i]);
+          }
+        }
+      }
+#endif
+      for (; n < n1; ++n) {
         const float b = bias == nullptr ? 0.0f : bias[n];
         if (M <= kMR) prefetch_ahead(w + n * row_bytes, row_bytes, w + n1 * row_bytes);
         for (int64_t m = m0; m < m1; m += kMR) {

@@ -74,6 +74,12 @@ class PackedLinear(nn.Module):
         if onednn and bf16:
             self.onednn_weight = onednn_linear.pack_linear_weight(linear.weight.detach(), _ONEDNN_BATCH_HINT)
 
+    def cpu_kernel_weight(self) -> tuple[torch.Tensor, int] | None:
+        """``(packed weight, 0)`` for a float32 layer, the arguments of the fused decoder-layer kernels
+        (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu`, kind 0 = packed float32); ``None`` for
+        bfloat16."""
+        return (self.packed_weight, 0) if self.packed_weight.dtype == torch.float32 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
         if self.packed_weight.dtype != torch.bfloat16:

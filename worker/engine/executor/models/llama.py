@@ -21,7 +21,14 @@ from torch.nn import functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.cpu_elementwise import add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu_, silu_and_mul_cpu
+from kernels.cpu_elementwise import (
+    add_rms_norm_cpu,
+    decoder_attention_input_cpu,
+    decoder_attention_output_mlp_cpu,
+    rms_norm_cpu,
+    rotary_embedding_cpu_,
+    silu_and_mul_cpu,
+)
 from worker.engine.executor.layers.attention import AttentionMetadata, KVCache, paged_attention_forward
 from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy_into_layout
 
@@ -273,6 +280,149 @@ class LlamaMLP(nn.Module):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class _FusedLinear:
+    """A linear layer as the fused decoder-layer kernels take it: weight, kind (0 packed float32, else a ggml
+    block type id), output features, bias; ``module`` is read for ``quantize_activations`` on every call."""
+
+    module: nn.Module
+    weight: torch.Tensor
+    kind: int
+    out_features: int
+    bias: torch.Tensor | None
+
+
+def _fused_linear(module: nn.Module) -> _FusedLinear | None:
+    """``module`` for the fused kernels when it offers a float32-activation C++ weight (``cpu_kernel_weight``:
+    float32 ``PackedLinear``, ``GGUFLinear``), else None."""
+    kernel_weight = getattr(module, "cpu_kernel_weight", None)
+    found: tuple[torch.Tensor, int] | None = kernel_weight() if callable(kernel_weight) else None
+    if found is None:
+        return None
+    bias: torch.Tensor | None = getattr(module, "bias", None)
+    out_features: int = getattr(module, "out_features")  # noqa: B009 (typed: nn.Module's __getattr__ is not)
+    return _FusedLinear(module, found[0], found[1], out_features, None if bias is None else bias.detach())
+
+
+@dataclass(frozen=True, slots=True)
+class FusedCpuLayer:
+    """What a float32 :class:`LlamaDecoderLayer` on the C++ kernels runs as two calls around its attention
+    (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu` and
+    :func:`~kernels.cpu_elementwise.decoder_attention_output_mlp_cpu`): the same kernels in the same order as its
+    modules, without the Python and op dispatch between them (issue #27: about a sixth of a batch-1 q4 step).
+    Built by :func:`enable_cpu_kernels`; the submodules' own forward hooks do not fire on this path."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    input_eps: float
+    post_eps: float
+    qkv: _FusedLinear
+    o: _FusedLinear
+    gate_up: _FusedLinear
+    down: _FusedLinear
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+    @classmethod
+    def of(cls, layer: LlamaDecoderLayer) -> FusedCpuLayer | None:
+        """The fused form of ``layer``, or None where it does not apply: another layer, attention or MLP class
+        (a family's own), q/k norms, a unit-offset norm, partial rotary, a linear layer without a float32
+        C++ kernel (bfloat16, ``nn.Linear``), or kernels not enabled."""
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return None
+        if any(type(n) is not RMSNorm or n.unit_offset or not n.use_cpu_kernels for n in norms):
+            return None
+        rotary = attn.rotary_emb
+        if attn.q_norm is not None or not rotary.use_cpu_kernels or rotary.rotary_dim != attn.head_size:
+            return None
+        if rotary.cos.dtype != torch.float32 or not mlp.use_cpu_kernels:
+            return None
+        linears = [_fused_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        qkv, o, gate_up, down = linears
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return cls(
+            norms[0].weight.detach(),
+            norms[1].weight.detach(),
+            norms[0].eps,
+            norms[1].eps,
+            qkv,
+            o,
+            gate_up,
+            down,
+            rotary.cos,
+            rotary.sin,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_size,
+        )
+
+    def applies(self, hidden_states: torch.Tensor) -> bool:
+        """float32 activations everywhere (a ``GGUFLinear`` may have been switched to int8 activations)."""
+        return hidden_states.dtype == torch.float32 and not any(
+            getattr(linear.module, "quantize_activations", False)
+            for linear in (self.qkv, self.o, self.gate_up, self.down)
+        )
+
+    def forward(
+        self,
+        attention: LlamaAttention,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """:meth:`LlamaDecoderLayer.forward`, the attention itself through :func:`paged_attention_forward`."""
+        num_tokens, head_size, qkv = hidden_states.shape[0], self.head_size, self.qkv
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        rotated = decoder_attention_input_cpu(
+            hidden_states,
+            self.input_norm,
+            self.input_eps,
+            qkv.weight,
+            qkv.kind,
+            qkv.out_features,
+            qkv.bias,
+            positions,
+            self.cos,
+            self.sin,
+            heads + kv_heads,
+            head_size,
+        ).view(num_tokens, -1, head_size)
+        out = paged_attention_forward(
+            rotated[:, :heads],
+            rotated[:, heads : heads + kv_heads],
+            rotated[:, heads + kv_heads :],
+            kv_cache,
+            attn_metadata,
+            attention.scale,
+            sliding_window=attention.sliding_window,
+            logits_soft_cap=attention.logits_soft_cap,
+        )
+        o, gate_up, down = self.o, self.gate_up, self.down
+        return decoder_attention_output_mlp_cpu(
+            out.reshape(num_tokens, heads * head_size),
+            hidden_states,
+            o.weight,
+            o.kind,
+            o.bias,
+            self.post_norm,
+            self.post_eps,
+            gate_up.weight,
+            gate_up.kind,
+            gate_up.out_features,
+            gate_up.bias,
+            down.weight,
+            down.kind,
+            down.bias,
+        )
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -286,6 +436,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary_emb, options, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.fused_cpu: FusedCpuLayer | None = None  # set by enable_cpu_kernels where it applies
 
     def forward(
         self,
@@ -294,6 +445,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        fused = self.fused_cpu
+        if fused is not None and fused.applies(hidden_states):
+            return fused.forward(self.self_attn, positions, hidden_states, kv_cache, attn_metadata)
         attn = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
         hidden_states, normed = self.post_attention_layernorm.add_forward(hidden_states, attn)
         out: torch.Tensor = hidden_states + self.mlp(normed)
@@ -304,10 +458,15 @@ def enable_cpu_kernels(model: nn.Module) -> None:
     """Switch the model's norms, rotary tables and SwiGLU MLPs to the fused C++ kernels
     (:mod:`kernels.cpu_elementwise`); for a float32 model on CPU with the kernels available (the loader
     calls it when :func:`~worker.engine.executor.layers.linear.pack_linear_layers` packed the model).
-    A subclass that overrides ``forward`` (Gemma's GeGLU MLP) keeps its own path."""
+    A subclass that overrides ``forward`` (Gemma's GeGLU MLP) keeps its own path. Llama decoder layers whose
+    linear layers all have float32-activation C++ kernels then run as two C++ calls around their attention
+    (:class:`FusedCpuLayer`); call it again after swapping a layer's modules."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding)) or type(module) is LlamaMLP:
             module.use_cpu_kernels = True
+    for module in model.modules():
+        if isinstance(module, LlamaDecoderLayer):
+            module.fused_cpu = FusedCpuLayer.of(module)
 
 
 class LlamaModel(nn.Module):

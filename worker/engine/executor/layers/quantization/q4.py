@@ -47,6 +47,12 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         self.quantize_activations = False
 
+    def cpu_kernel_weight(self) -> tuple[torch.Tensor, int] | None:
+        """``(blocks, ggml type id)``, the arguments of the fused decoder-layer kernels
+        (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu`), which run float32 activations: the
+        caller checks ``quantize_activations`` on every call (the bench sets it after load)."""
+        return self.blocks, self.block_type
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
         return linear_gguf(x, self.blocks, self.block_type, self.out_features, bias, self.quantize_activations)
