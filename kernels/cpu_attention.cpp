@@ -233,13 +233,9 @@ struct Shapes {
 // V), where `row` holds that position's num_kv_heads * head_size elements (`token_stride`) and `slot` is its
 // block_id * block_size + offset (where its scales are). Blocks are walked in order while the same row of the
 // next block is prefetched (block ids are random, so the hardware prefetcher cannot guess them).
-// `prefetch_begin` .. `prefetch_end` (elements of a row; the whole row by default) are the part prefetched, for a
-// caller that reads one KV head's part of each row per walk.
 template <typename T, typename Visit>
 inline void for_each_position(const T* cache_half, const int32_t* block_table, int64_t context_start,
-                              int64_t context_end, int64_t block_size, int64_t token_stride, Visit&& visit,
-                              int64_t prefetch_begin = 0, int64_t prefetch_end = -1) {
-  if (prefetch_end < 0) prefetch_end = token_stride;
+                              int64_t context_end, int64_t block_size, int64_t token_stride, Visit&& visit) {
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (context_end + block_size - 1) / block_size;
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
@@ -248,11 +244,28 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
     const T* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
     const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
     for (int64_t j = std::max<int64_t>(0, context_start - pos); j < n; ++j) {
-      for (int64_t line = prefetch_begin; line < prefetch_end; line += kLine) {
-        __builtin_prefetch(next_block + j * token_stride + line);
-      }
+      for (int64_t line = 0; line < token_stride; line += kLine) __builtin_prefetch(next_block + j * token_stride + line);
       visit(pos + j, block + j * token_stride, block_table[b] * block_size + j);
     }
+  }
+}
+
+// for_each_position a block at a time: calls visit(first_position, count, rows, first_slot) for each block's
+// positions in context_start .. context_end - 1 in order (`rows` holds `count` consecutive rows of token_stride
+// elements), after prefetching the next block's rows.
+template <typename T, typename Visit>
+inline void for_each_block(const T* cache_half, const int32_t* block_table, int64_t context_start, int64_t context_end,
+                           int64_t block_size, int64_t token_stride, Visit&& visit) {
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (context_end + block_size - 1) / block_size;
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t b = context_start / block_size; b < num_blocks; ++b) {
+    const T* block = cache_half + block_table[b] * block_stride;
+    const T* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
+    const int64_t j0 = std::max<int64_t>(0, context_start - pos);
+    for (int64_t line = j0 * token_stride; line < n * token_stride; line += kLine) __builtin_prefetch(next_block + line);
+    visit(pos + j0, n - j0, block + j0 * token_stride, block_table[b] * block_size + j0);
   }
 }
 
@@ -286,9 +299,9 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
   std::fill(max_score, max_score + num_heads, vec8{} - std::numeric_limits<float>::infinity());
   vec8 dots[kMaxHeads * kTile];
   int64_t tile_len = 0, tile_start = 0;
-  const auto reduce_tile = [&](int64_t first_head, int64_t end_head) {
+  const auto reduce_tile = [&]() {
     const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t h = first_head; h < end_head; ++h) {
+    for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t j = tile_len; j < kTile; ++j) dots[h * kTile + j] = dots[h * kTile];  // padding, never read
       vec8 tile_scores = transpose_sum8(dots + h * kTile);
       store8(scores + h * row_stride + tile_start, tile_scores);
@@ -307,68 +320,23 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
   const auto tree_hidden = [&](int64_t pos) {
     return tree_bits != 0 && pos >= tree_base && ((tree_bits >> (pos - tree_base)) & 1) == 0;
   };
-  // A converted cache with a fixed head size (as the V pass below): one KV head at a time, its r query heads'
-  // scaled queries held in registers over all positions; each dot product is dot_lanes' chain, so the same bits.
-  const auto scores_in_registers = [&](auto num_queries_per_kv) {
-    constexpr int64_t kR = decltype(num_queries_per_kv)::value;
-    constexpr int64_t kChunks = kHeadSize / 8;
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      vec8 qs[kR][kChunks];
-      for (int64_t i = 0; i < kR; ++i) {
-        for (int64_t c = 0; c < kChunks; ++c) qs[i][c] = load8(q_scaled + (g * kR + i) * head_size + 8 * c);
-      }
-      tile_start = 0;
-      for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
-                        [&](int64_t pos, const T* row, int64_t slot) {
-        if (tree_hidden(pos)) {
-          for (int64_t i = 0; i < kR; ++i) {
-            dots[(g * kR + i) * kTile + tile_len] = vec8{} - std::numeric_limits<float>::infinity();
-          }
-        } else {
-          const float* __restrict k =
-              read_row<kHeadSize>(row + g * head_size, head_size, row_scales(scales, slot, g), group_size, row_float);
-#pragma GCC unroll 4
-          for (int64_t i = 0; i < kR; ++i) {
-            vec8 lo = {}, hi = {};
-#pragma GCC unroll 16
-            for (int64_t c = 0; c < kChunks; c += 2) {
-              lo += qs[i][c] * load8(k + 8 * c);
-              hi += qs[i][c + 1] * load8(k + 8 * c + 8);
-            }
-            dots[(g * kR + i) * kTile + tile_len] = lo + hi;
-          }
-        }
-        if (++tile_len == kTile) reduce_tile(g * kR, (g + 1) * kR);
-      }, g * head_size, (g + 1) * head_size);
-      if (tile_len > 0) reduce_tile(g * kR, (g + 1) * kR);
+  for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
+                    [&](int64_t pos, const T* row, int64_t slot) {
+    if (tree_hidden(pos)) {
+      for (int64_t h = 0; h < num_heads; ++h) dots[h * kTile + tile_len] = vec8{} - std::numeric_limits<float>::infinity();
+      if (++tile_len == kTile) reduce_tile();
+      return;
     }
-  };
-  constexpr bool kRegisterRows = kConverted && kHeadSize > 0 && kHeadSize % 16 == 0;
-  const bool registers = kRegisterRows && r <= 3 && r * head_size <= 192;
-  if constexpr (kRegisterRows) {
-    if (registers && r == 1) scores_in_registers(std::integral_constant<int64_t, 1>{});
-    if (registers && r == 2) scores_in_registers(std::integral_constant<int64_t, 2>{});
-    if (registers && r == 3) scores_in_registers(std::integral_constant<int64_t, 3>{});
-  }
-  if (!registers) {
-    for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
-                      [&](int64_t pos, const T* row, int64_t slot) {
-      if (tree_hidden(pos)) {
-        for (int64_t h = 0; h < num_heads; ++h) dots[h * kTile + tile_len] = vec8{} - std::numeric_limits<float>::infinity();
-        if (++tile_len == kTile) reduce_tile(0, num_heads);
-        return;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const float* k = read_row<kHeadSize>(row + g * head_size, head_size, row_scales(scales, slot, g), group_size,
+                                           row_float);
+      for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+        dots[h * kTile + tile_len] = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
       }
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const float* k = read_row<kHeadSize>(row + g * head_size, head_size, row_scales(scales, slot, g), group_size,
-                                             row_float);
-        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-          dots[h * kTile + tile_len] = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
-        }
-      }
-      if (++tile_len == kTile) reduce_tile(0, num_heads);
-    });
-    if (tile_len > 0) reduce_tile(0, num_heads);
-  }
+    }
+    if (++tile_len == kTile) reduce_tile();
+  });
+  if (tile_len > 0) reduce_tile();
 
   float inv_sum[kMaxHeads];
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -395,46 +363,52 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
     if (lse != nullptr) lse[h] = m + std::log(sum);
   }
 
+  std::fill(out, out + num_heads * head_size, 0.0f);
   const T* value_cache = cache + s.cache_stride_kv;
   const float* value_scales = scales == nullptr ? nullptr : scales + s.scales_stride_kv;
-  // A converted cache with a fixed head size (`registers`): per KV head, its r query heads' output rows stay in registers over
-  // all positions (r * head_size / 8 vector accumulators, at most 24), so a position costs one read of its V row
-  // and r multiply-adds a chunk instead of loading and storing every output row at every position. Each output
-  // element is the same chain of `o + p * v` in position order as below, so the bits are the same.
+  // A converted cache with a fixed head size: a block at a time, and in it one KV head at a time, its r query
+  // heads' output rows held in registers over the block's positions (r * head_size / 8 vector accumulators, at
+  // most 24), so they are loaded and stored once a block instead of at every position. Each output element is
+  // the same chain of `o + p * v` in position order as the loop below, so the bits are the same.
   const auto values_in_registers = [&](auto num_queries_per_kv) {
     constexpr int64_t kR = decltype(num_queries_per_kv)::value;
     constexpr int64_t kChunks = kHeadSize / 8;
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      vec8 acc[kR][kChunks];
-      for (int64_t i = 0; i < kR; ++i) {
-        for (int64_t c = 0; c < kChunks; ++c) acc[i][c] = vec8{};
-      }
-      const float* head_scores = scores + g * kR * row_stride;
-      for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
-                        [&](int64_t pos, const T* row, int64_t slot) {
-        const float* __restrict v =
-            read_row<kHeadSize>(row + g * head_size, head_size, row_scales(value_scales, slot, g), group_size, row_float);
-        float p[kR];
-        for (int64_t i = 0; i < kR; ++i) p[i] = head_scores[i * row_stride + pos - context_start];
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < kChunks; ++c) {
-          const vec8 chunk = load8(v + 8 * c);
-#pragma GCC unroll 4
-          for (int64_t i = 0; i < kR; ++i) acc[i][c] = acc[i][c] + p[i] * chunk;
+    for_each_block(value_cache, block_table, context_start, context_end, block_size, token_stride,
+                   [&](int64_t first_pos, int64_t count, const T* rows, int64_t first_slot) {
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        float* __restrict o = out + g * kR * head_size;
+        vec8 acc[kR][kChunks];
+        for (int64_t i = 0; i < kR; ++i) {
+          for (int64_t c = 0; c < kChunks; ++c) acc[i][c] = load8(o + i * head_size + 8 * c);
         }
-      }, g * head_size, (g + 1) * head_size);
-      for (int64_t i = 0; i < kR; ++i) {
-        for (int64_t c = 0; c < kChunks; ++c) store8(out + (g * kR + i) * head_size + 8 * c, acc[i][c]);
+        const float* head_scores = scores + g * kR * row_stride + first_pos - context_start;
+        for (int64_t j = 0; j < count; ++j) {
+          const float* __restrict v = read_row<kHeadSize>(rows + j * token_stride + g * head_size, head_size,
+                                                          row_scales(value_scales, first_slot + j, g), group_size,
+                                                          row_float);
+          float p[kR];
+          for (int64_t i = 0; i < kR; ++i) p[i] = head_scores[i * row_stride + j];
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < kChunks; ++c) {
+            const vec8 chunk = load8(v + 8 * c);
+#pragma GCC unroll 4
+            for (int64_t i = 0; i < kR; ++i) acc[i][c] = acc[i][c] + p[i] * chunk;
+          }
+        }
+        for (int64_t i = 0; i < kR; ++i) {
+          for (int64_t c = 0; c < kChunks; ++c) store8(o + i * head_size + 8 * c, acc[i][c]);
+        }
       }
-    }
+    });
   };
-  if constexpr (kRegisterRows) {
+  constexpr bool kRegisterValues = kConverted && kHeadSize > 0 && kHeadSize % 8 == 0;
+  const bool registers = kRegisterValues && r <= 3 && r * head_size <= 192;
+  if constexpr (kRegisterValues) {
     if (registers && r == 1) values_in_registers(std::integral_constant<int64_t, 1>{});
     if (registers && r == 2) values_in_registers(std::integral_constant<int64_t, 2>{});
     if (registers && r == 3) values_in_registers(std::integral_constant<int64_t, 3>{});
   }
   if (!registers) {
-    std::fill(out, out + num_heads * head_size, 0.0f);
     for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
                       [&](int64_t pos, const T* row, int64_t slot) {
       for (int64_t g = 0; g < num_kv_heads; ++g) {
