@@ -250,6 +250,25 @@ inline void for_each_position(const T* cache_half, const int32_t* block_table, i
   }
 }
 
+// for_each_position a block at a time: calls visit(first_position, count, rows, first_slot) for each block's
+// positions in context_start .. context_end - 1 in order (`rows` holds `count` consecutive rows of token_stride
+// elements), after prefetching the next block's rows.
+template <typename T, typename Visit>
+inline void for_each_block(const T* cache_half, const int32_t* block_table, int64_t context_start, int64_t context_end,
+                           int64_t block_size, int64_t token_stride, Visit&& visit) {
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (context_end + block_size - 1) / block_size;
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t b = context_start / block_size; b < num_blocks; ++b) {
+    const T* block = cache_half + block_table[b] * block_stride;
+    const T* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
+    const int64_t j0 = std::max<int64_t>(0, context_start - pos);
+    for (int64_t line = j0 * token_stride; line < n * token_stride; line += kLine) __builtin_prefetch(next_block + line);
+    visit(pos + j0, n - j0, block + j0 * token_stride, block_table[b] * block_size + j0);
+  }
+}
+
 // Attention of all heads of one query token over positions context_start .. context_end - 1 of its sequence.
 // Each position's K (then V) row, all KV heads together, is read once and contiguously
 // (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
@@ -347,23 +366,67 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
   std::fill(out, out + num_heads * head_size, 0.0f);
   const T* value_cache = cache + s.cache_stride_kv;
   const float* value_scales = scales == nullptr ? nullptr : scales + s.scales_stride_kv;
-  for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
-                    [&](int64_t pos, const T* row, int64_t slot) {
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const float* __restrict v =
-          read_row<kHeadSize>(row + g * head_size, head_size, row_scales(value_scales, slot, g), group_size, row_float);
-      for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        const float p = scores[h * row_stride + pos - context_start];
-        float* __restrict o = out + h * head_size;
-        int64_t d = 0;
-        if constexpr (kConverted) {
-          for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8(v + d));
+  // A converted cache with a fixed head size: a block at a time, and in it one KV head at a time, its r query
+  // heads' output rows held in registers over the block's positions (r * head_size / 8 vector accumulators, at
+  // most 24), so they are loaded and stored once a block instead of at every position. Each output element is
+  // the same chain of `o + p * v` in position order as the loop below, so the bits are the same.
+  const auto values_in_registers = [&](auto num_queries_per_kv) {
+    constexpr int64_t kR = decltype(num_queries_per_kv)::value;
+    constexpr int64_t kChunks = kHeadSize / 8;
+    for_each_block(value_cache, block_table, context_start, context_end, block_size, token_stride,
+                   [&](int64_t first_pos, int64_t count, const T* rows, int64_t first_slot) {
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        float* __restrict o = out + g * kR * head_size;
+        vec8 acc[kR][kChunks];
+        for (int64_t i = 0; i < kR; ++i) {
+          for (int64_t c = 0; c < kChunks; ++c) acc[i][c] = load8(o + i * head_size + 8 * c);
         }
-#pragma omp simd
-        for (int64_t e = d; e < head_size; ++e) o[e] += p * v[e];
+        const float* head_scores = scores + g * kR * row_stride + first_pos - context_start;
+        for (int64_t j = 0; j < count; ++j) {
+          const float* __restrict v = read_row<kHeadSize>(rows + j * token_stride + g * head_size, head_size,
+                                                          row_scales(value_scales, first_slot + j, g), group_size,
+                                                          row_float);
+          float p[kR];
+          for (int64_t i = 0; i < kR; ++i) p[i] = head_scores[i * row_stride + j];
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < kChunks; ++c) {
+            const vec8 chunk = load8(v + 8 * c);
+#pragma GCC unroll 4
+            for (int64_t i = 0; i < kR; ++i) acc[i][c] = acc[i][c] + p[i] * chunk;
+          }
+        }
+        for (int64_t i = 0; i < kR; ++i) {
+          for (int64_t c = 0; c < kChunks; ++c) store8(o + i * head_size + 8 * c, acc[i][c]);
+        }
       }
-    }
-  });
+    });
+  };
+  constexpr bool kRegisterValues = kConverted && kHeadSize > 0 && kHeadSize % 8 == 0;
+  const bool registers = kRegisterValues && r <= 3 && r * head_size <= 192;
+  if constexpr (kRegisterValues) {
+    if (registers && r == 1) values_in_registers(std::integral_constant<int64_t, 1>{});
+    if (registers && r == 2) values_in_registers(std::integral_constant<int64_t, 2>{});
+    if (registers && r == 3) values_in_registers(std::integral_constant<int64_t, 3>{});
+  }
+  if (!registers) {
+    for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
+                      [&](int64_t pos, const T* row, int64_t slot) {
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const float* __restrict v =
+            read_row<kHeadSize>(row + g * head_size, head_size, row_scales(value_scales, slot, g), group_size, row_float);
+        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+          const float p = scores[h * row_stride + pos - context_start];
+          float* __restrict o = out + h * head_size;
+          int64_t d = 0;
+          if constexpr (kConverted) {
+            for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8(v + d));
+          }
+#pragma omp simd
+          for (int64_t e = d; e < head_size; ++e) o[e] += p * v[e];
+        }
+      }
+    });
+  }
   for (int64_t h = 0; h < num_heads; ++h) {
     float* __restrict o = out + h * head_size;
     const float inv = inv_sum[h];

@@ -10,6 +10,11 @@
 // sum of squares has a fixed lane structure, element i in lane i % 16), whatever the other rows of the
 // call or the thread that runs it (docs/engine.md, "Batch-invariant numerics").
 //
+// bfloat16 (the decoder ops): each row is widened to float32 exactly into a per-thread row buffer, computed by the
+// very float32 row code above, and each result rounded to bfloat16 once (nearest even, as torch's float-to-bfloat16
+// conversion), so the results are bit for bit those of widening the whole tensor, the float32 op and `.to(bf16)`,
+// without the two whole-tensor copies and their allocations (a 2048-row prefill chunk's gate_up is 12 MiB).
+//
 // Methods: RMSNorm, Zhang & Sennrich 2019 (Hugging Face's order: x * rsqrt(mean(x^2) + eps), then the
 // weight); SwiGLU, Shazeer 2020 (silu(gate) * up); rotary embeddings, Su et al. 2021, "rotate half" layout.
 
@@ -29,6 +34,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "cpu_exp.h"
 #include "cpu_lanes.h"
@@ -43,6 +49,36 @@ using batchinfer_kernels::vec16;
 using batchinfer_kernels::vec8;
 
 constexpr int64_t kLanes = 16;
+
+// bfloat16 as its 16 bits: widening is exact (the bits become the high half of a float32); narrowing rounds to
+// nearest even, NaN to a quiet NaN (c10::BFloat16's round_to_nearest_even).
+inline float widen_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void widen_row(const uint16_t* __restrict src, int64_t n, float* __restrict dst) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen_bf16(src[i]);
+}
+
+inline void round_row(const float* __restrict src, int64_t n, uint16_t* __restrict dst) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
+}
+
+inline bool is_bf16(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
+
+inline uint16_t* bf16_ptr(const at::Tensor& x) { return reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>()); }
 
 // sum of x[i]^2 with kLanes partial sums (element i in lane i % kLanes), added lane by lane.
 inline float sum_of_squares(const float* __restrict x, int64_t n) {
@@ -76,6 +112,12 @@ void check_rows(const at::Tensor& x, const char* name) {
               " must be a float32 CPU tensor [num_rows, width] with unit stride in its last dimension");
 }
 
+// check_rows for the decoder ops, which also take bfloat16.
+void check_rows_any(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || is_bf16(x)) && x.device().is_cpu() && x.stride(1) == 1,
+              name, " must be a float32 or bfloat16 CPU tensor [num_rows, width] with unit stride in its last dimension");
+}
+
 void check_weight(const at::Tensor& weight, int64_t n) {
   TORCH_CHECK(weight.dim() == 1 && weight.numel() == n && weight.scalar_type() == at::kFloat &&
                   weight.is_contiguous() && weight.device().is_cpu(),
@@ -83,10 +125,25 @@ void check_weight(const at::Tensor& weight, int64_t n) {
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
-  check_rows(x, "x");
+  check_rows_any(x, "x");
   const int64_t M = x.size(0), n = x.size(1);
   check_weight(weight, n);
   at::Tensor out = at::empty({M, n}, x.options());
+  if (is_bf16(x)) {
+    const uint16_t* xp = bf16_ptr(x);
+    const float* wp = weight.data_ptr<float>();
+    uint16_t* op = bf16_ptr(out);
+    const int64_t ldx = x.stride(0);
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(2 * n);
+      for (int64_t r = r0; r < r1; ++r) {
+        widen_row(xp + r * ldx, n, buf.data());
+        rms_norm_row(buf.data(), wp, n, static_cast<float>(eps), unit_offset, buf.data() + n);
+        round_row(buf.data() + n, n, op + r * n);
+      }
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -99,13 +156,40 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                 double eps, bool unit_offset) {
-  check_rows(x, "x");
-  check_rows(delta, "delta");
+  check_rows_any(x, "x");
+  check_rows_any(delta, "delta");
   const int64_t M = x.size(0), n = x.size(1);
   TORCH_CHECK(delta.size(0) == M && delta.size(1) == n, "delta must have x's shape");
+  TORCH_CHECK(delta.scalar_type() == x.scalar_type(), "delta must have x's dtype");
   check_weight(weight, n);
   at::Tensor sum = at::empty({M, n}, x.options());
   at::Tensor out = at::empty({M, n}, x.options());
+  if (is_bf16(x)) {
+    // NOTE: the norm reads the float32 sum, not the rounded one (as the float32 op on widened inputs does).
+    const uint16_t* xp = bf16_ptr(x);
+    const uint16_t* dp = bf16_ptr(delta);
+    const float* wp = weight.data_ptr<float>();
+    uint16_t* sp = bf16_ptr(sum);
+    uint16_t* op = bf16_ptr(out);
+    const int64_t ldx = x.stride(0), ldd = delta.stride(0);
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(4 * n);
+      float* __restrict a = buf.data();
+      float* __restrict b = a + n;
+      float* __restrict s = b + n;
+      float* __restrict o = s + n;
+      for (int64_t r = r0; r < r1; ++r) {
+        widen_row(xp + r * ldx, n, a);
+        widen_row(dp + r * ldd, n, b);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) s[i] = a[i] + b[i];
+        rms_norm_row(s, wp, n, static_cast<float>(eps), unit_offset, o);
+        round_row(s, n, sp + r * n);
+        round_row(o, n, op + r * n);
+      }
+    });
+    return {sum, out};
+  }
   const float* xp = x.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -125,27 +209,41 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
+// o = silu(gate) * up over one row of `width` elements.
+inline void silu_and_mul_row(const float* __restrict gate, const float* __restrict up, int64_t width,
+                             float* __restrict o) {
+  // vec8, not `omp simd`: cpu_exp.h says why.
+  int64_t i = 0;
+  for (; i + 8 <= width; i += 8) {
+    const vec8 g = load8(gate + i);
+    store8(o + i, g / (1.0f + exp_clamped(-g)) * load8(up + i));
+  }
+  for (; i < width; ++i) o[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
+  check_rows_any(gate_up, "gate_up");
   const int64_t M = gate_up.size(0), width = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * width, "gate_up must have an even width (gate, then up)");
   at::Tensor out = at::empty({M, width}, gate_up.options());
+  const int64_t ld = gate_up.stride(0);
+  if (is_bf16(gate_up)) {
+    const uint16_t* gp = bf16_ptr(gate_up);
+    uint16_t* op = bf16_ptr(out);
+    at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(3 * width);
+      for (int64_t r = r0; r < r1; ++r) {
+        widen_row(gp + r * ld, 2 * width, buf.data());
+        silu_and_mul_row(buf.data(), buf.data() + width, width, buf.data() + 2 * width);
+        round_row(buf.data() + 2 * width, width, op + r * width);
+      }
+    });
+    return out;
+  }
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ld = gate_up.stride(0);
   at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* __restrict gate = gp + r * ld;
-      const float* __restrict up = gate + width;
-      float* __restrict o = op + r * width;
-      // vec8, not `omp simd`: cpu_exp.h says why.
-      int64_t i = 0;
-      for (; i + 8 <= width; i += 8) {
-        const vec8 g = load8(gate + i);
-        store8(o + i, g / (1.0f + exp_clamped(-g)) * load8(up + i));
-      }
-      for (; i < width; ++i) o[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_and_mul_row(gp + r * ld, gp + r * ld + width, width, op + r * width);
   });
   return out;
 }
@@ -271,40 +369,65 @@ void bias_gelu_(const at::Tensor& x, const at::Tensor& bias) {
 
 // x[t, h, :] rotated in place by its token's row of the cos/sin tables ("rotate half": the first half of
 // the head pairs with the second): x1' = x1 * cos - x2 * sin, x2' = x2 * cos + x1 * sin.
+inline void rotate_head(float* __restrict v, const float* __restrict c, const float* __restrict s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = v[i], x2 = v[i + half];
+    v[i] = x1 * c[i] + (-x2) * s[i];
+    v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+  }
+}
+
 void rotary_embedding_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(2) == 1,
-              "x must be a float32 CPU tensor [num_tokens, num_heads, head_size] with unit stride in its last "
-              "dimension");
+  const bool bf16 = is_bf16(x);
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || bf16) && x.device().is_cpu() && x.stride(2) == 1,
+              "x must be a float32 or bfloat16 CPU tensor [num_tokens, num_heads, head_size] with unit stride in its "
+              "last dimension");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "head_size must be even");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
               "positions must be int64 [num_tokens]");
   for (const at::Tensor* table : {&cos, &sin}) {
-    TORCH_CHECK(table->dim() == 2 && table->size(1) == D && table->scalar_type() == at::kFloat &&
+    TORCH_CHECK(table->dim() == 2 && table->size(1) == D && table->scalar_type() == x.scalar_type() &&
                     table->is_contiguous() && table->device().is_cpu(),
-                "cos and sin must be contiguous float32 CPU tables [max_positions, head_size]");
+                "cos and sin must be contiguous CPU tables [max_positions, head_size] in x's dtype");
   }
   const at::Tensor pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t num_rows = cos.size(0);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < num_rows, "position ", pp[t], " out of range");
+  const int64_t ldt = x.stride(0), ldh = x.stride(1);
+  if (bf16) {
+    // Widened table rows and head, the float32 rotation, each element rounded once.
+    uint16_t* xp = bf16_ptr(x);
+    const uint16_t* cp = bf16_ptr(cos);
+    const uint16_t* sp = bf16_ptr(sin);
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> buf(3 * D);
+      float* c = buf.data();
+      float* s = c + D;
+      float* v = s + D;
+      for (int64_t t = t0; t < t1; ++t) {
+        widen_row(cp + pp[t] * D, D, c);
+        widen_row(sp + pp[t] * D, D, s);
+        for (int64_t h = 0; h < H; ++h) {
+          uint16_t* head = xp + t * ldt + h * ldh;
+          widen_row(head, D, v);
+          rotate_head(v, c, s, half);
+          round_row(v, D, head);
+        }
+      }
+    });
+    return;
+  }
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  const int64_t ldt = x.stride(0), ldh = x.stride(1);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* __restrict c = cp + pp[t] * D;
       const float* __restrict s = sp + pp[t] * D;
-      for (int64_t h = 0; h < H; ++h) {
-        float* __restrict v = xp + t * ldt + h * ldh;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = v[i], x2 = v[i + half];
-          v[i] = x1 * c[i] + (-x2) * s[i];
-          v[i + half] = x2 * c[i + half] + x1 * s[i + half];
-        }
-      }
+      for (int64_t h = 0; h < H; ++h) rotate_head(xp + t * ldt + h * ldh, c, s, half);
     }
   });
 }

@@ -3,9 +3,9 @@
 the bias with exact GELU (encoders). Also a float32 Llama decoder layer in two calls around its attention
 (:func:`decoder_attention_input_cpu`, :func:`decoder_attention_output_mlp_cpu`), which chain these kernels and
 the linear layers' in C++ to spare a small batch the Python and dispatch between them (float32 only). The
-decoder's elementwise ops also take bfloat16 tensors: widened to float32, computed by the same kernel, and each
-result rounded to bfloat16 once (the PyTorch bfloat16 expressions round after each op, so the two differ by
-bfloat16 rounding).
+decoder's elementwise ops also take bfloat16 tensors: widened to float32 row by row inside the kernel, computed
+by the same float32 code, and each result rounded to bfloat16 once (the PyTorch bfloat16 expressions round after
+each op, so the two differ by bfloat16 rounding).
 
 The source is ``cpu_elementwise.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Each op
@@ -28,6 +28,12 @@ def _float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _native(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when the kernels take its dtype (float32, bfloat16: widened row by row inside), else widened to
+    float32 (the result is then rounded back by the caller)."""
+    return x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) of each row: ``weight * (x * rsqrt(mean(x ** 2) + eps))``.
 
@@ -43,7 +49,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
     """
     require_cpu_kernels()
-    rows = _float32(x.reshape(-1, x.shape[-1]))
+    rows = _native(x.reshape(-1, x.shape[-1]))
     out: torch.Tensor = torch.ops.batchinfer_cpu.rms_norm(rows, _float32(weight), eps, unit_offset)
     return out.to(x.dtype).view(x.shape)
 
@@ -64,10 +70,13 @@ def add_rms_norm_cpu(
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
     """
     require_cpu_kernels()
-    total, normed = torch.ops.batchinfer_cpu.add_rms_norm(
-        _float32(x), _float32(delta), _float32(weight), eps, unit_offset
-    )
-    return total.to(x.dtype), normed.to(x.dtype)
+    dtype = x.dtype
+    if delta.dtype == x.dtype:
+        x, delta = _native(x), _native(delta)
+    else:
+        x, delta = _float32(x), _float32(delta)
+    total, normed = torch.ops.batchinfer_cpu.add_rms_norm(x, delta, _float32(weight), eps, unit_offset)
+    return total.to(dtype), normed.to(dtype)
 
 
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -84,7 +93,7 @@ def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
     """
     require_cpu_kernels()
-    out: torch.Tensor = torch.ops.batchinfer_cpu.silu_and_mul(_float32(gate_up))
+    out: torch.Tensor = torch.ops.batchinfer_cpu.silu_and_mul(_native(gate_up))
     return out.to(gate_up.dtype)
 
 
@@ -105,6 +114,9 @@ def rotary_embedding_cpu_(x: torch.Tensor, positions: torch.Tensor, cos: torch.T
     require_cpu_kernels()
     if x.dtype == torch.float32:
         torch.ops.batchinfer_cpu.rotary_embedding_(x, positions, _float32(cos), _float32(sin))
+        return
+    if x.dtype == torch.bfloat16 and cos.dtype == sin.dtype == torch.bfloat16:
+        torch.ops.batchinfer_cpu.rotary_embedding_(x, positions, cos, sin)  # widened row by row inside
         return
     # NOTE: only this step's table rows are widened (a whole bfloat16 table would cost more than the rotation)
     wide = x.float()

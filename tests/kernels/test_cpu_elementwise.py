@@ -165,17 +165,24 @@ def test_bias_gelu_refuses_a_width_not_a_multiple_of_8():
         bias_gelu_cpu_(_randn(2, 12), _randn(12))
 
 
-def test_bfloat16_inputs_are_widened_computed_once_and_rounded_once():
+@pytest.mark.parametrize(
+    ("num_rows", "hidden", "intermediate", "num_heads", "head_size"),
+    [(7, 40, 32, 2, 16), (37, 576, 1536, 9, 64)],  # odd widths; SmolLM2's shapes (every vector path)
+)
+def test_bfloat16_inputs_are_widened_computed_once_and_rounded_once(
+    num_rows: int, hidden: int, intermediate: int, num_heads: int, head_size: int
+):
     """bf16 through the decoder ops: the float32 kernel on the widened values, each result rounded to bf16 once
     (shapes, dtypes and the in-place rotation of a strided view kept)."""
     gen = torch.Generator().manual_seed(5)
-    x, delta = (torch.randn(7, 40, generator=gen).bfloat16() for _ in range(2))
-    weight = torch.randn(40, generator=gen).bfloat16()
-    gate_up = torch.randn(7, 64, generator=gen).bfloat16()
-    fused = torch.randn(7, 3, 2, 16, generator=gen).bfloat16()
-    q = fused[:, 0]  # [7, 2, 16], strided like the q heads of a fused qkv projection
-    cos, sin = torch.randn(30, 16, generator=gen).bfloat16(), torch.randn(30, 16, generator=gen).bfloat16()
-    positions = torch.tensor([3, 0, 29, 3, 7, 11, 12])
+    x, delta = (torch.randn(num_rows, hidden, generator=gen).bfloat16() for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).bfloat16()
+    gate_up = (4 * torch.randn(num_rows, 2 * intermediate, generator=gen)).bfloat16()
+    fused = torch.randn(num_rows, 3, num_heads, head_size, generator=gen).bfloat16()
+    q = fused[:, 0]  # strided like the q heads of a fused qkv projection
+    cos = torch.randn(30, head_size, generator=gen).bfloat16()
+    sin = torch.randn(30, head_size, generator=gen).bfloat16()
+    positions = torch.randint(0, 30, (num_rows,), generator=gen)
     expected_q = q.float().clone()
     rotary_embedding_cpu_(expected_q, positions, cos.float(), sin.float())
 
