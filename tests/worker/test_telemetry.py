@@ -227,8 +227,11 @@ def test_a_started_workers_scrape_shows_its_kv_cache_size_before_any_step(servic
             samples = scrape(telemetry_module._telemetry.metrics.registry)
         finally:
             stop()
-        sizes = [samples[name] for name in ("batchinfer:kv_cache_num_blocks{}", "batchinfer:kv_cache_bytes{}")
-                 if name in samples]
+        sizes = [
+            samples[name]
+            for name in ("batchinfer:kv_cache_num_blocks{}", "batchinfer:kv_cache_bytes{}")
+            if name in samples
+        ]
         assert sizes == expected
 
 
