@@ -79,6 +79,13 @@ class ModelEntry(BaseModel):
     def _served_kv_cache_dtype(cls, value: str | None) -> str | None:
         return None if value is None else _check_kv_cache_dtype(value)
 
+    @model_validator(mode="after")
+    def _kv_cache_dtype_of_a_generate_model(self) -> ModelEntry:
+        # NOTE: refused rather than ignored, as a misspelt key is: an embedding model has no KV cache.
+        if self.kind == "embed" and self.kv_cache_dtype is not None:
+            raise ValueError("kv_cache_dtype is a generate model's (an embed model has no KV cache)")
+        return self
+
 
 class Settings(BaseSettings):
     """Every knob of the service; env var = ``BATCHINFER_`` + upper-cased field name.

@@ -74,7 +74,8 @@ def _setting_error(error: Mapping[str, Any]) -> str:
         return f"settings: {error['msg']}"
     setting, *place = error["loc"]
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in place)
-    return f"BATCHINFER_{str(setting).upper()}{where}: {error['msg']} (got {error.get('input')!r})"
+    message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wrapper of a validator's ValueError
+    return f"BATCHINFER_{str(setting).upper()}{where}: {message} (got {error.get('input')!r})"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -203,8 +203,7 @@ class EngineMetrics:
         if stats.num_steps:
             self.kv_cache_usage.set(stats.kv_cache_usage)
         if stats.num_kv_blocks:
-            self._kv_cache_num_blocks.labels(self._model_name).set(stats.num_kv_blocks)
-            self._kv_cache_bytes.labels(self._model_name).set(stats.kv_cache_bytes)
+            self.set_kv_cache_size(stats.num_kv_blocks, stats.kv_cache_bytes)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
@@ -243,6 +242,12 @@ class EngineMetrics:
                 self.request_prefill_time.observe(times.first_token_time - times.first_scheduled_time)
         if times.first_token_time is not None and times.last_token_time is not None:
             self.request_decode_time.observe(times.last_token_time - times.first_token_time)
+
+    def set_kv_cache_size(self, num_blocks: int, num_bytes: int) -> None:
+        """Set the KV cache's size gauges (blocks; bytes, scales included): once the engine is up, so a scrape
+        shows them before the first batch, and again with every step's statistics."""
+        self._kv_cache_num_blocks.labels(self._model_name).set(num_blocks)
+        self._kv_cache_bytes.labels(self._model_name).set(num_bytes)
 
     def set_idle(self) -> None:
         """Zero the gauges between batches (nothing running, nothing waiting)."""

@@ -245,6 +245,8 @@ def start_worker_telemetry(
         port = None
     heartbeat.activity, heartbeat.device, heartbeat.metrics_port = telemetry.activity, device, port
     heartbeat.kv_cache = kv_cache
+    if kv_cache is not None:  # NOTE: now, not at the first step: /metrics shows the size while the worker idles
+        telemetry.metrics.set_kv_cache_size(kv_cache.num_blocks, kv_cache.num_bytes)
 
     def stop() -> None:
         heartbeat.stop()

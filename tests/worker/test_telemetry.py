@@ -210,6 +210,31 @@ def test_the_engines_kv_cache_size_is_its_dtype_blocks_and_bytes(tmp_path):
     assert engine_kv_cache_size(object()) is None  # not an LLMEngine (an embedding engine): no KV cache
 
 
+def test_a_started_workers_scrape_shows_its_kv_cache_size_before_any_step(service, monkeypatch):
+    """Once the engine is up, /metrics carries the KV cache's size (as /v1/workers does), not only after the first
+    batch's first step; a worker without a KV cache (an embedder's) shows none."""
+    import worker.telemetry as telemetry_module
+    from worker.telemetry import start_worker_telemetry
+
+    for kv_cache, expected in (
+        (workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=7, num_bytes=7 * 103680), [7, 7 * 103680]),
+        (None, []),
+    ):
+        monkeypatch.setattr(telemetry_module, "_telemetry", None)  # a fresh process's telemetry
+        heartbeat = Heartbeat(service, WorkerActivity(), model="m", device="cpu", host="h", pid=44)
+        stop = start_worker_telemetry(service, heartbeat, device="cpu", max_model_len=64, kv_cache=kv_cache)
+        try:
+            samples = scrape(telemetry_module._telemetry.metrics.registry)
+        finally:
+            stop()
+        sizes = [
+            samples[name]
+            for name in ("batchinfer:kv_cache_num_blocks{}", "batchinfer:kv_cache_bytes{}")
+            if name in samples
+        ]
+        assert sizes == expected
+
+
 def test_a_heartbeat_says_starting_until_the_worker_marks_itself_ready(service):
     heartbeat = Heartbeat(service, WorkerActivity(), model="m", device="auto", host="h", pid=43)
     heartbeat.beat()  # what the thread writes first, while the model loads
