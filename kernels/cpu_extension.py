@@ -7,8 +7,9 @@ AVX512_BF16), ``cpu_kv_store.cpp`` (quantize-on-store of a quantized KV cache), 
 over a GGUF's quantized blocks) and ``cpu_sampling.cpp`` (exponential race), next to this file. The first call
 builds them with :func:`torch.utils.cpp_extension.load`
 (``-O3 -march=native -fno-trapping-math -fopenmp``) into a folder of torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``: :func:`build_directory`) named after the extension; concurrent
-builders wait on torch's file baton. The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``.
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``: :func:`build_directory`) named after the
+extension; concurrent builders wait on an advisory lock, so a builder killed mid-build does not leave the next
+one waiting forever (:func:`_build`). The library registers the Torch ops ``torch.ops.batchinfer_cpu.*``.
 Because ``-march=native`` ties the binary to the CPU, the extension name carries a digest of the CPU's
 feature flags, of the compiler flags, of the Python and torch versions and of the sources, so a shared
 cache never hands one machine another's build or a stale one.
@@ -100,23 +101,43 @@ def load_cpu_kernels() -> bool:
             name = f"batchinfer_cpu_{build_tag()}"
             build_dir = build_directory(name)
             if not _load_built(build_dir / f"{name}.so"):
-                from torch.utils.cpp_extension import load
-
-                build_dir.mkdir(parents=True, exist_ok=True)
-                load(
-                    name=name,
-                    sources=[str(source) for source in _SOURCES],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir),
-                    is_python_module=False,
-                    verbose=False,
-                )
+                _build(name, build_dir)
             _loaded = True
         except Exception as exc:
             logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch paths", exc)
             _loaded = False
     return _loaded
+
+
+def _build(name: str, build_dir: Path) -> None:
+    """Build the library ``name`` in ``build_dir`` with :func:`torch.utils.cpp_extension.load`, one builder at a
+    time.
+
+    torch's baton (the ``lock`` file it creates before building and deletes after) outlives a builder that was
+    killed mid-build (an OOM kill, ``kill -9``), and every later process would wait on it forever. So builders
+    first take an advisory lock (``flock``) on ``build.flock``, which the kernel drops when its holder dies;
+    whoever holds it knows that a ``lock`` still there is a dead builder's, removes it, and builds unless the
+    builder it waited for has just finished.
+    """
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        if _load_built(build_dir / f"{name}.so"):
+            return
+        load(
+            name=name,
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def build_directory(name: str) -> Path:
