@@ -14,7 +14,7 @@ with ``logprobs=2`` to judge near-ties) and from HF's (each prompt alone, batch 
 logprobs; a separate run) under the parity tests' near-tie rule (bench/fidelity.py); both counts must be 0.
 
 Usage: python bench/throughput.py [--num-prompts 64] [--threads 2] [--rounds 3] [--hf-rounds 1] [--skip-hf]
-       [--skip-vllm] [--no-fidelity] [--device cpu] [--dtype float32]   (``--device``/``--dtype``: batchinfer only)
+       [--skip-vllm] [--no-fidelity] [--device cpu] [--dtype float32]   (``--device``/``--dtype``: batchinfer and HF)
 Prints one JSON object per run, then a last line with all the keys together.
 """
 
@@ -62,8 +62,10 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--no-fidelity", action="store_true", help="skip the differing-lines counts")
-    parser.add_argument("--device", default="cpu", help="batchinfer's device (cuda: attention through Triton)")
-    parser.add_argument("--dtype", default="float32", help="batchinfer's dtype (float32, bfloat16, float16)")
+    parser.add_argument(
+        "--device", default="cpu", help="batchinfer's and HF's device (cuda: our attention through Triton)"
+    )
+    parser.add_argument("--dtype", default="float32", help="batchinfer's and HF's dtype (float32, bfloat16, float16)")
     args = parser.parse_args()
     fidelity = not args.no_fidelity
 
@@ -82,7 +84,10 @@ def main() -> None:
         systems["vllm"] = (vllm_reference, vllm)
     if not args.skip_hf:
         # NOTE: no warm-up round for HF (no compilation to pay; each run warms up in-process).
-        systems["hf"] = (lambda: None, python_run("hf_peer.py", *common))
+        systems["hf"] = (
+            lambda: None,
+            python_run("hf_peer.py", *common, f"--device={args.device}", f"--dtype={args.dtype}"),
+        )
     results = alternate(systems, args.rounds, {"hf": args.hf_rounds})
 
     summary: dict[str, Any] = {

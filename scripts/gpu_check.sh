@@ -2,9 +2,10 @@
 # GPU checks (opt-in; needs a CUDA device and the `gpu` extra, i.e. triton==3.7.1):
 #   1. the Triton kernels against their PyTorch twins, natively on CUDA, and the engine's dispatch to them;
 #   2. the engine on CUDA against Hugging Face on the real model, float32 and bfloat16 (`gpu` marker);
-#   3. bench/throughput.py on CUDA in bfloat16 (batchinfer only).
+#   3. bench/throughput.py on CUDA in bfloat16, beside HF `generate` on the same GPU in bfloat16.
 # Prints one JSON object per check and a last summary line; exits non-zero on any mismatch.
 # Usage: ./scripts/gpu_check.sh [--skip-bench]
+#        BATCHINFER_GPU_CHECKS=kernels ./scripts/gpu_check.sh   # only the named checks (comma-separated)
 #        ./scripts/gpu_check.sh --interpret   # check 1's kernel parity only, in Triton's interpreter (no GPU)
 # --interpret runs the comparison step on a CPU so that a test can prove this script fails on a mismatch:
 # BATCHINFER_GPU_CHECK_SELECT narrows it to a pytest -k expression, and BATCHINFER_INJECT_KERNEL_FAULT=1
@@ -39,17 +40,22 @@ run_check() {  # name, command...
     [ $rc -eq 0 ] || tail -n 30 "/tmp/gpu_check_$name.log" >&2
 }
 
+checks=",${BATCHINFER_GPU_CHECKS:-kernels,engine_parity,throughput},"
+[ "${1:-}" = "--skip-bench" ] && checks=${checks/,throughput,/,}
+wanted() { [[ $checks == *",$1,"* ]]; }
+
 if [ $interpret -eq 1 ]; then
     run_check kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
         -k "${BATCHINFER_GPU_CHECK_SELECT:-}"
     printf '{"check": "summary", "ok": %s}\n' "$([ $failed -eq 0 ] && echo true || echo false)"
     exit $failed
 fi
-run_check kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
+wanted kernels && run_check kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
     tests/worker/engine/executor/test_triton_dispatch.py tests/worker/engine/test_triton_engine.py
-run_check engine_parity "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/worker/engine/test_gpu_parity.py
-if [ "${1:-}" != "--skip-bench" ]; then
-    run_check throughput "$PYTHON" bench/throughput.py --skip-hf --skip-vllm --rounds 1 --no-fidelity --device cuda --dtype bfloat16
+wanted engine_parity &&
+    run_check engine_parity "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/worker/engine/test_gpu_parity.py
+if wanted throughput; then
+    run_check throughput "$PYTHON" bench/throughput.py --skip-vllm --rounds 2 --no-fidelity --device cuda --dtype bfloat16
     [ -s /tmp/gpu_check_throughput.log ] && grep '^{' /tmp/gpu_check_throughput.log | tail -n 1
 fi
 printf '{"check": "summary", "ok": %s}\n' "$([ $failed -eq 0 ] && echo true || echo false)"

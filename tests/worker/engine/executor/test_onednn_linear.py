@@ -139,3 +139,19 @@ def test_bfloat16_onednn_runs_on_amx_tiles():
     lines = done.stdout.splitlines()
     matmuls = [line for line in lines if ",exec," in line and ("matmul" in line or "inner_product" in line)]
     assert matmuls and all("amx" in line for line in matmuls), done.stdout[-2000:]
+
+
+def test_a_model_off_the_cpu_never_builds_the_cpu_kernels(monkeypatch):
+    """pack_linear_layers on a model with no CPU parameter (a CUDA worker's; here the meta device) replaces nothing
+    and never asks for the C++ library, whose first use compiles it."""
+    from worker.engine.executor.layers import linear as linear_module
+
+    def build():
+        raise AssertionError("the C++ kernels were asked for")
+
+    monkeypatch.setattr(linear_module, "cpu_kernels_available", build)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+
+    assert linear_module.pack_linear_layers(model) == 0
+    assert all(isinstance(layer, nn.Linear) for layer in model)

@@ -105,7 +105,9 @@ def pack_linear_layers(model: nn.Module) -> int:
     Returns:
         The number of layers replaced.
     """
-    if not cpu_kernels_available():
+    # NOTE: a model on another device (CUDA) never builds the C++ kernels: checking the device first keeps a GPU
+    # worker from compiling a CPU library it would not use.
+    if not any(p.device.type == "cpu" for p in model.parameters()) or not cpu_kernels_available():
         return 0
     dtypes = (torch.float32, torch.bfloat16) if linear_bf16_supported() else (torch.float32,)
     onednn = torch.bfloat16 in dtypes and onednn_bf16_applies()
