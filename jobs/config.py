@@ -80,10 +80,15 @@ class ModelEntry(BaseModel):
         return None if value is None else _check_kv_cache_dtype(value)
 
     @model_validator(mode="after")
-    def _kv_cache_dtype_of_a_generate_model(self) -> ModelEntry:
-        # NOTE: refused rather than ignored, as a misspelt key is: an embedding model has no KV cache.
+    def _generate_model_settings(self) -> ModelEntry:
+        # NOTE: refused rather than ignored, as a misspelt key is: an embedding model has no KV cache, and the
+        # embedding engine runs its weights unquantized (docs/engine.md, "Embeddings").
         if self.kind == "embed" and self.kv_cache_dtype is not None:
             raise ValueError("kv_cache_dtype is a generate model's (an embed model has no KV cache)")
+        if self.kind == "embed" and self.quantization not in (None, "none"):
+            raise ValueError(
+                f"quantization {self.quantization!r} is a generate model's (an embed model's weights are not quantized)"
+            )
         return self
 
 

@@ -122,6 +122,7 @@ def test_each_model_gets_its_own_or_the_deployments_quantization_and_kv_cache_dt
         {"a": {"source": "x", "kv_cache_dtype": "int2"}},
         {"a": {"source": "x", "kv_cache_dtyp": "int8"}},  # a misspelt key is refused, not ignored
         {"a": {"source": "x", "kind": "embed", "kv_cache_dtype": "int8"}},  # an embedder has no KV cache
+        {"a": {"source": "x", "kind": "embed", "quantization": "int8"}},  # nor quantized weights
     ],
 )
 def test_bad_model_lists_are_refused(monkeypatch: pytest.MonkeyPatch, models: dict[str, object]) -> None:
