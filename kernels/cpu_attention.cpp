@@ -52,6 +52,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_exp.h"
 #include "cpu_lanes.h"
 
@@ -63,6 +64,7 @@ using batchinfer_kernels::lane_sum;
 using batchinfer_kernels::load8;
 using batchinfer_kernels::store8;
 using batchinfer_kernels::vec8;
+using batchinfer_kernels::widen_bf16;
 
 constexpr int64_t kTile = 8;  // positions scored together
 
@@ -89,12 +91,7 @@ struct Bf16 {
   uint16_t bits;
 };
 inline float to_float(float x) { return x; }
-inline float to_float(Bf16 x) {
-  const uint32_t wide = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+inline float to_float(Bf16 x) { return widen_bf16(x.bits); }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(Fp8 x) { return kFp8Table.value[x.bits]; }
 // Whether a cache element type carries float32 scales per (token, KV head, group of channels).

@@ -36,6 +36,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_exp.h"
 #include "cpu_lanes.h"
 
@@ -44,27 +45,13 @@ namespace {
 using batchinfer_kernels::exp_clamped;
 using batchinfer_kernels::lane_sum;
 using batchinfer_kernels::load8;
+using batchinfer_kernels::round_bf16;
 using batchinfer_kernels::store8;
 using batchinfer_kernels::vec16;
 using batchinfer_kernels::vec8;
+using batchinfer_kernels::widen_bf16;
 
 constexpr int64_t kLanes = 16;
-
-// bfloat16 as its 16 bits: widening is exact (the bits become the high half of a float32); narrowing rounds to
-// nearest even, NaN to a quiet NaN (c10::BFloat16's round_to_nearest_even).
-inline float widen_bf16(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-
-inline uint16_t round_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 inline void widen_row(const uint16_t* __restrict src, int64_t n, float* __restrict dst) {
 #pragma omp simd

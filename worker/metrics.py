@@ -86,10 +86,12 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = [model_name]
 
+        def gauge_family(name: str, documentation: str, mode: Literal["livesum", "livemax"]) -> Gauge:
+            """The gauge, not yet labelled: its model's sample appears once set (`gauge` labels it, showing 0 at once)."""
+            return Gauge(PREFIX + name, documentation, ["model_name"], registry=self.registry, multiprocess_mode=mode)
+
         def gauge(name: str, documentation: str, mode: Literal["livesum", "livemax"]) -> Any:
-            return Gauge(
-                PREFIX + name, documentation, ["model_name"], registry=self.registry, multiprocess_mode=mode
-            ).labels(*labels)
+            return gauge_family(name, documentation, mode).labels(*labels)
 
         def counter(name: str, documentation: str) -> Any:
             return Counter(PREFIX + name, documentation, ["model_name"], registry=self.registry).labels(*labels)
@@ -108,19 +110,9 @@ class EngineMetrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "livemax")
         # NOTE: the size gauges get their model's sample only once an engine with a KV cache reports one: an
         # embedding model's worker shows none (as /v1/workers shows null), not a size of 0.
-        self._kv_cache_num_blocks = Gauge(
-            PREFIX + "kv_cache_num_blocks",
-            "KV-cache size in blocks.",
-            ["model_name"],
-            registry=self.registry,
-            multiprocess_mode="livesum",
-        )
-        self._kv_cache_bytes = Gauge(
-            PREFIX + "kv_cache_bytes",
-            "KV-cache size in bytes (all layers, K and V, scales included).",
-            ["model_name"],
-            registry=self.registry,
-            multiprocess_mode="livesum",
+        self._kv_cache_num_blocks = gauge_family("kv_cache_num_blocks", "KV-cache size in blocks.", "livesum")
+        self._kv_cache_bytes = gauge_family(
+            "kv_cache_bytes", "KV-cache size in bytes (all layers, K and V, scales included).", "livesum"
         )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."

@@ -47,10 +47,13 @@ def _port(base_url: str) -> int:
     return port
 
 
-def _upload_head(secret: str | None, *, content_length: int, path: str = "/v1/files") -> bytes:
+def _upload_head(
+    secret: str | None, *, content_length: int, path: str = "/v1/files", expect_continue: bool = False
+) -> bytes:
     authorization = f"Authorization: Bearer {secret}\r\n" if secret else ""
+    expect = "Expect: 100-continue\r\n" if expect_continue else ""
     return (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{authorization}"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{authorization}{expect}"
         f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nContent-Length: {content_length}\r\n\r\n"
     ).encode()
 
@@ -62,10 +65,39 @@ def _stalled_upload(port: int, secret: str | None, *, content_length: int = 100_
     return sock
 
 
+def _read_continue(sock: socket.socket, timeout_s: float) -> None:
+    """Read the server's ``100 Continue`` (and nothing after it) from ``sock``; fail on any other answer."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1)
+        assert chunk, f"the connection closed before a 100 Continue: {data!r}"
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 100 "), f"the upload was answered instead of continued: {data!r}"
+
+
 @contextmanager
 def _stalled_uploads(port: int, secret: str, count: int) -> Iterator[list[socket.socket]]:
+    """``count`` uploads of ``secret`` that each hold an upload slot, sent the start of their body, and
+    then nothing.
+
+    Each asks before its body (``Expect: 100-continue``) and sends the start of it once the server
+    answered ``100 Continue``: uvicorn answers when the app first reads the body, and
+    `api.limits.RequestBodies` reads it only after it took the upload's slot. So when the block starts,
+    the server holds every one of their slots, and a request made in it races none of them (a request
+    sent right after a plain stalled upload could take the slot first, while the stalled one's key was
+    still being looked up). All send their headers first, then wait, so the setting up takes one lookup's
+    time, not ``count``.
+    """
     with ExitStack() as stack:
-        yield [stack.enter_context(_stalled_upload(port, secret)) for _ in range(count)]
+        socks = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30)) for _ in range(count)]
+        for sock in socks:
+            sock.sendall(_upload_head(secret, content_length=100_000, expect_continue=True))
+        for sock in socks:
+            _read_continue(sock, timeout_s=30)
+        for sock in socks:
+            sock.sendall(FILE_HEAD + jsonl([chat_line("a")]))
+        yield socks
 
 
 def _read_response(sock: socket.socket, timeout_s: float) -> tuple[int, dict[str, str], dict[str, Any]]:
@@ -103,20 +135,13 @@ def _p99(latencies: list[float]) -> float:
     return sorted(latencies)[math.ceil(0.99 * len(latencies)) - 1]
 
 
-def _wait_until_held(client: httpx.Client, secret: str, timeout_s: float) -> httpx.Response:
-    """Upload as ``secret`` until the answer is a 429 (or ``timeout_s`` passed): the stalled uploads then
-    hold their slots in the body phase (the earlier, successful tries hold none afterwards)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        response = client.post(
-            "/v1/files",
-            files={"file": ("probe.jsonl", jsonl([chat_line("p")]))},
-            data={"purpose": "batch"},
-            headers={"Authorization": f"Bearer {secret}"},
-        )
-        if response.status_code == 429 or time.monotonic() > deadline:
-            return response
-        time.sleep(0.05)
+def _upload(client: httpx.Client, secret: str) -> httpx.Response:
+    return client.post(
+        "/v1/files",
+        files={"file": ("probe.jsonl", jsonl([chat_line("p")]))},
+        data={"purpose": "batch"},
+        headers={"Authorization": f"Bearer {secret}"},
+    )
 
 
 @pytest.mark.parametrize("service_settings", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
@@ -144,7 +169,7 @@ def test_64_stalled_uploads_leave_every_route_answering_and_are_cut_off_after_th
         assert client.get("/v1/models", headers=bob_headers).status_code == 200  # warm: imports, pool
         with _stalled_uploads(port, alice, 64) as stalled:
             stalled_at = time.monotonic()
-            refused = _wait_until_held(client, alice, timeout_s=read_timeout_s / 2)
+            refused = _upload(client, alice)  # the 64 stalled ones hold all of alice's slots
             assert refused.status_code == 429, refused.text
             assert "BATCHINFER_MAX_CONCURRENT_UPLOADS_PER_KEY" in refused.json()["error"]["message"]
 
@@ -234,14 +259,14 @@ def test_concurrent_uploads_are_capped_per_key_and_in_all_with_a_429_and_retry_a
     with serve_http(settings) as base_url, httpx.Client(base_url=base_url, timeout=10) as client:
         port = _port(base_url)
         with _stalled_uploads(port, alice, 2):
-            per_key = _wait_until_held(client, alice, timeout_s=5)
+            per_key = post(client, alice)  # the 2 stalled ones hold both of alice's slots
             assert per_key.status_code == 429 and per_key.headers["retry-after"] == "5"
             assert per_key.json()["error"]["type"] == "requests"
             assert per_key.json()["error"]["code"] == "rate_limit_exceeded"
             assert "BATCHINFER_MAX_CONCURRENT_UPLOADS_PER_KEY" in per_key.json()["error"]["message"]
             assert post(client, bob).status_code == 200  # bob's key has its own slots
             with _stalled_uploads(port, bob, 1):
-                in_all = _wait_until_held(client, bob, timeout_s=5)  # bob holds 1 of his 2: the cap in all
+                in_all = post(client, bob)  # bob holds 1 of his 2: the cap in all
                 assert in_all.status_code == 429 and in_all.headers["retry-after"] == "5"
                 assert "(BATCHINFER_MAX_CONCURRENT_UPLOADS," in in_all.json()["error"]["message"]
                 assert client.get("/v1/files", headers={"Authorization": f"Bearer {bob}"}).status_code == 200

@@ -246,7 +246,21 @@ class LlamaAttention(nn.Module):
         qk = self.rotary_emb(positions, qk)
         query, key = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention_forward(
+        out = self.attend(query, key, value, kv_cache, attn_metadata)
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+        return projected
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """:func:`paged_attention_forward` with this layer's scale, sliding window and logits soft cap (its
+        :meth:`forward` and :class:`FusedCpuLayer` both attend through it)."""
+        return paged_attention_forward(
             query,
             key,
             value,
@@ -256,8 +270,6 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
-        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -377,7 +389,7 @@ class FusedCpuLayer:
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """:meth:`LlamaDecoderLayer.forward`, the attention itself through :func:`paged_attention_forward`."""
+        """:meth:`LlamaDecoderLayer.forward`, the attention itself through :meth:`LlamaAttention.attend`."""
         num_tokens, head_size, qkv = hidden_states.shape[0], self.head_size, self.qkv
         heads, kv_heads = self.num_heads, self.num_kv_heads
         rotated = decoder_attention_input_cpu(
@@ -394,15 +406,12 @@ class FusedCpuLayer:
             heads + kv_heads,
             head_size,
         ).view(num_tokens, -1, head_size)
-        out = paged_attention_forward(
+        out = attention.attend(
             rotated[:, :heads],
             rotated[:, heads : heads + kv_heads],
             rotated[:, heads + kv_heads :],
             kv_cache,
             attn_metadata,
-            attention.scale,
-            sliding_window=attention.sliding_window,
-            logits_soft_cap=attention.logits_soft_cap,
         )
         o, gate_up, down = self.o, self.gate_up, self.down
         return decoder_attention_output_mlp_cpu(
