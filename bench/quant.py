@@ -4,7 +4,8 @@ docs/engine.md, "Quantized weights". Settings (``--settings``): ``int8`` (weight
 GGUF's own Q4_1/Q8_0 blocks, float32 activations: weight-only), ``q4-q8act`` (the same blocks, activations
 quantized to int8 per block of 32 and integer dots, llama.cpp's design; under the quality bar, so not a default) and
 ``bf16`` (unquantized bfloat16 weights and KV cache on the AVX512_BF16 kernels: the dtype a user of such a CPU
-runs; not a quantized setting, so never ``mixed_best``). Every measurement runs in its own
+runs; not a quantized setting, so never ``mixed_best``) and ``q4-bf16`` (a bfloat16 engine over the GGUF's Q4_1 blocks,
+bfloat16 activations on ``vdpbf16ps``, kernels/cpu_q4_bf16.cpp; the Q8_0 LM head stays bfloat16). Every measurement runs in its own
 process, alternated (bench/rounds.py): one warm-up round, then ``--rounds`` rounds of batch-1 decode
 (``--b1-tokens`` greedy tokens after a 32-token HumanEval prompt) for fp32, each setting and llama.cpp
 (llama-cpp-python in bench/.llamacpp-venv from bench/setup_llamacpp.sh, same GGUF, same threads, its high-level
@@ -108,8 +109,9 @@ SETTINGS = {  # bench name -> (engine quantization, q4 activations quantized to 
     "q4": ("q4", False, "float32"),
     "q4-q8act": ("q4", True, "float32"),
     "bf16": ("none", False, "bfloat16"),
+    "q4-bf16": ("q4", False, "bfloat16"),
 }
-QUANTIZED = ("int8", "q4", "q4-q8act")  # the settings "the best quantized setting" is chosen from
+QUANTIZED = ("int8", "q4", "q4-q8act", "q4-bf16")  # the settings "the best quantized setting" is chosen from
 
 
 def _with_setting(name: str, threads: int) -> Any:
