@@ -69,8 +69,9 @@ void check_type(int64_t type) {
 #if defined(__AVX512BF16__)
 
 // Rows of x [M, K] (bfloat16, K a multiple of 32) as pairs per group of up to kMR rows ([K / 2][rows] uint32 at
-// xpack + m * K / 2) and their per-block float32 sums ([nb][rows] at sums + m * nb, summed in k order).
-void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xpack, float* sums) {
+// xpack + m * K / 2) and, with_sums, their per-block float32 sums ([nb][rows] at sums + m * nb; a fixed order per
+// row).
+void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xpack, float* sums, bool with_sums) {
   const int64_t K2 = K / 2, nb = K / kBlock;
   const batchinfer_kernels::RowGroups<kMR> groups(M);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
@@ -82,15 +83,11 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* x
         std::memcpy(&pair, src + 2 * k, sizeof(pair));
         xpack[m * K2 + k * rows + r] = pair;
       }
-      for (int64_t b = 0; b < nb; ++b) {
-        float s = 0.0f;
-        for (int64_t k = 0; k < kBlock; ++k) {
-          const uint32_t bits = static_cast<uint32_t>(src[b * kBlock + k]) << 16;
-          float v;
-          std::memcpy(&v, &bits, sizeof(v));
-          s += v;
-        }
-        sums[m * nb + b * rows + r] = s;
+      for (int64_t b = 0; with_sums && b < nb; ++b) {  // even k in the low half of each dword, odd k in the high half
+        const __m512i block = _mm512_loadu_si512(src + b * kBlock);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(block, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(block, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        sums[m * nb + b * rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
       }
     }
   }
@@ -201,7 +198,7 @@ void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* pa
     Panel panel{std::vector<uint16_t>(nb * 16 * 64), std::vector<float>(nb * kNR), std::vector<float>(nb * kNR)};
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t rows = std::min(row_block, M - m0);
-      pack_rows(x + m0 * ldx, ldx, rows, K, xpack.data(), sums.data());
+      pack_rows(x + m0 * ldx, ldx, rows, K, xpack.data(), sums.data(), T == kQ4_1);
       for (int64_t p = p0; p < p1; ++p) {
         expand_panel<T>(packed + p * panel_bytes, nb, panel);
         const int64_t ncols = std::min(kNR, N - p * kNR);
