@@ -21,7 +21,8 @@
 //
 // Per call, a thread expands each of its panels once into an L2 buffer (bfloat16 integer pairs through one
 // vpermw lookup per 32 weights, d and m widened to float32) and runs every activation row over it, kMR = 6 at a
-// time (6 rows x 32 columns x (output + block accumulator) = 24 of AVX-512's 32 vector registers). Each output
+// time (6 rows x 32 columns x (output + block accumulator) = 24 of AVX-512's 32 vector registers). A call of up
+// to kDirectRows rows (decode at small batches) skips the buffer and expands the same values in registers. Each output
 // element is the same chain in the same order whatever the number of rows (batch invariant): bias, the m s terms
 // block by block, then block by block d times the block's 16-pair chain; rounded to bfloat16 once (nearest even).
 //
@@ -55,6 +56,7 @@ constexpr int64_t kNR = 32;              // output columns per panel
 constexpr int kMR = 6;                   // activation rows per micro-kernel call
 constexpr int64_t kQuantBytes = 512;     // a panel's nibbles for one block: 16 pairs x 32 columns x 2 k / 2
 constexpr int64_t kRowBlockBytes = 1 << 19;  // packed activation rows per pass over the panels (in L2)
+constexpr int64_t kDirectRows = 2 * kMR;  // calls of up to this many rows expand the weights in registers
 
 int64_t raw_block_bytes(int64_t type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 0; }
 
@@ -100,9 +102,9 @@ struct Panel {
   std::vector<float> d, m;       // [nb][32]
 };
 
+// bfloat16 bits of 0..15 (Q4_1) or of -8..7 (Q4_0), indexed by the nibble (vpermw reads an index's low 5 bits).
 template <int64_t T>
-void expand_panel(const uint8_t* packed, int64_t nb, Panel& panel) {
-  // bfloat16 bits of 0..15 (Q4_1) or of -8..7 (Q4_0), indexed by the nibble (vpermw reads an index's low 5 bits).
+inline __m512i nibble_table() {
   alignas(64) uint16_t table[32];
   for (int i = 0; i < 32; ++i) {
     const float v = static_cast<float>(T == kQ4_0 ? (i & 15) - 8 : (i & 15));
@@ -110,30 +112,72 @@ void expand_panel(const uint8_t* packed, int64_t nb, Panel& panel) {
     std::memcpy(&bits, &v, sizeof(bits));
     table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
   }
-  const __m512i lut = _mm512_load_si512(table);
-  const __m512i low = _mm512_set1_epi16(0x0F);
+  return _mm512_load_si512(table);
+}
+
+// Pair row p of a packed block (32 bytes) as the two operands of vdpbf16ps: columns 0-15 and 16-31.
+inline void nibble_pairs(const uint8_t* row, __m512i lut, __m512bh& w0, __m512bh& w1) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)), lut);
+  w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), lut);
+}
+
+inline __m512 half_floats(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int64_t T>
+void expand_panel(const uint8_t* packed, int64_t nb, Panel& panel) {
+  const __m512i lut = nibble_table<T>();
   const int64_t block_bytes = packed_block_bytes(T);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* src = packed + b * block_bytes;
     uint16_t* dst = panel.quants.data() + b * 16 * 64;
     for (int p = 0; p < 16; ++p) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * p)));
-      _mm512_storeu_si512(dst + 64 * p, _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low), lut));
-      _mm512_storeu_si512(dst + 64 * p + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), lut));
+      __m512bh w0, w1;
+      nibble_pairs(src + 32 * p, lut, w0, w1);
+      _mm512_storeu_si512(dst + 64 * p, (__m512i)w0);
+      _mm512_storeu_si512(dst + 64 * p + 32, (__m512i)w1);
     }
-    const auto* scales = reinterpret_cast<const __m256i*>(src + kQuantBytes);
-    _mm512_storeu_ps(panel.d.data() + b * kNR, _mm512_cvtph_ps(_mm256_loadu_si256(scales)));
-    _mm512_storeu_ps(panel.d.data() + b * kNR + 16, _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1)));
-    if constexpr (T == kQ4_1) {
-      _mm512_storeu_ps(panel.m.data() + b * kNR, _mm512_cvtph_ps(_mm256_loadu_si256(scales + 2)));
-      _mm512_storeu_ps(panel.m.data() + b * kNR + 16, _mm512_cvtph_ps(_mm256_loadu_si256(scales + 3)));
+    for (int h = 0; h < 2; ++h) {
+      _mm512_storeu_ps(panel.d.data() + b * kNR + 16 * h, half_floats(src + kQuantBytes + 32 * h));
+      if constexpr (T == kQ4_1) {
+        _mm512_storeu_ps(panel.m.data() + b * kNR + 16 * h, half_floats(src + kQuantBytes + 64 + 32 * h));
+      }
     }
   }
 }
 
-// y[r, 0:ncols] for MR rows (x pairs [K2][MR], sums [nb][MR]) over one expanded panel.
-template <int64_t T, int MR>
-inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict sums, const Panel& panel, int64_t nb,
+// A panel's weights as the micro-kernel reads them: from the expanded buffer (calls of many rows) ...
+struct ExpandedWeights {
+  const Panel& panel;
+  void pairs(int64_t b, int p, __m512bh& w0, __m512bh& w1) const {
+    const uint16_t* at = panel.quants.data() + (b * 16 + p) * 64;
+    w0 = (__m512bh)_mm512_loadu_si512(at);
+    w1 = (__m512bh)_mm512_loadu_si512(at + 32);
+  }
+  __m512 d(int64_t b, int h) const { return _mm512_loadu_ps(panel.d.data() + b * kNR + 16 * h); }
+  __m512 m(int64_t b, int h) const { return _mm512_loadu_ps(panel.m.data() + b * kNR + 16 * h); }
+};
+
+// ... or expanded in registers from the packed bytes (a call of a few rows: the buffer's stores and loads would
+// cost more than they save). The same values either way, so the same chain.
+template <int64_t T>
+struct DirectWeights {
+  const uint8_t* packed;
+  __m512i lut;
+  void pairs(int64_t b, int p, __m512bh& w0, __m512bh& w1) const {
+    nibble_pairs(packed + b * packed_block_bytes(T) + 32 * p, lut, w0, w1);
+  }
+  __m512 d(int64_t b, int h) const { return half_floats(packed + b * packed_block_bytes(T) + kQuantBytes + 32 * h); }
+  __m512 m(int64_t b, int h) const {
+    return half_floats(packed + b * packed_block_bytes(T) + kQuantBytes + 64 + 32 * h);
+  }
+};
+
+// y[r, 0:ncols] for MR rows (x pairs [K2][MR], sums [nb][MR]) over one panel's weights.
+template <int64_t T, int MR, typename Weights>
+inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict sums, const Weights& weights, int64_t nb,
                          const float* __restrict bias_panel, uint16_t* __restrict y, int64_t ldy, int64_t ncols) {
   __m512 acc0[MR], acc1[MR];
   const __m512 bias0 = _mm512_loadu_ps(bias_panel), bias1 = _mm512_loadu_ps(bias_panel + 16);
@@ -143,7 +187,7 @@ inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict s
   }
   if constexpr (T == kQ4_1) {
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 m0 = _mm512_loadu_ps(panel.m.data() + b * kNR), m1 = _mm512_loadu_ps(panel.m.data() + b * kNR + 16);
+      const __m512 m0 = weights.m(b, 0), m1 = weights.m(b, 1);
       for (int r = 0; r < MR; ++r) {
         const __m512 s = _mm512_set1_ps(sums[b * MR + r]);
         acc0[r] = _mm512_fmadd_ps(m0, s, acc0[r]);
@@ -151,21 +195,20 @@ inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict s
       }
     }
   }
-  const uint16_t* quants = panel.quants.data();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 g0[MR], g1[MR];
     for (int r = 0; r < MR; ++r) g0[r] = g1[r] = _mm512_setzero_ps();
     for (int p = 0; p < 16; ++p) {
       const int64_t k = b * 16 + p;
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(quants + k * 64);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(quants + k * 64 + 32);
+      __m512bh w0, w1;
+      weights.pairs(b, p, w0, w1);
       for (int r = 0; r < MR; ++r) {
         const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[k * MR + r]));
         g0[r] = _mm512_dpbf16_ps(g0[r], w0, xs);
         g1[r] = _mm512_dpbf16_ps(g1[r], w1, xs);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(panel.d.data() + b * kNR), d1 = _mm512_loadu_ps(panel.d.data() + b * kNR + 16);
+    const __m512 d0 = weights.d(b, 0), d1 = weights.d(b, 1);
     for (int r = 0; r < MR; ++r) {
       acc0[r] = _mm512_fmadd_ps(g0[r], d0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(g1[r], d1, acc1[r]);
@@ -185,6 +228,18 @@ inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict s
   }
 }
 
+template <int64_t T, typename Weights>
+void panel_rows(const uint32_t* xpack, const float* sums, int64_t rows, int64_t K2, int64_t nb, const Weights& weights,
+                const float* bias_panel, uint16_t* y, int64_t ldy, int64_t ncols) {
+  const batchinfer_kernels::RowGroups<kMR> groups(rows);
+  for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
+    batchinfer_kernels::with_rows<kMR>(groups.size(g), [&](auto r) {
+      micro_kernel<T, decltype(r)::value>(xpack + m * K2, sums + m * nb, weights, nb, bias_panel, y + m * ldy, ldy,
+                                          ncols);
+    });
+  }
+}
+
 template <int64_t T>
 void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias,
          uint16_t* y) {
@@ -195,21 +250,24 @@ void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* pa
     const int64_t max_rows = std::min(row_block, M);
     std::vector<uint32_t> xpack(max_rows * K2);
     std::vector<float> sums(max_rows * nb);
-    Panel panel{std::vector<uint16_t>(nb * 16 * 64), std::vector<float>(nb * kNR), std::vector<float>(nb * kNR)};
+    const bool direct = M <= kDirectRows;
+    const __m512i lut = nibble_table<T>();
+    Panel panel;
+    if (!direct) panel = Panel{std::vector<uint16_t>(nb * 16 * 64), std::vector<float>(nb * kNR), std::vector<float>(nb * kNR)};
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t rows = std::min(row_block, M - m0);
       pack_rows(x + m0 * ldx, ldx, rows, K, xpack.data(), sums.data(), T == kQ4_1);
       for (int64_t p = p0; p < p1; ++p) {
-        expand_panel<T>(packed + p * panel_bytes, nb, panel);
         const int64_t ncols = std::min(kNR, N - p * kNR);
         float bias_panel[kNR] = {};
         if (bias != nullptr) std::memcpy(bias_panel, bias + p * kNR, ncols * sizeof(float));
-        const batchinfer_kernels::RowGroups<kMR> groups(rows);
-        for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
-          batchinfer_kernels::with_rows<kMR>(groups.size(g), [&](auto r) {
-            micro_kernel<T, decltype(r)::value>(xpack.data() + m * K2, sums.data() + m * nb, panel, nb, bias_panel,
-                                                y + (m0 + m) * N + p * kNR, N, ncols);
-          });
+        uint16_t* out = y + m0 * N + p * kNR;
+        if (direct) {
+          const DirectWeights<T> weights{packed + p * panel_bytes, lut};
+          panel_rows<T>(xpack.data(), sums.data(), rows, K2, nb, weights, bias_panel, out, N, ncols);
+        } else {
+          expand_panel<T>(packed + p * panel_bytes, nb, panel);
+          panel_rows<T>(xpack.data(), sums.data(), rows, K2, nb, ExpandedWeights{panel}, bias_panel, out, N, ncols);
         }
       }
     }
