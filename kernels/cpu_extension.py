@@ -4,7 +4,8 @@ Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_varlen_attention.cpp`` (
 over packed sequences, for encoders), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, GELU, rotary
 embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer), ``cpu_gemm_bf16.cpp`` (its bfloat16 twin on
 AVX512_BF16), ``cpu_kv_store.cpp`` (quantize-on-store of a quantized KV cache), ``cpu_q4.cpp`` (linear layer
-over a GGUF's quantized blocks) and ``cpu_sampling.cpp`` (exponential race), next to this file. The first call
+over a GGUF's quantized blocks), ``cpu_q4_bf16.cpp`` (Q4 blocks with bfloat16 activations on AVX512_BF16) and
+``cpu_sampling.cpp`` (exponential race), next to this file. The first call
 builds them with :func:`torch.utils.cpp_extension.load`
 (``-O3 -march=native -fno-trapping-math -fopenmp``) into a folder of torch's extension cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``: :func:`build_directory`) named after the
@@ -48,6 +49,7 @@ _SOURCES = [
         "cpu_gemm_bf16.cpp",
         "cpu_kv_store.cpp",
         "cpu_q4.cpp",
+        "cpu_q4_bf16.cpp",
         "cpu_sampling.cpp",
         "cpu_varlen_attention.cpp",
     )

@@ -87,3 +87,70 @@ def linear_gguf(
         x if flat else x.reshape(-1, x.shape[-1]), blocks, block_type, out_features, bias, quantize_activations, isa
     )
     return out if flat else out.view(*x.shape[:-1], out_features)
+
+
+GGUF_BF16_BLOCK_TYPES = (2, 3)  # ggml type ids with a bfloat16-activation kernel: Q4_0, Q4_1
+
+
+def gguf_bf16_supported() -> bool:
+    """Whether this build has the bfloat16-activation Q4 kernel (``cpu_q4_bf16.cpp``: the CPU has AVX512_BF16).
+
+    Raises:
+        RuntimeError: when the kernels are unavailable.
+    """
+    require_cpu_kernels()
+    supported: bool = torch.ops.batchinfer_cpu.gguf_linear_bf16_supported()
+    return supported
+
+
+def gguf_pack_bf16(blocks: torch.Tensor, block_type: int, in_features: int) -> torch.Tensor:
+    """Regroup Q4_0 / Q4_1 blocks for :func:`linear_gguf_bf16`: panels of 32 output columns, per block of 32 inputs
+    the nibbles of each pair of inputs side by side (the operand layout of ``vdpbf16ps``), then the columns' float16
+    ``d`` (and ``m`` for Q4_1). Same bits a weight as the file (4.5 for Q4_0, 5 for Q4_1); layout in
+    ``cpu_q4_bf16.cpp``.
+
+    Args:
+        blocks: uint8 ``[out_features, in_features / 32 * GGUF_BLOCK_BYTES[block_type]]`` in ggml's layout.
+        block_type: 2 (Q4_0) or 3 (Q4_1).
+        in_features: a positive multiple of 32.
+
+    Returns:
+        uint8 contiguous ``[ceil(out_features / 32), in_features / 32, 576 (Q4_0) or 640 (Q4_1)]``.
+
+    Raises:
+        RuntimeError: without AVX512_BF16 (named), on another block type, or on mismatched shapes.
+    """
+    require_cpu_kernels()
+    packed: torch.Tensor = torch.ops.batchinfer_cpu.gguf_pack_bf16(blocks, block_type, in_features)
+    return packed
+
+
+def linear_gguf_bf16(
+    x: torch.Tensor, packed: torch.Tensor, block_type: int, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` in bfloat16 with ``W`` Q4_0 / Q4_1 blocks packed by :func:`gguf_pack_bf16`.
+
+    Each output is a float32 sum: the bias, for Q4_1 the blocks' ``m`` times the sums of their 32 activations, then
+    block by block ``d`` times the block's dot of the activations with the integer quants (``vdpbf16ps``: the
+    weights enter exactly, only the activations are bfloat16), in the same order whatever the number of rows
+    (batch invariant), rounded to bfloat16 once. Reference: :func:`kernels.reference.linear_gguf_bf16_reference`.
+
+    Args:
+        x: bfloat16 CPU ``[..., in_features]`` with unit stride in the last dimension.
+        packed: from :func:`gguf_pack_bf16` with the same ``block_type``.
+        block_type: 2 (Q4_0) or 3 (Q4_1).
+        out_features: rows of the weight.
+        bias: optional ``[out_features]`` (any float dtype; added in float32).
+
+    Returns:
+        bfloat16 contiguous ``[..., out_features]``.
+
+    Raises:
+        RuntimeError: without AVX512_BF16 (named), on another block type, or on mismatched shapes or dtypes.
+    """
+    require_cpu_kernels()
+    flat = x.dim() == 2
+    out: torch.Tensor = torch.ops.batchinfer_cpu.gguf_linear_bf16(
+        x if flat else x.reshape(-1, x.shape[-1]), packed, block_type, out_features, bias
+    )
+    return out if flat else out.view(*x.shape[:-1], out_features)

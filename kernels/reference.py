@@ -457,6 +457,33 @@ def linear_gguf_reference(
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def linear_gguf_bf16_reference(
+    x: torch.Tensor, blocks: torch.Tensor, block_type: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Twin of :func:`kernels.cpu_q4.linear_gguf_bf16`: the bfloat16 activations and the Q4 weight (``d q + m``,
+    from its float16 ``d`` and ``m``) both exact in float64, the float64 linear plus the bias, rounded to bfloat16
+    once. The kernel's float32 sums differ from it by float32 rounding only.
+
+    Args:
+        x: bfloat16 ``[rows, in_features]``; blocks, block_type: as :func:`dequantize_gguf_blocks` (Q4_0 or Q4_1);
+            bias: optional ``[out_features]``.
+
+    Returns:
+        bfloat16 ``[rows, out_features]``.
+    """
+    sizes = {2: 18, 3: 20}
+    rows = blocks.shape[0]
+    raw = blocks.reshape(rows, -1, sizes[block_type])
+    d = raw[..., :2].contiguous().view(torch.float16).double()
+    qs = raw[..., 4:] if block_type == 3 else raw[..., 2:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).double()
+    offset = raw[..., 2:4].contiguous().view(torch.float16).double() if block_type == 3 else -8 * d
+    out = x.double() @ (d * q + offset).reshape(rows, -1).T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(torch.bfloat16)
+
+
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """Quantize a float weight to GGUF Q8_0 blocks (llama.cpp's ``quantize_row_q8_0_ref``): int8 with one scale
     per group of 32 weights along ``in_features``, ``d = max|x| / 127``, ``q = round(x / d)``, ``d`` float16.

@@ -48,7 +48,8 @@ class EngineConfig:
     ``enable_jump_forward`` appends the tokens a grammar forces (keys, punctuation, the rest of an enum value)
     without a forward pass each (jump-forward decoding); the model computes them in one extend.
     ``quantization`` is ``"none"``, ``"int8"`` (weight-only int8 linear layers on CPU float32) or ``"q4"`` (the
-    folder's GGUF blocks, else Q4_1 made at load; docs/engine.md, "Quantized weights"). ``kv_cache_dtype`` is ``"auto"`` (the KV cache
+    folder's GGUF blocks, else Q4_1 made at load; float32, or bfloat16 on a CPU with AVX512_BF16; docs/engine.md,
+    "Quantized weights"). ``kv_cache_dtype`` is ``"auto"`` (the KV cache
     in ``dtype``), ``"int8"`` or ``"fp8_e4m3"`` (vLLM's ``"fp8"`` is an alias, stored canonical): one byte per
     element plus a float32 scale per (token, KV head), so ``kv_cache_memory_bytes`` holds more blocks
     (docs/engine.md, "Quantized KV cache"). ``prepared_weights_dir``, when set, caches a float32 CPU model's

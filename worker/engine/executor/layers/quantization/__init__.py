@@ -2,7 +2,8 @@
 
 ``quantization`` (engine config, ``BATCHINFER_QUANTIZATION``) is ``"none"`` (weights in the compute dtype),
 ``"int8"`` (:mod:`.int8`: weight-only int8 with per-output-channel scales, float32 activations) or ``"q4"``
-(:mod:`.q4`: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, or Q4_1 made at load from an HF folder).
+(:mod:`.q4`: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, or Q4_1 made at load from an HF folder; float32 models, or
+bfloat16 ones on a CPU with AVX512_BF16).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ the same file dequantized to float32). The LM head follows the file too: its ``o
 F32; an embedding reads one row a token). A folder without a GGUF is quantized to Q4_1 at load
 (:func:`kernels.reference.quantize_q4_1`); its LM head then stays float32. docs/engine.md, "Quantized weights".
 
+A bfloat16 model (on a CPU with AVX512_BF16) gets :class:`GGUFLinearBF16` instead for Q4_0 / Q4_1 tensors: the same
+blocks regrouped at load for :func:`kernels.cpu_q4.linear_gguf_bf16` (bfloat16 activations, the integer quants
+exact in ``vdpbf16ps``); a Q8_0 tensor there (SmolLM2's LM head) keeps the model's bfloat16 layer.
+
 llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` per head for its RoPE layout; rows are whole
 blocks, so they are put back in Hugging Face order by indexing rows, the blocks untouched.
 """
@@ -23,7 +27,17 @@ import torch
 from torch import nn
 
 from kernels.cpu_extension import cpu_kernels_available
-from kernels.cpu_q4 import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUF_BLOCK_TYPES, gguf_kernel_isa, linear_gguf
+from kernels.cpu_q4 import (
+    GGUF_BF16_BLOCK_TYPES,
+    GGUF_BLOCK_BYTES,
+    GGUF_BLOCK_SIZE,
+    GGUF_BLOCK_TYPES,
+    gguf_bf16_supported,
+    gguf_kernel_isa,
+    gguf_pack_bf16,
+    linear_gguf,
+    linear_gguf_bf16,
+)
 from kernels.reference import quantize_q4_1
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types whose layers stay float32 (as the HF folder loaded them)
@@ -56,6 +70,41 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
         return linear_gguf(x, self.blocks, self.block_type, self.out_features, bias, self.quantize_activations)
+
+
+class GGUFLinearBF16(nn.Module):
+    """``nn.Linear`` inference twin for bfloat16 models over Q4_0 / Q4_1 blocks: ``[..., in_features] ->
+    [..., out_features]`` bfloat16.
+
+    ``blocks`` uint8 ``[out_features, in_features / 32 * block_bytes]`` in ggml's layout are regrouped once
+    (:func:`kernels.cpu_q4.gguf_pack_bf16`, the same bits a weight) into ``packed_blocks``; ``forward`` runs
+    :func:`kernels.cpu_q4.linear_gguf_bf16` (float32 accumulation, rounded to bfloat16 once, batch invariant).
+    It offers no ``cpu_kernel_weight``: the fused decoder-layer kernels take float32 activations only.
+    """
+
+    def __init__(self, blocks: torch.Tensor, block_type: int, in_features: int, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.block_type = block_type
+        self.packed_blocks = nn.Buffer(gguf_pack_bf16(blocks, block_type, in_features), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.detach()
+        return linear_gguf_bf16(x, self.packed_blocks, self.block_type, self.out_features, bias)
+
+
+def _block_linear(
+    dtype: torch.dtype, blocks: torch.Tensor, block_type: int, in_features: int, bias: nn.Parameter | None
+) -> nn.Module | None:
+    """The layer over ``blocks`` for a model of ``dtype``: :class:`GGUFLinear` (float32), :class:`GGUFLinearBF16`
+    (bfloat16, Q4_0 / Q4_1), or ``None`` (bfloat16 and another block type: the model's bfloat16 layer stays)."""
+    if dtype == torch.float32:
+        return GGUFLinear(blocks, block_type, in_features, bias)
+    if block_type in GGUF_BF16_BLOCK_TYPES:
+        return GGUFLinearBF16(blocks, block_type, in_features, bias)
+    return None
 
 
 def find_gguf(model_dir: Path) -> Path | None:
@@ -124,8 +173,8 @@ def quantize_linear_layers_q4(model: nn.Module, gguf_path: Path | None) -> int:
     :func:`~worker.engine.executor.layers.linear.pack_linear_layers` (which packs what stayed float32).
 
     Args:
-        model: a loaded float32 CPU :class:`~worker.engine.executor.models.llama.LlamaForCausalLM` (fused
-            ``qkv_proj`` and ``gate_up_proj``).
+        model: a loaded float32 (or, on a CPU with AVX512_BF16, bfloat16) CPU
+            :class:`~worker.engine.executor.models.llama.LlamaForCausalLM` (fused ``qkv_proj`` and ``gate_up_proj``).
         gguf_path: the GGUF the model folder was converted from (blocks used as they are); ``None``: quantize
             the float32 weights to Q4_1 at load.
 
@@ -133,20 +182,28 @@ def quantize_linear_layers_q4(model: nn.Module, gguf_path: Path | None) -> int:
         The number of layers replaced.
 
     Raises:
-        ValueError: when q4 cannot run here (kernels unavailable, or the CPU lacks AVX2/FMA/F16C, named); a
-            weight not float32 on CPU; a GGUF tensor of a type not served, absent or mis-shaped (named); a
-            corrupt GGUF file.
+        ValueError: when q4 cannot run here (kernels unavailable, or the CPU lacks AVX2/FMA/F16C, or
+            AVX512_BF16 for a bfloat16 model, named); a weight not float32 or bfloat16 on CPU; a GGUF tensor of a
+            type not served, absent or mis-shaped (named); a corrupt GGUF file.
     """
     if not cpu_kernels_available():
         raise ValueError("quantization 'q4' needs the C++ CPU kernels, which are unavailable or disabled here")
     if not gguf_kernel_isa():
         raise ValueError("quantization 'q4' needs a CPU with AVX2, FMA and F16C; this one lacks them")
+    dtype = next(model.parameters()).dtype
     for name, param in model.named_parameters():
-        if param.device.type != "cpu" or param.dtype != torch.float32:
-            raise ValueError(f"quantization 'q4' runs float32 models on CPU; {name} is {param.dtype} on {param.device}")
+        if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16) or param.dtype != dtype:
+            raise ValueError(
+                f"quantization 'q4' runs float32 or bfloat16 models on CPU; {name} is {param.dtype} on {param.device}"
+            )
+    if dtype == torch.bfloat16 and not gguf_bf16_supported():
+        raise ValueError(
+            "quantization 'q4' with dtype bfloat16 needs a CPU with AVX512_BF16, which this one (or build) lacks; "
+            "use dtype float32"
+        )
     if gguf_path is None:
-        return _quantize_at_load(model)
-    return _load_gguf_blocks(model, gguf_path)
+        return _quantize_at_load(model, dtype)
+    return _load_gguf_blocks(model, gguf_path, dtype)
 
 
 def _decoder_linears(model: Any) -> list[tuple[int, str, nn.Module, str]]:
@@ -162,16 +219,18 @@ def _decoder_linears(model: Any) -> list[tuple[int, str, nn.Module, str]]:
     return found
 
 
-def _quantize_at_load(model: Any) -> int:
+def _quantize_at_load(model: Any, dtype: torch.dtype) -> int:
     replaced = 0
     for _, attribute, parent, _ in _decoder_linears(model):
         linear = getattr(parent, attribute)
-        setattr(parent, attribute, GGUFLinear(quantize_q4_1(linear.weight), 3, linear.in_features, linear.bias))
+        setattr(
+            parent, attribute, _block_linear(dtype, quantize_q4_1(linear.weight), 3, linear.in_features, linear.bias)
+        )
         replaced += 1
     return replaced
 
 
-def _load_gguf_blocks(model: Any, gguf_path: Path) -> int:
+def _load_gguf_blocks(model: Any, gguf_path: Path, dtype: torch.dtype) -> int:
     tensors = read_gguf_tensors(gguf_path)
     config = model.config
     attention = model.model.layers[0].self_attn
@@ -216,13 +275,15 @@ def _load_gguf_blocks(model: Any, gguf_path: Path) -> int:
         else:
             spec = [(prefix + "ffn_down.weight", (hidden, intermediate), None)]
         found = blocks(spec)
-        if found is not None:
-            linear = getattr(parent, attribute)
-            setattr(parent, attribute, GGUFLinear(found[1], found[0], linear.in_features, linear.bias))
+        linear = getattr(parent, attribute)
+        layer = None if found is None else _block_linear(dtype, found[1], found[0], linear.in_features, linear.bias)
+        if layer is not None:
+            setattr(parent, attribute, layer)
             replaced += 1
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = blocks([(head_name, (config.vocab_size, hidden), None)])
-    if head is not None:
-        model.lm_head = GGUFLinear(head[1], head[0], hidden, model.lm_head.bias)
+    head_layer = None if head is None else _block_linear(dtype, head[1], head[0], hidden, model.lm_head.bias)
+    if head_layer is not None:
+        model.lm_head = head_layer
         replaced += 1
     return replaced

@@ -1,0 +1,143 @@
+"""The bfloat16-activation Q4 linear layer (kernels/cpu_q4_bf16.cpp, AVX512_BF16) against its float64 twin
+(kernels/reference.py), its packed layout, its batch invariance and its refusals.
+
+Blocks come from the ``gguf`` package's own quantizers, so the layout is ggml's. The kernel's weights and
+activations enter its products exactly (integer quants, bfloat16 activations), so it differs from the exact
+float64 result only by float32 rounding in its sums before the one rounding to bfloat16: each output must be
+within one bfloat16 unit of the exact value (one of its two bfloat16 neighbours), plus float32 rounding of the
+sum's terms where the sum nearly cancels.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels.cpu_extension import cpu_flags
+from kernels.cpu_q4 import gguf_bf16_supported, gguf_pack_bf16, linear_gguf_bf16
+from kernels.reference import dequantize_gguf_blocks, linear_gguf_bf16_reference
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the CPU has no AVX512_BF16")
+TYPES = {"Q4_0": 2, "Q4_1": 3}
+
+
+def _blocks(type_name: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(blocks))
+
+
+def _assert_within_one_bf16_unit(out: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, block_type: int, bias):
+    weight = dequantize_gguf_blocks(blocks, block_type).double()
+    exact = x.double() @ weight.T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.abs().T
+    unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    error = (out.double() - exact).abs()
+    assert (error <= unit + 2**-20 * magnitude).all(), (error - unit).max()
+
+
+def test_supported_exactly_when_the_cpu_has_avx512_bf16():
+    assert gguf_bf16_supported() == ("avx512_bf16" in cpu_flags())
+
+
+@pytest.mark.skipif("avx512_bf16" in cpu_flags(), reason="the CPU has AVX512_BF16")
+def test_refused_without_avx512_bf16():
+    with pytest.raises(RuntimeError, match="AVX512_BF16"):
+        gguf_pack_bf16(_blocks("Q4_1", 32, 32), 3, 32)
+
+
+@needs_bf16
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_pack_layout_puts_pairs_of_inputs_per_column_with_the_scales_after(type_name):
+    block_type, out_features, in_features = TYPES[type_name], 37, 64
+    blocks = _blocks(type_name, out_features, in_features)
+
+    packed = gguf_pack_bf16(blocks, block_type, in_features)
+
+    per_block = 640 if block_type == 3 else 576
+    assert packed.shape == (2, 2, per_block) and packed.dtype == torch.uint8
+    raw = blocks.reshape(out_features, 2, 20 if block_type == 3 else 18)
+    quants = raw[..., 4:] if block_type == 3 else raw[..., 2:]
+    nibbles = torch.cat((quants & 0x0F, quants >> 4), dim=-1)  # [n, block, k]
+    for n in range(out_features):
+        panel, c = divmod(n, 32)
+        for b in range(2):
+            for k in range(32):
+                byte = packed[panel, b, (k // 2) * 32 + (c % 16) * 2 + k % 2]
+                got = byte & 0x0F if c < 16 else byte >> 4
+                assert got == nibbles[n, b, k]
+            assert torch.equal(packed[panel, b, 512 + 2 * c : 514 + 2 * c], raw[n, b, :2])  # d
+            if block_type == 3:
+                assert torch.equal(packed[panel, b, 576 + 2 * c : 578 + 2 * c], raw[n, b, 2:4])  # m
+    assert torch.count_nonzero(packed[1, :, 512 + 2 * 5 : 576]) == 0  # columns past out_features are zero
+
+
+@needs_bf16
+@pytest.mark.parametrize("type_name", list(TYPES))
+@pytest.mark.parametrize("num_rows", [0, 1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 96), (64, 32), (960, 576), (70, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_exact_result_within_one_bfloat16_unit(type_name, num_rows, out_features, in_features, with_bias):
+    block_type = TYPES[type_name]
+    blocks = _blocks(type_name, out_features, in_features)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_rows, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+
+    out = linear_gguf_bf16(x, gguf_pack_bf16(blocks, block_type, in_features), block_type, out_features, bias)
+
+    assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    _assert_within_one_bf16_unit(out, x, blocks, block_type, bias)
+    twin = linear_gguf_bf16_reference(x, blocks, block_type, bias)
+    # The twin rounds the exact value once: the kernel equals it except where its float32 sum sits on the other
+    # side of a bfloat16 rounding boundary (a small fraction of outputs).
+    assert (out != twin).sum() <= 0.05 * out.numel()
+
+
+@needs_bf16
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_batch_invariant_bit_for_bit(type_name):
+    block_type = TYPES[type_name]
+    blocks = _blocks(type_name, 100, 576)
+    packed = gguf_pack_bf16(blocks, block_type, 576)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+
+    full = linear_gguf_bf16(x, packed, block_type, 100)
+
+    for rows in ([0], [3, 4], slice(5, 12), slice(0, 13), slice(60, 70)):
+        assert torch.equal(linear_gguf_bf16(x[rows], packed, block_type, 100), full[rows])
+
+
+@needs_bf16
+def test_strided_rows_and_leading_dimensions():
+    blocks = _blocks("Q4_1", 40, 64)
+    packed = gguf_pack_bf16(blocks, 3, 64)
+    x = torch.randn(9, 100).bfloat16()[:, 3:67]
+    x3 = torch.randn(2, 7, 64).bfloat16()
+    assert not x.is_contiguous()
+
+    out, out3 = linear_gguf_bf16(x, packed, 3, 40), linear_gguf_bf16(x3, packed, 3, 40)
+
+    assert torch.equal(out, linear_gguf_bf16(x.contiguous(), packed, 3, 40))
+    assert out3.shape == (2, 7, 40)
+    assert torch.equal(out3.reshape(14, 40), linear_gguf_bf16(x3.reshape(14, 64), packed, 3, 40))
+
+
+@needs_bf16
+def test_refuses_other_block_types_and_mismatched_inputs():
+    blocks = _blocks("Q4_1", 32, 64)
+    with pytest.raises(RuntimeError, match="block type 8 has no bfloat16 kernel"):
+        gguf_pack_bf16(_blocks("Q8_0", 32, 64), 8, 64)
+    with pytest.raises(RuntimeError, match="multiple of the block size 32"):
+        gguf_pack_bf16(blocks, 3, 48)
+    packed = gguf_pack_bf16(blocks, 3, 64)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+        linear_gguf_bf16(torch.randn(2, 64), packed, 3, 32)
+    with pytest.raises(RuntimeError, match="gguf_pack_bf16"):
+        linear_gguf_bf16(torch.randn(2, 96).bfloat16(), packed, 3, 32)
+    with pytest.raises(RuntimeError, match="gguf_pack_bf16"):
+        linear_gguf_bf16(torch.randn(2, 64).bfloat16(), packed, 2, 32)
