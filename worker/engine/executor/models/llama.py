@@ -283,8 +283,9 @@ class LlamaMLP(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class _FusedLinear:
-    """A linear layer as the fused decoder-layer kernels take it: weight, kind (0 packed float32, else a ggml
-    block type id), output features, bias; ``module`` is read for ``quantize_activations`` on every call."""
+    """A linear layer as the fused decoder-layer kernels take it: weight, kind (0 packed float32,
+    ``PACKED_BF16_KIND`` packed bfloat16, else a ggml block type id), output features, bias; ``module`` is read for
+    ``quantize_activations`` on every call where it has one."""
 
     module: nn.Module
     weight: torch.Tensor
@@ -329,6 +330,8 @@ class FusedCpuLayer:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    # the linear modules that can switch to int8 activations (GGUFLinear's quantize_activations), read every call
+    switchable: tuple[nn.Module, ...]
 
     @classmethod
     def of(cls, layer: LlamaDecoderLayer) -> FusedCpuLayer | None:
@@ -370,14 +373,15 @@ class FusedCpuLayer:
             attn.num_kv_heads,
             attn.head_size,
             dtype,
+            tuple(
+                linear.module for linear in (qkv, o, gate_up, down) if hasattr(linear.module, "quantize_activations")
+            ),
         )
 
     def applies(self, hidden_states: torch.Tensor) -> bool:
         """Activations of ``dtype`` everywhere (a ``GGUFLinear`` may have been switched to int8 activations)."""
-        return hidden_states.dtype == self.dtype and not any(
-            getattr(linear.module, "quantize_activations", False)
-            for linear in (self.qkv, self.o, self.gate_up, self.down)
-        )
+        # NOTE: only the switchable modules are asked: a missing attribute costs nn.Module.__getattr__'s slow path.
+        return hidden_states.dtype == self.dtype and not any(module.quantize_activations for module in self.switchable)
 
     def forward(
         self,
