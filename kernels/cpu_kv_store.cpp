@@ -150,6 +150,14 @@ void kv_store(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   auto* cache_ptr = static_cast<char*>(kv_cache.data_ptr());
   const at::Tensor* sources[2] = {&key, &value};
   at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    // The slots are scattered over a cache far larger than the L3, so every destination line is a miss: ask for
+    // them all (for writing) before the copies, so the misses overlap instead of stalling one store after another.
+    for (int64_t half = 0; half < 2; ++half) {
+      for (int64_t t = begin; t < end; ++t) {
+        const char* dst = cache_ptr + (half * num_slots + slots[t]) * token_bytes;
+        for (int64_t line = 0; line < token_bytes; line += 64) __builtin_prefetch(dst + line, 1, 3);
+      }
+    }
     for (int64_t half = 0; half < 2; ++half) {
       const at::Tensor& x = *sources[half];
       const auto* x_ptr = static_cast<const char*>(x.const_data_ptr());
