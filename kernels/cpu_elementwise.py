@@ -2,7 +2,8 @@
 ``silu(gate) * up`` and rotary embeddings applied in place (decoders); the residual add with LayerNorm and
 the bias with exact GELU (encoders). Also a float32 Llama decoder layer in two calls around its attention
 (:func:`decoder_attention_input_cpu`, :func:`decoder_attention_output_mlp_cpu`), which chain these kernels and
-the linear layers' in C++ to spare a small batch the Python and dispatch between them (float32 only). The
+the linear layers' in C++ to spare a batch the Python and dispatch between them (float32, or bfloat16 with packed
+bfloat16 weights). The
 decoder's elementwise ops also take bfloat16 tensors: widened to float32 row by row inside the kernel, computed
 by the same float32 code, and each result rounded to bfloat16 once (the PyTorch bfloat16 expressions round after
 each op, so the two differ by bfloat16 rounding).
@@ -21,6 +22,10 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_extension import require_cpu_kernels
+
+PACKED_BF16_KIND = -1
+"""The ``kind`` of a packed bfloat16 weight (:func:`kernels.cpu_gemm.pack_linear_weight_bf16`) in the fused decoder-layer
+kernels (:func:`decoder_attention_input_cpu`): bfloat16 activations, no ggml block type id is negative."""
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:
@@ -191,17 +196,18 @@ def decoder_attention_input_cpu(
     :func:`rms_norm_cpu`, the linear layer's op and :func:`rotary_embedding_cpu_` one by one (same bits).
 
     Args:
-        x: float32 CPU ``[num_tokens, hidden_size]``, unit stride in the last dimension.
+        x: float32 or bfloat16 CPU ``[num_tokens, hidden_size]``, unit stride in the last dimension.
         norm_weight: float32 ``[hidden_size]`` (Llama's RMSNorm, no unit offset); eps: its epsilon.
         qkv_weight, qkv_kind: the projection's weight: ``kind`` 0 a packed float32 weight
-            (:func:`kernels.cpu_gemm.pack_linear_weight`), else the ggml block type id of GGUF blocks
-            (:func:`kernels.cpu_q4.linear_gguf`, float32 activations).
-        qkv_features: the projection's output features; qkv_bias: optional float32 ``[qkv_features]``.
-        positions, cos, sin: as :func:`rotary_embedding_cpu_` (float32 tables).
+            (:func:`kernels.cpu_gemm.pack_linear_weight`), :data:`PACKED_BF16_KIND` a packed bfloat16 weight
+            (:func:`kernels.cpu_gemm.pack_linear_weight_bf16`, bfloat16 ``x``), else the ggml block type id of GGUF
+            blocks (:func:`kernels.cpu_q4.linear_gguf`, float32 activations).
+        qkv_features: the projection's output features; qkv_bias: optional ``[qkv_features]``.
+        positions, cos, sin: as :func:`rotary_embedding_cpu_` (tables in ``x``'s dtype).
         rotated_heads: heads rotated from the first; head_size: the width of a head.
 
     Returns:
-        float32 contiguous ``[num_tokens, qkv_features]``.
+        contiguous ``[num_tokens, qkv_features]`` in ``x``'s dtype.
 
     Raises:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
@@ -234,14 +240,15 @@ def decoder_attention_output_mlp_cpu(
     (:func:`add_rms_norm_cpu`, :func:`silu_and_mul_cpu` and the linear layers' ops; same bits).
 
     Args:
-        attn: float32 CPU ``[num_tokens, num_heads * head_size]``; residual: float32 ``[num_tokens, hidden_size]``.
+        attn: float32 CPU ``[num_tokens, num_heads * head_size]``; residual: float32 ``[num_tokens, hidden_size]``
+            (both bfloat16 with packed bfloat16 weights).
         o_weight, o_kind, o_bias; gate_up_weight, gate_up_kind, gate_up_bias; down_weight, down_kind, down_bias:
             the three projections as in :func:`decoder_attention_input_cpu` (``o`` and ``down`` output
             ``hidden_size`` features, ``gate_up`` ``gate_up_features``: gate, then up).
         norm_weight, eps: the post-attention RMSNorm.
 
     Returns:
-        float32 contiguous ``[num_tokens, hidden_size]``, the layer's output.
+        contiguous ``[num_tokens, hidden_size]`` in ``residual``'s dtype, the layer's output.
 
     Raises:
         RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.

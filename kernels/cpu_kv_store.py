@@ -1,4 +1,5 @@
-"""C++ quantize-on-store for a quantized paged KV cache on CPUs (source ``cpu_kv_store.cpp`` next to this file,
+"""C++ quantize-on-store for a quantized paged KV cache on CPUs, and the plain store of a float32 or bfloat16 one
+(:func:`kv_store_cpu`) (source ``cpu_kv_store.cpp`` next to this file,
 built with the other CPU kernels by :mod:`kernels.cpu_extension`; check
 :func:`kernels.cpu_extension.cpu_kernels_available` first).
 
@@ -50,3 +51,21 @@ def quantize_kv_store_cpu(
     stored = (torch.empty(key.shape, dtype=torch.float32), torch.empty(value.shape, dtype=torch.float32))
     torch.ops.batchinfer_cpu.quantize_kv_store_(data, scales, key, value, slot_mapping, *stored)
     return stored
+
+
+def kv_store_cpu(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``key`` and ``value`` at their slots of a float32 or bfloat16 cache, each (token, KV head) row copied as
+    it is: ``kv_cache.view(2, -1, num_kv_heads, head_size)[0].index_copy_(0, slot_mapping, key)`` and ``[1]`` with
+    ``value`` (its twin), without the indexed copy's per-call cost.
+
+    Args:
+        kv_cache: contiguous float32 or bfloat16 ``[2, num_blocks, block_size, num_kv_heads, head_size]``; mutated.
+        key, value: ``[num_tokens, num_kv_heads, head_size]`` in the cache's dtype, unit stride in the last
+            dimension (strided views of a fused projection are fine).
+        slot_mapping: contiguous int64 ``[num_tokens]`` of distinct slots in ``[0, num_blocks * block_size)``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on bad shapes, dtypes, strides or slots.
+    """
+    require_cpu_kernels()
+    torch.ops.batchinfer_cpu.kv_store_(kv_cache, key, value, slot_mapping)

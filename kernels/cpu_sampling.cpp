@@ -14,6 +14,11 @@
 // nothing else in the batch, and tokens that cannot win need no random number: with 23-bit uniforms in
 // [2^-24, 1 - 2^-24], g lies in [-2.81, 16.7], so a block of tokens whose logits all lie more than
 // kPruneMargin below the row's largest logit is skipped whole.
+//
+// Also `batchinfer_cpu::argmax_rows_`, greedy sampling's argmax of each row, with torch.argmax's answer (the
+// lowest index of the row's maximum; a NaN counts as the maximum, so a row with one returns its first NaN) in
+// two vectorised passes over the row (its maximum, then the first index holding it) where torch's CPU argmax
+// compares element by element (about 2.8 ms against 0.3 for the 64 x 49,152 logits of a decode step).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +28,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -129,10 +138,70 @@ void exponential_race(const at::Tensor& out, const at::Tensor& logits, const at:
   });
 }
 
+// torch.argmax of one row of n >= 1 floats: the first NaN if there is one, else the lowest index of the maximum
+// (-0.0 and 0.0 are equal, as they are to torch's comparison).
+int64_t argmax_row(const float* __restrict row, int64_t n) {
+  float max_value = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(max_value);
+  __mmask16 nan_lanes = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, v);  // a NaN lane's result is not used: has_nan decides then
+  }
+  max_value = _mm512_reduce_max_ps(vmax);
+  has_nan = nan_lanes != 0;
+#endif
+  for (; i < n; ++i) {
+    has_nan = has_nan || std::isnan(row[i]);
+    max_value = row[i] > max_value ? row[i] : max_value;
+  }
+  if (has_nan) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (std::isnan(row[j])) return j;
+    }
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(max_value);
+  for (; j + 16 <= n; j += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), target, _CMP_EQ_OQ);
+    if (hit != 0) return j + __builtin_ctz(hit);
+  }
+#endif
+  for (; j < n; ++j) {
+    if (row[j] == max_value) return j;
+  }
+  return n - 1;  // unreachable: max_value is one of the row's values
+}
+
+void argmax_rows(const at::Tensor& out, const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1 && logits.size(1) >= 1,
+              "argmax_rows_: logits must be a float32 CPU tensor [num_rows, n >= 1] with unit stride in its last "
+              "dimension");
+  const int64_t num_rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 1 && out.is_contiguous() &&
+                  out.size(0) == num_rows,
+              "argmax_rows_: out must be a contiguous int64 [num_rows]");
+  const float* logits_ptr = logits.data_ptr<float>();
+  int64_t* out_ptr = out.data_ptr<int64_t>();
+  at::parallel_for(0, num_rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out_ptr[r] = argmax_row(logits_ptr + r * ld, n);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("exponential_race_(Tensor(a!) out, Tensor logits, Tensor keys, Tensor counters) -> ()");
+  m.def("argmax_rows_(Tensor(a!) out, Tensor logits) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("exponential_race_", exponential_race); }
+TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
+  m.impl("exponential_race_", exponential_race);
+  m.impl("argmax_rows_", argmax_rows);
+}

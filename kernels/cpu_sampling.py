@@ -1,4 +1,5 @@
-"""C++ exponential-race sampling for CPUs: one token per row from counter-based random numbers.
+"""C++ exponential-race sampling for CPUs: one token per row from counter-based random numbers; and greedy
+sampling's argmax of each row (:func:`argmax_rows_cpu`).
 
 The source is ``cpu_sampling.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first). Its
@@ -38,4 +39,24 @@ def exponential_race_cpu(logits: torch.Tensor, keys: torch.Tensor, counters: tor
     require_cpu_kernels()
     out = torch.empty(logits.shape[0], dtype=torch.long)
     torch.ops.batchinfer_cpu.exponential_race_(out, logits, keys, counters)
+    return out
+
+
+def argmax_rows_cpu(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a 2-D float32 CPU tensor, the same indices: each row's lowest index of its
+    maximum, or its first NaN where it has one; vectorised (two passes over a row) and split over rows across
+    ``torch.get_num_threads()`` threads, where torch's CPU argmax compares element by element.
+
+    Args:
+        logits: float32 CPU ``[num_rows, n]``, ``n >= 1``, unit stride in the last dimension.
+
+    Returns:
+        int64 ``[num_rows]``.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, or on other shapes, dtypes or devices.
+    """
+    require_cpu_kernels()
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    torch.ops.batchinfer_cpu.argmax_rows_(out, logits)
     return out

@@ -1,11 +1,12 @@
-"""The C++ quantize-on-store of a quantized KV cache against its PyTorch twin (kernels/reference.py:quantize_kv)."""
+"""The C++ quantize-on-store of a quantized KV cache against its PyTorch twin (kernels/reference.py:quantize_kv), and
+the plain store of a float32 or bfloat16 cache against the indexed copies it replaces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.cpu_kv_store import quantize_kv_store_cpu
+from kernels.cpu_kv_store import kv_store_cpu, quantize_kv_store_cpu
 from kernels.reference import KV_STORAGE_DTYPES, dequantize_kv, kv_num_scale_groups, quantize_kv
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -68,3 +69,29 @@ def test_store_rejects_bad_slots_and_dtypes():
     for bad in (scales[..., 0], torch.zeros(*scales.shape[:4], 3)):  # the per-head layout; groups not dividing 64
         with pytest.raises(RuntimeError, match="scales must be"):
             quantize_kv_store_cpu(data, bad.contiguous(), key, key, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads_apart", [False, True])
+def test_plain_store_equals_the_indexed_copies(dtype, heads_apart):
+    """Rows at their slots as index_copy_ puts them (the twin), from strided views of a fused QKV output (K heads
+    side by side, or one head apart), other slots untouched; a slot out of range or another dtype raises."""
+    gen = torch.Generator().manual_seed(1)
+    num_tokens = 9
+    qkv = torch.randn(num_tokens, 4 * NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    if heads_apart:
+        key, value = qkv[:, 0::4][:, :NUM_KV_HEADS], qkv[:, 1::4][:, :NUM_KV_HEADS]
+    else:
+        key, value = qkv[:, :NUM_KV_HEADS], qkv[:, NUM_KV_HEADS : 2 * NUM_KV_HEADS]
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:num_tokens]
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    want = cache.clone()
+    flat = want.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
+    kv_store_cpu(cache, key, value, slots)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kv_store_cpu(cache, key[:1], value[:1], torch.tensor([NUM_BLOCKS * BLOCK_SIZE]))
+    with pytest.raises(RuntimeError):
+        kv_store_cpu(cache, key.double(), value.double(), slots)

@@ -1,5 +1,6 @@
 """The C++ exponential race (kernels/cpu_sampling.cpp): its distribution, its independence of the batch,
-and its counter-based random numbers against the PyTorch twin and SplitMix64's published outputs."""
+and its counter-based random numbers against the PyTorch twin and SplitMix64's published outputs; and the greedy
+argmax against torch.argmax (its twin), ties, NaN and infinities included."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from kernels.cpu_extension import cpu_kernels_available
-from kernels.cpu_sampling import exponential_race_cpu
+from kernels.cpu_sampling import argmax_rows_cpu, exponential_race_cpu
 from kernels.reference import exponential_race_reference, splitmix64_at
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels unavailable")
@@ -62,3 +63,32 @@ def test_pruned_tokens_never_win_and_excluded_ones_never_drawn():
 def test_a_row_without_a_finite_logit_is_an_error():
     with pytest.raises(RuntimeError, match="no finite logit"):
         exponential_race_cpu(torch.full((1, 8), -math.inf), torch.tensor([1]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 33, 1000, 49152])
+def test_argmax_rows_matches_torch_argmax(width):
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(9, width, generator=gen)
+    # ties: the maximum repeated later in the row (the lowest index wins), in the vector body and the tail
+    logits[1, width // 2 :] = 0.0
+    logits[1, : width // 2] = -1.0
+    logits[2] = logits[2].round()  # many equal values
+    logits[3] = -math.inf
+    logits[4, -1] = math.inf
+    logits[5, width // 3] = math.nan  # a NaN is the maximum, as torch.argmax has it
+    logits[6, -1] = math.nan
+    logits[6, 0] = math.inf
+    logits[7] = -0.0
+    logits[7, -1] = 0.0  # equal to -0.0: index 0 wins
+    logits[8] = torch.finfo(torch.float32).min
+    assert torch.equal(argmax_rows_cpu(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_reads_strided_rows_and_no_rows():
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(5, 300, generator=gen)
+    rows = wide[:, 40:240]  # row stride 300, unit stride inside
+    assert torch.equal(argmax_rows_cpu(rows), rows.argmax(dim=-1))
+    assert argmax_rows_cpu(torch.empty(0, 10)).shape == (0,)
+    with pytest.raises(RuntimeError):
+        argmax_rows_cpu(torch.randn(4, 8, dtype=torch.float64))

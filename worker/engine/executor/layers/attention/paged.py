@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_attention import paged_attention_cpu
+from kernels.cpu_extension import cpu_kernels_available
+from kernels.cpu_kv_store import kv_store_cpu
 from worker.engine.executor.layers.attention import cascade as cascade_attention
 from worker.engine.executor.layers.attention.kv_cache import (
     KVCache,
@@ -201,6 +203,15 @@ def write_to_kv_cache(
     """
     if isinstance(kv_cache, QuantizedKVCache):
         return kv_cache.write(key, value, slot_mapping, return_stored=return_stored)
+    if (
+        kv_cache.device.type == "cpu"
+        and key.dtype == value.dtype == kv_cache.dtype
+        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernels_available()
+    ):
+        # NOTE: the copies below without index_copy_'s per-call cost (kernels/cpu_kv_store.cpp)
+        kv_store_cpu(kv_cache, key, value, slot_mapping.contiguous())
+        return (key, value) if return_stored else None
     flat_cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
