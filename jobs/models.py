@@ -270,7 +270,9 @@ class Worker(Base):
     port of its Prometheus ``/metrics`` (None when not served); ``ready_s`` the seconds from its
     process's start until it was ready to take shards (engine loaded and warmed up, consuming
     messages), None while it is still starting. ``kv_cache_dtype``, ``num_kv_blocks`` and ``kv_cache_bytes``
-    describe its engine's KV cache (all layers, K and V, scales included; None until the engine is up).
+    describe its engine's KV cache (all layers, K and V, scales included; None until the engine is up, and for an
+    engine without one); ``dtype`` and ``quantization`` its engine's compute dtype and weight quantization (None
+    until the engine is up).
     """
 
     __tablename__ = "workers"
@@ -290,6 +292,8 @@ class Worker(Base):
     kv_cache_dtype: Mapped[str | None] = mapped_column(String(16))
     num_kv_blocks: Mapped[int | None] = mapped_column(Integer)
     kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    dtype: Mapped[str | None] = mapped_column(String(16))
+    quantization: Mapped[str | None] = mapped_column(String(16))
 
     __table_args__ = (Index("ix_workers_last_heartbeat_at", "last_heartbeat_at"),)
 

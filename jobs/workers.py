@@ -29,6 +29,15 @@ class KVCacheSize:
     num_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFormat:
+    """What a worker engine computes in: its ``dtype`` (torch's name: ``float32``, ``bfloat16``, ``float16``) and
+    its weights' ``quantization`` (``none``, ``int8``, ``q4``; an embedding engine's: ``none``)."""
+
+    dtype: str
+    quantization: str
+
+
 class WorkerObject(BaseModel):
     """A live worker as the API returns it (batchinfer's own object; ``*_at`` are Unix seconds)."""
 
@@ -52,6 +61,11 @@ class WorkerObject(BaseModel):
     """KV cache blocks (``block_size`` tokens each); null while it is starting."""
     kv_cache_bytes: int | None = None
     """KV cache bytes (all layers, K and V, scales included); null while it is starting."""
+    dtype: str | None = None
+    """The engine's compute dtype (``float32``, ``bfloat16``, ``float16``); null while it is starting."""
+    quantization: str | None = None
+    """The engine's weight quantization (``none``, ``int8``, ``q4``; ``none`` for an embedding model); null while
+    it is starting."""
 
     @classmethod
     def from_row(cls, worker: Worker, *, show_batch: bool = True) -> WorkerObject:
@@ -72,6 +86,8 @@ class WorkerObject(BaseModel):
             kv_cache_dtype=worker.kv_cache_dtype,
             num_kv_blocks=worker.num_kv_blocks,
             kv_cache_bytes=worker.kv_cache_bytes,
+            dtype=worker.dtype,
+            quantization=worker.quantization,
         )
 
 
@@ -98,9 +114,11 @@ def record_heartbeat(
     now: int,
     ready_s: float | None = None,
     kv_cache: KVCacheSize | None = None,
+    engine_format: EngineFormat | None = None,
 ) -> None:
     """Insert or rewrite the worker's row with its current state and ``last_heartbeat_at = now``
-    (``ready_s``: seconds from its start until it was ready; ``kv_cache``: its engine's cache; None while
+    (``ready_s``: seconds from its start until it was ready; ``kv_cache``: its engine's cache, None while
+    starting or for an engine without one; ``engine_format``: its engine's dtype and quantization, None while
     starting)."""
     worker = session.get(Worker, worker_id)
     if worker is None:
@@ -113,6 +131,8 @@ def record_heartbeat(
     if kv_cache is not None:
         worker.kv_cache_dtype = kv_cache.kv_cache_dtype
         worker.num_kv_blocks, worker.kv_cache_bytes = kv_cache.num_blocks, kv_cache.num_bytes
+    if engine_format is not None:
+        worker.dtype, worker.quantization = engine_format.dtype, engine_format.quantization
 
 
 def remove_worker(session: Session, *, worker_id: str) -> None:

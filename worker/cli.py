@@ -299,7 +299,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from jobs.queue import configure_celery
     from worker.bootstrap import KindNotServed, check_served_kind
-    from worker.telemetry import engine_kv_cache_size, start_heartbeat
+    from worker.telemetry import engine_format, engine_kv_cache_size, start_heartbeat
 
     # NOTE: through the environment, so every get_settings() of this process is the model's view.
     os.environ["BATCHINFER_WORKER_MODEL"] = args.model
@@ -326,6 +326,7 @@ def _worker(args: argparse.Namespace) -> int:
             device=engine.config.device,
             max_model_len=engine.max_model_len,
             kv_cache=engine_kv_cache_size(engine),
+            engine_format=engine_format(engine),
         )
         worker_ready.connect(lambda **_: heartbeat.mark_ready(), weak=False)
         # NOTE: no mingle (a second's wait for other workers' replies at start; we use no revokes or

@@ -9,6 +9,7 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:num_requests_running`` / ``num_requests_waiting`` | gauge | sequences in the batch / queued |
 | ``batchinfer:kv_cache_usage_perc`` | gauge | fraction of KV blocks in use (0..1) |
 | ``batchinfer:kv_cache_num_blocks`` / ``kv_cache_bytes`` | gauge | (ours) the KV cache's size: blocks, and bytes (scales included) |
+| ``batchinfer:model_config_info`` | gauge | (ours, vLLM's info style) 1; labels ``dtype``, ``quantization``, ``kv_cache_dtype`` |
 | ``batchinfer:prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | prompt tokens looked up / found |
 | ``batchinfer:num_preemptions_total`` | counter | running sequences sent back to recompute |
 | ``batchinfer:prompt_tokens_total`` / ``generation_tokens_total`` | counter | prefill tokens (per request) / sampled tokens |
@@ -113,6 +114,15 @@ class EngineMetrics:
         self._kv_cache_num_blocks = gauge_family("kv_cache_num_blocks", "KV-cache size in blocks.", "livesum")
         self._kv_cache_bytes = gauge_family(
             "kv_cache_bytes", "KV-cache size in bytes (all layers, K and V, scales included).", "livesum"
+        )
+        # NOTE: an info gauge (always 1, the facts in its labels), set once the engine is up. livemax: a host's
+        # processes of one configuration show one sample, of two configurations two, and a stopped one's goes.
+        self._model_config_info = Gauge(
+            PREFIX + "model_config_info",
+            "The engine's configuration: compute dtype, weight quantization, KV cache dtype (empty: no KV cache).",
+            ["model_name", "dtype", "quantization", "kv_cache_dtype"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
@@ -240,6 +250,12 @@ class EngineMetrics:
         shows them before the first batch, and again with every step's statistics."""
         self._kv_cache_num_blocks.labels(self._model_name).set(num_blocks)
         self._kv_cache_bytes.labels(self._model_name).set(num_bytes)
+
+    def set_model_config(self, dtype: str, quantization: str, kv_cache_dtype: str | None) -> None:
+        """Set ``model_config_info`` (value 1) for the engine's compute ``dtype`` (torch's name), weight
+        ``quantization`` and ``kv_cache_dtype`` (None: an engine without a KV cache, an embedding model's; the
+        label is then empty, which Prometheus reads as absent)."""
+        self._model_config_info.labels(self._model_name, dtype, quantization, kv_cache_dtype or "").set(1)
 
     def set_idle(self) -> None:
         """Zero the gauges between batches (nothing running, nothing waiting)."""

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jobs import workers
 from jobs.config import Settings
@@ -30,6 +31,10 @@ from jobs.db import session_scope
 from worker.engine.outputs import RequestOutput
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.pooling_engine import PoolingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +130,8 @@ _IMPORTED_AT = time.time()
 @dataclass(slots=True)
 class Heartbeat:
     """Rewrites this process's ``workers`` row every ``settings.worker_heartbeat_s`` seconds until `stop`
-    (which deletes it). ``ready_s`` stays None (the row says *starting*) until `mark_ready`; ``kv_cache``
-    until the engine is up (`start_worker_telemetry`)."""
+    (which deletes it). ``ready_s`` stays None (the row says *starting*) until `mark_ready`; ``kv_cache`` and
+    ``engine_format`` until the engine is up (`start_worker_telemetry`)."""
 
     settings: Settings
     activity: WorkerActivity
@@ -138,6 +143,7 @@ class Heartbeat:
     started_at: int = field(default_factory=lambda: int(time.time()))
     ready_s: float | None = None
     kv_cache: workers.KVCacheSize | None = None
+    engine_format: workers.EngineFormat | None = None
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _thread: threading.Thread | None = field(init=False, default=None)
 
@@ -163,6 +169,7 @@ class Heartbeat:
                 now=int(time.time()),
                 ready_s=self.ready_s,
                 kv_cache=self.kv_cache,
+                engine_format=self.engine_format,
             )
 
     def mark_ready(self, started_at: float | None = None) -> float:
@@ -225,6 +232,24 @@ def engine_kv_cache_size(engine: object) -> workers.KVCacheSize | None:
     )
 
 
+def engine_format(engine: LLMEngine | PoolingEngine) -> workers.EngineFormat:
+    """An engine's compute dtype (torch's name) and weight quantization: a generating engine's
+    (`worker.engine.llm_engine.LLMEngine`) as its model runner loaded it; an embedding engine's
+    (`worker.engine.pooling_engine.PoolingEngine`) quantization is ``none`` (its weights are in its dtype)."""
+    from worker.engine.llm_engine import LLMEngine as Generating  # NOTE: here: the engine (and torch) is loaded by now
+
+    if isinstance(engine, Generating):
+        return workers.EngineFormat(
+            dtype=_dtype_name(engine.model_runner.dtype), quantization=engine.config.quantization
+        )
+    return workers.EngineFormat(dtype=_dtype_name(engine.dtype), quantization="none")
+
+
+def _dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def start_worker_telemetry(
     settings: Settings,
     heartbeat: Heartbeat,
@@ -232,11 +257,12 @@ def start_worker_telemetry(
     device: str,
     max_model_len: int,
     kv_cache: workers.KVCacheSize | None = None,
+    engine_format: workers.EngineFormat | None = None,
 ) -> Callable[[], None]:
     """For a worker process whose engine is up: serve ``/metrics`` on ``settings.worker_metrics_port``
     (when set) and let ``heartbeat`` report the engine's device, KV cache (None: an engine without one, an
-    embedding model's) and activity; returns the function to call on shutdown (removes the row, drops live
-    gauges)."""
+    embedding model's), dtype and quantization (``engine_format``; also the ``model_config_info`` gauge) and
+    activity; returns the function to call on shutdown (removes the row, drops live gauges)."""
     from worker.metrics import mark_process_dead, serve_metrics
 
     telemetry = get_telemetry(settings.served_model_name, max_model_len)
@@ -244,7 +270,11 @@ def start_worker_telemetry(
     if port is not None and not serve_metrics(telemetry.metrics.registry, port, settings.worker_metrics_host):
         port = None
     heartbeat.activity, heartbeat.device, heartbeat.metrics_port = telemetry.activity, device, port
-    heartbeat.kv_cache = kv_cache
+    heartbeat.kv_cache, heartbeat.engine_format = kv_cache, engine_format
+    if engine_format is not None:
+        telemetry.metrics.set_model_config(
+            engine_format.dtype, engine_format.quantization, None if kv_cache is None else kv_cache.kv_cache_dtype
+        )
     if kv_cache is not None:  # NOTE: now, not at the first step: /metrics shows the size while the worker idles
         telemetry.metrics.set_kv_cache_size(kv_cache.num_blocks, kv_cache.num_bytes)
 

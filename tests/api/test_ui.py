@@ -63,6 +63,7 @@ def test_index_lists_batches_with_progress_schedules_and_workers(client: Any, se
             started_at=now_s(),
             now=now_s(),
             kv_cache=workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=10965, num_bytes=10965 * 97920),
+            engine_format=workers.EngineFormat(dtype="bfloat16", quantization="q4"),
         )
     file_id = client.get(f"/v1/batches/{batch_id}").json()["input_file_id"]
     client.post("/v1/schedules", json={"cron": "0 3 * * *", "endpoint": CHAT, "input_file_id": file_id})
@@ -78,6 +79,7 @@ def test_index_lists_batches_with_progress_schedules_and_workers(client: Any, se
     assert '<td class="num">20</td>' in row.group(1)  # output tokens
     assert "0 3 * * *" in html and "gpu-7" in html and "42.0" in html
     assert '<td class="kv-cache">int8, 10965 blocks, 1024.0 MiB</td>' in html
+    assert '<td class="engine-format">q4, bfloat16</td>' in html
     assert "data-refresh=" in html  # a batch is running
 
 

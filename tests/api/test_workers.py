@@ -18,6 +18,7 @@ def _beat(
     started_at: int,
     batch_id: str | None = None,
     kv_cache: workers.KVCacheSize | None = None,
+    engine_format: workers.EngineFormat | None = None,
 ) -> None:
     host, pid = worker_id.split(":")
     with session_scope(settings.database_url) as session:
@@ -35,6 +36,7 @@ def _beat(
             started_at=started_at,
             now=now_s() - age_s,
             kv_cache=kv_cache,
+            engine_format=engine_format,
         )
 
 
@@ -44,7 +46,10 @@ def test_lists_live_workers_newest_first(client: Any, service_settings: Settings
     _beat(service_settings, "b:2", age_s=2, started_at=200)
     _beat(service_settings, "c:3", age_s=int(service_settings.worker_live_s) + 5, started_at=300)  # stopped beating
     int8_cache = workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=10965, num_bytes=10965 * 97920)
-    _beat(service_settings, "a:1", age_s=0, started_at=100, batch_id="batch_2", kv_cache=int8_cache)  # rewritten
+    q4_bf16 = workers.EngineFormat(dtype="bfloat16", quantization="q4")
+    _beat(  # rewritten, the engine up
+        service_settings, "a:1", age_s=0, started_at=100, batch_id="batch_2", kv_cache=int8_cache, engine_format=q4_bf16
+    )
 
     body = client.get("/v1/workers").json()
 
@@ -56,4 +61,6 @@ def test_lists_live_workers_newest_first(client: Any, service_settings: Settings
     assert abs(first["last_heartbeat_at"] - now_s()) <= 2
     assert (first["kv_cache_dtype"], first["num_kv_blocks"], first["kv_cache_bytes"]) == ("int8", 10965, 10965 * 97920)
     starting = body["data"][0]  # no engine yet: no cache to report
+    assert (first["dtype"], first["quantization"]) == ("bfloat16", "q4")  # q4 on float32 would say so
     assert (starting["kv_cache_dtype"], starting["num_kv_blocks"], starting["kv_cache_bytes"]) == (None, None, None)
+    assert (starting["dtype"], starting["quantization"]) == (None, None)

@@ -21,7 +21,14 @@ from tests.worker.test_runner import completion, make_batch, service  # noqa: F4
 from worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics, serve_metrics, token_count_buckets
-from worker.telemetry import Heartbeat, WorkerActivity, WorkerTelemetry, engine_kv_cache_size, process_started_at
+from worker.telemetry import (
+    Heartbeat,
+    WorkerActivity,
+    WorkerTelemetry,
+    engine_format,
+    engine_kv_cache_size,
+    process_started_at,
+)
 
 
 def scrape(registry) -> dict[str, float]:
@@ -177,6 +184,7 @@ def test_heartbeat_writes_then_removes_its_row(service):
     activity.current_batch_id, activity.num_running_requests = "batch_x", 3
     heartbeat = Heartbeat(service, activity, model="m", device="cpu", metrics_port=9400, host="h", pid=42)
     heartbeat.kv_cache = workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=7, num_bytes=7 * 97920)
+    heartbeat.engine_format = workers.EngineFormat(dtype="bfloat16", quantization="q4")
     heartbeat.start()
     try:
         for _ in range(100):
@@ -189,6 +197,7 @@ def test_heartbeat_writes_then_removes_its_row(service):
             ("h:42", "batch_x", 3, 9400)
         ]
         assert (live[0].kv_cache_dtype, live[0].num_kv_blocks, live[0].kv_cache_bytes) == ("int8", 7, 7 * 97920)
+        assert (live[0].dtype, live[0].quantization) == ("bfloat16", "q4")
         with session_scope() as session:
             assert workers.list_live_workers(session, now=heartbeat.started_at + 31, live_s=30) == []
     finally:
@@ -208,6 +217,21 @@ def test_the_engines_kv_cache_size_is_its_dtype_blocks_and_bytes(tmp_path):
         kv_cache_dtype="int8", num_blocks=runner.num_blocks, num_bytes=runner.num_blocks * runner.bytes_per_block
     )
     assert engine_kv_cache_size(object()) is None  # not an LLMEngine (an embedding engine): no KV cache
+    assert engine_format(engine) == workers.EngineFormat(dtype="float32", quantization="none")
+
+
+def test_the_engines_format_is_its_loaded_dtype_and_quantization(tmp_path):
+    """A generating engine reports the dtype its runner loaded and its quantization; an embedding engine its dtype
+    and ``none`` (its weights are not quantized)."""
+    from tests.helpers.tiny_llama import save_tiny_llama
+    from worker.engine import EngineConfig, LLMEngine
+    from worker.engine.pooling_engine import EmbeddingEngineConfig, PoolingEngine
+
+    model_dir = save_tiny_llama(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), quantization="int8", kv_cache_memory_bytes=1 << 20))
+    assert engine_format(engine) == workers.EngineFormat(dtype="float32", quantization="int8")
+    embedder = PoolingEngine(EmbeddingEngineConfig(model=str(model_dir), dtype="bfloat16"))
+    assert engine_format(embedder) == workers.EngineFormat(dtype="bfloat16", quantization="none")
 
 
 def test_a_started_workers_scrape_shows_its_kv_cache_size_before_any_step(service, monkeypatch):
@@ -233,6 +257,55 @@ def test_a_started_workers_scrape_shows_its_kv_cache_size_before_any_step(servic
             if name in samples
         ]
         assert sizes == expected
+
+
+def info_labels(registry, name: str = "batchinfer:model_config_info") -> list[tuple[dict[str, str], float]]:
+    """The samples of info gauge ``name``: ``(labels, value)`` each."""
+    from prometheus_client import generate_latest
+
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
+def test_a_started_workers_scrape_shows_its_model_config(service, monkeypatch):
+    """Once the engine is up, /metrics carries ``model_config_info`` (value 1) labelled with the engine's dtype,
+    quantization and KV cache dtype: q4 on bfloat16 and q4 on float32 differ; an embedder's has no KV cache dtype."""
+    import worker.telemetry as telemetry_module
+    from worker.telemetry import start_worker_telemetry
+
+    int8_cache = workers.KVCacheSize(kv_cache_dtype="int8", num_blocks=7, num_bytes=7 * 103680)
+    model = service.served_model_name
+    for kv_cache, fmt, expected in (
+        (
+            int8_cache,
+            workers.EngineFormat(dtype="bfloat16", quantization="q4"),
+            {"model_name": model, "dtype": "bfloat16", "quantization": "q4", "kv_cache_dtype": "int8"},
+        ),
+        (
+            None,
+            workers.EngineFormat(dtype="float32", quantization="none"),
+            {
+                "model_name": model,
+                "dtype": "float32",
+                "quantization": "none",
+                "kv_cache_dtype": "",
+            },  # Prometheus: absent
+        ),
+    ):
+        monkeypatch.setattr(telemetry_module, "_telemetry", None)  # a fresh process's telemetry
+        heartbeat = Heartbeat(service, WorkerActivity(), model="m", device="cpu", host="h", pid=45)
+        stop = start_worker_telemetry(
+            service, heartbeat, device="cpu", max_model_len=64, kv_cache=kv_cache, engine_format=fmt
+        )
+        try:
+            assert heartbeat.engine_format == fmt
+            assert info_labels(telemetry_module._telemetry.metrics.registry) == [(expected, 1.0)]
+        finally:
+            stop()
 
 
 def test_a_heartbeat_says_starting_until_the_worker_marks_itself_ready(service):
@@ -268,15 +341,18 @@ import sys
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics
 running, tokens = int(sys.argv[1]), int(sys.argv[2])
-EngineMetrics("m").record_step(
+metrics = EngineMetrics("m")
+metrics.record_step(
     EngineStats(num_steps=1, num_running_reqs=running, num_generation_tokens=tokens, kv_cache_usage=running / 10)
 )
+metrics.set_model_config(sys.argv[3], "q4", "auto")
 """
 
 
 def test_multiprocess_mode_serves_the_hosts_processes_together(tmp_path, monkeypatch):
     """Two worker processes sharing PROMETHEUS_MULTIPROC_DIR: one scrape sums their counters and live
-    gauges (KV usage: the maximum); a process marked dead leaves the live gauges."""
+    gauges (KV usage: the maximum; ``model_config_info``: one sample a configuration, 1); a process marked dead
+    leaves the live gauges."""
     import os
     import subprocess
     import sys
@@ -287,8 +363,8 @@ def test_multiprocess_mode_serves_the_hosts_processes_together(tmp_path, monkeyp
     from worker.metrics import exposition_registry, mark_process_dead
 
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-    for running, tokens in ((2, 5), (3, 7)):
-        subprocess.run([sys.executable, "-c", _CHILD, str(running), str(tokens)], env=env, check=True)
+    for running, tokens, dtype in ((2, 5, "bfloat16"), (3, 7, "float32")):
+        subprocess.run([sys.executable, "-c", _CHILD, str(running), str(tokens), dtype], env=env, check=True)
     pids = sorted(int(path.stem.rsplit("_", 1)[1]) for path in tmp_path.glob("gauge_livesum_*.db"))
     assert len(pids) == 2
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
@@ -300,7 +376,10 @@ def test_multiprocess_mode_serves_the_hosts_processes_together(tmp_path, monkeyp
     assert sample_value(both, "batchinfer:generation_tokens_total") == 12
     assert sample_value(both, "batchinfer:num_requests_running") == 5
     assert sample_value(both, "batchinfer:kv_cache_usage_perc") == pytest.approx(0.3)
+    info = [(s.labels["dtype"], s.value) for s in both["batchinfer:model_config_info"].samples]
+    assert sorted(info) == [("bfloat16", 1), ("float32", 1)]  # q4 on bfloat16 and on float32 told apart
     mark_process_dead(pids[0])
     one_left = scrape()
     assert sample_value(one_left, "batchinfer:generation_tokens_total") == 12  # counters keep what was counted
     assert sample_value(one_left, "batchinfer:num_requests_running") in (2, 3)
+    assert [s.value for s in one_left["batchinfer:model_config_info"].samples] == [1]
