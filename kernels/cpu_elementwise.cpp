@@ -39,6 +39,7 @@
 #include "cpu_bf16.h"
 #include "cpu_exp.h"
 #include "cpu_lanes.h"
+#include "cpu_q4_bf16.h"
 
 namespace {
 
@@ -422,13 +423,20 @@ void rotary_embedding_(const at::Tensor& x, const at::Tensor& positions, const a
 
 // `kind` of a packed bfloat16 weight (pack_linear_weight_bf16) in fused_linear; no ggml block type id is negative.
 constexpr int64_t kPackedBf16Kind = -1;
+// `kind` of Q4_0 / Q4_1 panels packed by gguf_pack_bf16 (bfloat16 activations): the negated ggml type id, -2 or -3.
+constexpr int64_t kGgufBf16Q4_0Kind = -2, kGgufBf16Q4_1Kind = -3;
 
-// A linear layer inside the fused decoder-layer halves below, through the dispatcher (the kernels live in
-// cpu_gemm.cpp, cpu_gemm_bf16.cpp and cpu_q4.cpp): `kind` 0 is a packed float32 weight (`linear_packed`),
-// kPackedBf16Kind a packed bfloat16 weight on bfloat16 activations (`linear_packed_bf16`), otherwise the ggml block
-// type id of GGUF blocks run on float32 activations (`gguf_linear`, weight-only); `x` is 2-D.
+// A linear layer inside the fused decoder-layer halves below (the kernels live in cpu_gemm.cpp, cpu_gemm_bf16.cpp,
+// cpu_q4.cpp and cpu_q4_bf16.cpp): `kind` 0 is a packed float32 weight (`linear_packed`), kPackedBf16Kind a packed
+// bfloat16 weight on bfloat16 activations (`linear_packed_bf16`), kGgufBf16Q4_0Kind / kGgufBf16Q4_1Kind Q4 panels on
+// bfloat16 activations (`gguf_linear_bf16`, called directly through cpu_q4_bf16.h), otherwise the ggml block type id
+// of GGUF blocks run on float32 activations (`gguf_linear`, weight-only); `x` is 2-D. The others go through the
+// dispatcher.
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
+  if (kind == kGgufBf16Q4_0Kind || kind == kGgufBf16Q4_1Kind) {
+    return batchinfer_kernels::gguf_linear_bf16(x, weight, -kind, out_features, bias);
+  }
   if (kind == kPackedBf16Kind) {
     static const auto packed_bf16 =
         c10::Dispatcher::singleton()
@@ -454,8 +462,9 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, int64_t k
 // op-dispatch cost between a layer's small ops is a sixth of a q4 step): qkv = linear(rms_norm(x)) viewed
 // [num_tokens, -1, head_size], its first `rotated_heads` heads (q and k) rotated in place; returns qkv
 // [num_tokens, qkv_features]. The same kernels on the same inputs in the same order as the module path, so the
-// same bits. float32 activations, or bfloat16 ones with packed bfloat16 weights (kPackedBf16Kind) and bfloat16
-// cos/sin tables (the kernels widen them row by row, as they do called one by one).
+// same bits. float32 activations, or bfloat16 ones with packed bfloat16 weights (kPackedBf16Kind) or Q4 panels
+// (kGgufBf16Q4_0Kind, kGgufBf16Q4_1Kind), in any mix, and bfloat16 cos/sin tables (the kernels widen them row by
+// row, as they do called one by one).
 at::Tensor decoder_attention_input(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                    const at::Tensor& qkv_weight, int64_t qkv_kind, int64_t qkv_features,
                                    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& positions,

@@ -3,7 +3,7 @@
 the bias with exact GELU (encoders). Also a float32 Llama decoder layer in two calls around its attention
 (:func:`decoder_attention_input_cpu`, :func:`decoder_attention_output_mlp_cpu`), which chain these kernels and
 the linear layers' in C++ to spare a batch the Python and dispatch between them (float32, or bfloat16 with packed
-bfloat16 weights). The
+bfloat16 weights or Q4 panels). The
 decoder's elementwise ops also take bfloat16 tensors: widened to float32 row by row inside the kernel, computed
 by the same float32 code, and each result rounded to bfloat16 once (the PyTorch bfloat16 expressions round after
 each op, so the two differ by bfloat16 rounding).
@@ -26,6 +26,24 @@ from kernels.cpu_extension import require_cpu_kernels
 PACKED_BF16_KIND = -1
 """The ``kind`` of a packed bfloat16 weight (:func:`kernels.cpu_gemm.pack_linear_weight_bf16`) in the fused decoder-layer
 kernels (:func:`decoder_attention_input_cpu`): bfloat16 activations, no ggml block type id is negative."""
+
+
+def gguf_bf16_kind(block_type: int) -> int:
+    """The ``kind`` of Q4_0 / Q4_1 panels packed by :func:`kernels.cpu_q4.gguf_pack_bf16` (bfloat16 activations) in
+    the fused decoder-layer kernels: the negated ggml type id, -2 (Q4_0) or -3 (Q4_1).
+
+    Raises:
+        ValueError: for another block type.
+    """
+    if block_type not in (2, 3):
+        raise ValueError(f"ggml block type {block_type} has no bfloat16 kernel (Q4_0 = 2 and Q4_1 = 3 do)")
+    return -block_type
+
+
+def is_bf16_kind(kind: int) -> bool:
+    """Whether a fused-kernel weight ``kind`` runs on bfloat16 activations (:data:`PACKED_BF16_KIND`,
+    :func:`gguf_bf16_kind`'s); the others (0, the ggml type ids) run on float32 ones."""
+    return kind < 0
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +218,9 @@ def decoder_attention_input_cpu(
         norm_weight: float32 ``[hidden_size]`` (Llama's RMSNorm, no unit offset); eps: its epsilon.
         qkv_weight, qkv_kind: the projection's weight: ``kind`` 0 a packed float32 weight
             (:func:`kernels.cpu_gemm.pack_linear_weight`), :data:`PACKED_BF16_KIND` a packed bfloat16 weight
-            (:func:`kernels.cpu_gemm.pack_linear_weight_bf16`, bfloat16 ``x``), else the ggml block type id of GGUF
-            blocks (:func:`kernels.cpu_q4.linear_gguf`, float32 activations).
+            (:func:`kernels.cpu_gemm.pack_linear_weight_bf16`, bfloat16 ``x``), :func:`gguf_bf16_kind` Q4 panels
+            (:func:`kernels.cpu_q4.gguf_pack_bf16`, bfloat16 ``x``), else the ggml block type id of GGUF blocks
+            (:func:`kernels.cpu_q4.linear_gguf`, float32 activations).
         qkv_features: the projection's output features; qkv_bias: optional ``[qkv_features]``.
         positions, cos, sin: as :func:`rotary_embedding_cpu_` (tables in ``x``'s dtype).
         rotated_heads: heads rotated from the first; head_size: the width of a head.
@@ -241,7 +260,7 @@ def decoder_attention_output_mlp_cpu(
 
     Args:
         attn: float32 CPU ``[num_tokens, num_heads * head_size]``; residual: float32 ``[num_tokens, hidden_size]``
-            (both bfloat16 with packed bfloat16 weights).
+            (both bfloat16 with packed bfloat16 weights or Q4 panels, in any mix).
         o_weight, o_kind, o_bias; gate_up_weight, gate_up_kind, gate_up_bias; down_weight, down_kind, down_bias:
             the three projections as in :func:`decoder_attention_input_cpu` (``o`` and ``down`` output
             ``hidden_size`` features, ``gate_up`` ``gate_up_features``: gate, then up).

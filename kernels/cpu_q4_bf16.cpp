@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "cpu_gemm_rows.h"
+#include "cpu_q4_bf16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -319,6 +320,19 @@ at::Tensor gguf_pack_bf16(const at::Tensor& blocks, int64_t type, int64_t in_fea
   return packed;
 }
 
+bool gguf_linear_bf16_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// Outside the anonymous namespace: cpu_elementwise.cpp's fused decoder-layer calls run it (cpu_q4_bf16.h).
+namespace batchinfer_kernels {
+
 at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
                             const std::optional<at::Tensor>& bias) {
   require_bf16();
@@ -354,15 +368,7 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
-bool gguf_linear_bf16_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
+}  // namespace batchinfer_kernels
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("gguf_pack_bf16(Tensor blocks, int type, int in_features) -> Tensor");
@@ -372,5 +378,5 @@ TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {
   m.impl("gguf_pack_bf16", gguf_pack_bf16);
-  m.impl("gguf_linear_bf16", gguf_linear_bf16);
+  m.impl("gguf_linear_bf16", batchinfer_kernels::gguf_linear_bf16);
 }

@@ -22,10 +22,10 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.cpu_elementwise import (
-    PACKED_BF16_KIND,
     add_rms_norm_cpu,
     decoder_attention_input_cpu,
     decoder_attention_output_mlp_cpu,
+    is_bf16_kind,
     rms_norm_cpu,
     rotary_embedding_cpu_,
     silu_and_mul_cpu,
@@ -296,7 +296,8 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True, slots=True)
 class _FusedLinear:
     """A linear layer as the fused decoder-layer kernels take it: weight, kind (0 packed float32,
-    ``PACKED_BF16_KIND`` packed bfloat16, else a ggml block type id), output features, bias; ``module`` is read for
+    ``PACKED_BF16_KIND`` packed bfloat16, ``gguf_bf16_kind`` Q4 panels for bfloat16, else a ggml block type id;
+    :mod:`kernels.cpu_elementwise`), output features, bias; ``module`` is read for
     ``quantize_activations`` on every call where it has one."""
 
     module: nn.Module
@@ -308,7 +309,7 @@ class _FusedLinear:
 
 def _fused_linear(module: nn.Module) -> _FusedLinear | None:
     """``module`` for the fused kernels when it offers a C++ weight (``cpu_kernel_weight``: float32 or bfloat16
-    ``PackedLinear``, ``GGUFLinear``), else None."""
+    ``PackedLinear``, ``GGUFLinear``, ``GGUFLinearBF16``), else None."""
     kernel_weight = getattr(module, "cpu_kernel_weight", None)
     found: tuple[torch.Tensor, int] | None = kernel_weight() if callable(kernel_weight) else None
     if found is None:
@@ -325,7 +326,7 @@ class FusedCpuLayer:
     :func:`~kernels.cpu_elementwise.decoder_attention_output_mlp_cpu`): the same kernels in the same order as its
     modules, without the Python and op dispatch between them (issue #27: about a sixth of a batch-1 q4 step; a
     tenth of the bfloat16 mixed workload's CPU time, docs/engine.md). ``dtype`` is the activations' (bfloat16 with
-    packed bfloat16 weights, float32 with the others); the norm weights are held in float32, as the kernels take
+    packed bfloat16 weights and Q4 panels, in any mix; float32 with the others); the norm weights are held in float32, as the kernels take
     them. Built by :func:`enable_cpu_kernels`; the submodules' own forward hooks do not fire on this path."""
 
     input_norm: torch.Tensor
@@ -350,7 +351,7 @@ class FusedCpuLayer:
         """The fused form of ``layer``, or None where it does not apply: another layer, attention or MLP class
         (a family's own), q/k norms, a unit-offset norm, partial rotary, a linear layer without a float32
         C++ kernel (``nn.Linear``, a bfloat16 layer on oneDNN), weights whose kind is not the tables' dtype's
-        (bfloat16 tables need packed bfloat16 weights), or kernels not enabled."""
+        (bfloat16 tables need packed bfloat16 weights or Q4 panels), or kernels not enabled."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
@@ -367,7 +368,7 @@ class FusedCpuLayer:
         qkv, o, gate_up, down = linears
         if qkv is None or o is None or gate_up is None or down is None:
             return None
-        if any((linear.kind == PACKED_BF16_KIND) != (dtype == torch.bfloat16) for linear in (qkv, o, gate_up, down)):
+        if any(is_bf16_kind(linear.kind) != (dtype == torch.bfloat16) for linear in (qkv, o, gate_up, down)):
             return None
         return cls(
             # NOTE: float32 as the module path widens them on every call (rms_norm_cpu); a float32 weight is itself.

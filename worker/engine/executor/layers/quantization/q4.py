@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.cpu_elementwise import gguf_bf16_kind
 from kernels.cpu_extension import cpu_kernels_available
 from kernels.cpu_q4 import (
     GGUF_BF16_BLOCK_TYPES,
@@ -79,7 +80,7 @@ class GGUFLinearBF16(nn.Module):
     ``blocks`` uint8 ``[out_features, in_features / 32 * block_bytes]`` in ggml's layout are regrouped once
     (:func:`kernels.cpu_q4.gguf_pack_bf16`, the same bits a weight) into ``packed_blocks``; ``forward`` runs
     :func:`kernels.cpu_q4.linear_gguf_bf16` (float32 accumulation, rounded to bfloat16 once, batch invariant).
-    It offers no ``cpu_kernel_weight``: the fused decoder-layer kernels take float32 activations only.
+    The fused bfloat16 decoder layers run it too (``cpu_kernel_weight``).
     """
 
     def __init__(self, blocks: torch.Tensor, block_type: int, in_features: int, bias: nn.Parameter | None) -> None:
@@ -89,6 +90,12 @@ class GGUFLinearBF16(nn.Module):
         self.block_type = block_type
         self.packed_blocks = nn.Buffer(gguf_pack_bf16(blocks, block_type, in_features), persistent=False)
         self.bias = bias
+
+    def cpu_kernel_weight(self) -> tuple[torch.Tensor, int] | None:
+        """``(packed_blocks, kernels.cpu_elementwise.gguf_bf16_kind(block_type))``, the arguments of the fused
+        decoder-layer kernels (:func:`kernels.cpu_elementwise.decoder_attention_input_cpu`), which call the same C++
+        function as :meth:`forward`."""
+        return self.packed_blocks, gguf_bf16_kind(self.block_type)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
