@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from jobs import workers
 from jobs.config import Settings
@@ -31,10 +30,6 @@ from jobs.db import session_scope
 from worker.engine.outputs import RequestOutput
 from worker.engine.stats import EngineStats
 from worker.metrics import EngineMetrics
-
-if TYPE_CHECKING:
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.pooling_engine import PoolingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -232,17 +227,22 @@ def engine_kv_cache_size(engine: object) -> workers.KVCacheSize | None:
     )
 
 
-def engine_format(engine: LLMEngine | PoolingEngine) -> workers.EngineFormat:
+def engine_format(engine: object) -> workers.EngineFormat | None:
     """An engine's compute dtype (torch's name) and weight quantization: a generating engine's
     (`worker.engine.llm_engine.LLMEngine`) as its model runner loaded it; an embedding engine's
-    (`worker.engine.pooling_engine.PoolingEngine`) quantization is ``none`` (its weights are in its dtype)."""
-    from worker.engine.llm_engine import LLMEngine as Generating  # NOTE: here: the engine (and torch) is loaded by now
+    (`worker.engine.pooling_engine.PoolingEngine`) quantization is ``none`` (its weights are in its dtype);
+    None for any other engine (a test's stand-in), whose row then shows neither."""
+    # NOTE: imported here: the engine (and torch) is loaded by now
+    from worker.engine.llm_engine import LLMEngine as Generating
+    from worker.engine.pooling_engine import PoolingEngine as Pooling
 
     if isinstance(engine, Generating):
         return workers.EngineFormat(
             dtype=_dtype_name(engine.model_runner.dtype), quantization=engine.config.quantization
         )
-    return workers.EngineFormat(dtype=_dtype_name(engine.dtype), quantization="none")
+    if isinstance(engine, Pooling):
+        return workers.EngineFormat(dtype=_dtype_name(engine.dtype), quantization="none")
+    return None
 
 
 def _dtype_name(dtype: object) -> str:

@@ -232,6 +232,7 @@ def test_the_engines_format_is_its_loaded_dtype_and_quantization(tmp_path):
     assert engine_format(engine) == workers.EngineFormat(dtype="float32", quantization="int8")
     embedder = PoolingEngine(EmbeddingEngineConfig(model=str(model_dir), dtype="bfloat16"))
     assert engine_format(embedder) == workers.EngineFormat(dtype="bfloat16", quantization="none")
+    assert engine_format(object()) is None  # another engine (the e2e tests' stand-in): its row shows neither
 
 
 def test_a_started_workers_scrape_shows_its_kv_cache_size_before_any_step(service, monkeypatch):
