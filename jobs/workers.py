@@ -170,11 +170,16 @@ def waits_for_workers(status: str, *, num_done: int, total: int) -> bool:
 @dataclass(frozen=True, slots=True)
 class WorkerReadiness:
     """How many live workers can take a shard now (``num_ready``) and how many are still starting;
-    ``model``: the model they serve (None: every live worker, whatever its model)."""
+    ``model``: the model they serve (None: every live worker, whatever its model). ``dtypes``,
+    ``quantizations`` and ``kv_cache_dtypes``: the distinct values those workers' engines report (sorted; a
+    worker still loading reports none), so a reader can tell what they run from what is configured."""
 
     num_ready: int
     num_starting: int
     model: str | None = None
+    dtypes: tuple[str, ...] = ()
+    quantizations: tuple[str, ...] = ()
+    kv_cache_dtypes: tuple[str, ...] = ()
 
     def waiting_note(self) -> str | None:
         """What a batch with lines to run is waiting for when no worker is ready, else None:
@@ -192,7 +197,18 @@ class WorkerReadiness:
         """Count ``workers`` (live ones) that serve ``model`` (None: all), ready and starting."""
         serving = [worker for worker in workers if model is None or worker.model == model]
         num_ready = sum(worker.ready_s is not None for worker in serving)
-        return cls(num_ready=num_ready, num_starting=len(serving) - num_ready, model=model)
+
+        def reported(values: Iterable[str | None]) -> tuple[str, ...]:
+            return tuple(sorted({value for value in values if value is not None}))
+
+        return cls(
+            num_ready=num_ready,
+            num_starting=len(serving) - num_ready,
+            model=model,
+            dtypes=reported(worker.dtype for worker in serving),
+            quantizations=reported(worker.quantization for worker in serving),
+            kv_cache_dtypes=reported(worker.kv_cache_dtype for worker in serving),
+        )
 
 
 def worker_readiness(session: Session, *, now: int, live_s: float, model: str | None = None) -> WorkerReadiness:

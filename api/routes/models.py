@@ -1,8 +1,10 @@
 """``/v1/models``: the models this deployment serves (OpenAI Models API), so ``client.models.list()`` works.
 
 Each is OpenAI's model object plus batchinfer's fields: ``kind`` (``generate`` or ``embed``),
-``aliases`` (other names a line may use), ``quantization`` and ``kv_cache_dtype`` (what its workers
-run: docs/engine.md, "Quantized weights" and "Quantized KV cache"; null for an embedding model),
+``aliases`` (other names a line may use), ``dtype``, ``quantization`` and ``kv_cache_dtype`` (what its
+workers run: docs/engine.md, "Quantized weights" and "Quantized KV cache"; the value its live workers report
+when they agree, else the configured one; for an embedding model quantization and KV cache dtype are null,
+and dtype is null until a worker reports it),
 ``num_workers`` (live workers serving it: heartbeat within ``Settings.worker_live_s``) and
 ``num_ready_workers`` (those of them that take work; the rest are loading the model). A model with no
 live worker is still listed: its batches wait (docs/operations.md, "Several models").
@@ -33,23 +35,35 @@ class ModelObject(BaseModel):
     owned_by: str = "batchinfer"
     kind: Literal["generate", "embed"] = "generate"
     aliases: list[str] = []
+    dtype: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str | None = None
     num_workers: int = 0
     num_ready_workers: int = 0
 
     @classmethod
-    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None) -> ModelObject:
-        """The configured ``entry`` with the live workers serving it (None: none)."""
+    def of(cls, entry: ModelEntry, readiness: WorkerReadiness | None, *, dtype: str) -> ModelObject:
+        """The configured ``entry`` (``dtype``: the deployment's) with the live workers serving it (None: none).
+        Where those workers report one value of a field, that value is shown; none or several (a rolling
+        change; ``/v1/workers`` shows each worker's), the configured one."""
         num_ready = readiness.num_ready if readiness else 0
         generate = entry.kind == "generate"
+
+        def running(reported: tuple[str, ...], configured: str | None) -> str | None:
+            return reported[0] if len(reported) == 1 else configured
+
         return cls(
             id=entry.name,
             created=_STARTED_AT,
             kind=entry.kind,
             aliases=entry.aliases,
-            quantization=entry.quantization if generate else None,
-            kv_cache_dtype=entry.kv_cache_dtype if generate else None,
+            dtype=running(readiness.dtypes if readiness else (), dtype if generate else None),
+            quantization=running(readiness.quantizations if readiness else (), entry.quantization)
+            if generate
+            else None,
+            kv_cache_dtype=(
+                running(readiness.kv_cache_dtypes if readiness else (), entry.kv_cache_dtype) if generate else None
+            ),
             num_workers=num_ready + (readiness.num_starting if readiness else 0),
             num_ready_workers=num_ready,
         )
@@ -64,7 +78,9 @@ class ModelList(BaseModel):
 def list_models(session: ReadSessionDep, settings: SettingsDep) -> ModelList:
     """Every configured model, in the settings' order."""
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
-    return ModelList(data=[ModelObject.of(entry, live.get(entry.name)) for entry in settings.models])
+    return ModelList(
+        data=[ModelObject.of(entry, live.get(entry.name), dtype=settings.dtype) for entry in settings.models]
+    )
 
 
 @router.get("/{model_id}")
@@ -75,4 +91,4 @@ def retrieve_model(model_id: str, session: ReadSessionDep, settings: SettingsDep
     except ValueError:
         raise NotFound("model", model_id) from None
     live = live_workers_by_model(session, now=now_s(), live_s=settings.worker_live_s)
-    return ModelObject.of(entry, live.get(entry.name))
+    return ModelObject.of(entry, live.get(entry.name), dtype=settings.dtype)

@@ -10,7 +10,16 @@ from jobs.db import session_scope
 from jobs.status import now_s
 
 
-def _beat(settings: Settings, pid: int, model: str, *, ready_s: float | None = 3.0, age_s: int = 0) -> None:
+def _beat(
+    settings: Settings,
+    pid: int,
+    model: str,
+    *,
+    ready_s: float | None = 3.0,
+    age_s: int = 0,
+    engine: tuple[str, str, str] | None = None,
+) -> None:
+    """A heartbeat of worker ``box:pid``; ``engine``: the (dtype, quantization, kv_cache_dtype) it reports."""
     with session_scope(settings.database_url) as session:
         workers.record_heartbeat(
             session,
@@ -26,6 +35,8 @@ def _beat(settings: Settings, pid: int, model: str, *, ready_s: float | None = 3
             started_at=now_s() - age_s,
             now=now_s() - age_s,
             ready_s=ready_s,
+            kv_cache=workers.KVCacheSize(engine[2], num_blocks=64, num_bytes=1 << 20) if engine else None,
+            engine_format=workers.EngineFormat(dtype=engine[0], quantization=engine[1]) if engine else None,
         )
 
 
@@ -79,3 +90,32 @@ def test_each_generate_model_shows_its_quantization_and_kv_cache_dtype(client: A
         BUILTIN_EMBEDDING_MODEL: (None, None),
         "tiny-q4": ("q4", "fp8_e4m3"),  # vLLM's name shown canonical, as /v1/workers shows it
     }
+
+
+def test_the_live_workers_report_what_they_run_over_the_configured_values(
+    client: Any, service_settings: Settings
+) -> None:
+    service_settings.models = [
+        *service_settings.models,
+        ModelEntry(name="tiny", source="/m/tiny", quantization="int8", kv_cache_dtype="auto"),
+    ]
+
+    def shown() -> dict[str, tuple[str | None, str | None, str | None]]:
+        body = client.get("/v1/models").json()["data"]
+        return {m["id"]: (m["dtype"], m["quantization"], m["kv_cache_dtype"]) for m in body}
+
+    configured = (service_settings.dtype, service_settings.quantization, service_settings.kv_cache_dtype)
+    assert shown()["tiny"] == (service_settings.dtype, "int8", "auto")
+    assert shown()[BUILTIN_MODEL] == configured
+    assert shown()[BUILTIN_EMBEDDING_MODEL] == (None, None, None)
+
+    _beat(service_settings, 1, "tiny", engine=("bfloat16", "q4", "int8"))  # started with other settings
+    _beat(service_settings, 2, "tiny", ready_s=None)  # still loading: reports nothing yet
+    _beat(service_settings, 3, BUILTIN_EMBEDDING_MODEL, engine=("float32", "none", "auto"))
+    assert shown()["tiny"] == ("bfloat16", "q4", "int8")
+    assert shown()[BUILTIN_EMBEDDING_MODEL] == ("float32", None, None)  # an embedder has no quantization nor KV cache
+    assert client.get("/v1/models/tiny").json()["quantization"] == "q4"
+
+    _beat(service_settings, 2, "tiny", engine=("bfloat16", "none", "int8"))  # a rolling change: workers disagree
+    assert shown()["tiny"] == ("bfloat16", "int8", "int8")  # the one they agree on, else the configured value
+    assert shown()[BUILTIN_MODEL] == configured
