@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,10 +51,14 @@ logger = logging.getLogger(__name__)
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 _SHUTDOWN_GRACE_S = 30
 LIST_PAGE_MAX = 100  # the most GET /v1/batches returns per page (docs/api.md)
+CONFIG_REFUSED_EXIT = 2
+"""The exit status of a command whose configuration is refused: an invalid ``BATCHINFER_*`` setting, a worker's model
+of a kind not served, an engine that refused its settings at load. Deterministic: ``serve`` does not restart a child
+that exits with it (the same settings would fail the same way)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``batchinfer`` console script; returns the exit status (2 when a
+    """Entry point of the ``batchinfer`` console script; returns the exit status (`CONFIG_REFUSED_EXIT` when a
     ``BATCHINFER_*`` setting is invalid, with one line per problem naming it)."""
     from pydantic import ValidationError
 
@@ -62,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         for error in exc.errors():
             print(f"batchinfer: {_setting_error(error)}", file=sys.stderr)
-        return 2
+        return CONFIG_REFUSED_EXIT
     args = _parser().parse_args(argv)
     return args.handler(args) or 0
 
@@ -310,7 +315,7 @@ def _worker(args: argparse.Namespace) -> int:
     except (ValidationError, KindNotServed) as exc:
         problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         print(f"batchinfer worker: {problem}", file=sys.stderr)
-        return 2
+        return CONFIG_REFUSED_EXIT
     configure_celery(settings)
     heartbeat = start_heartbeat(settings)  # first: the row says "starting" while the model loads
     stop_telemetry = heartbeat.stop
@@ -319,7 +324,13 @@ def _worker(args: argparse.Namespace) -> int:
         from worker.tasks import celery_app
         from worker.telemetry import start_worker_telemetry
 
-        engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+        try:
+            engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+        except ValueError as exc:  # the engine refused its settings (bootstrap.get_engine): one line, no restart
+            if args.loglevel.upper() == "DEBUG":
+                traceback.print_exc()
+            print(f"batchinfer worker: the engine refused its settings: {exc}", file=sys.stderr)
+            return CONFIG_REFUSED_EXIT
         stop_telemetry = start_worker_telemetry(
             settings,
             heartbeat,
@@ -430,7 +441,8 @@ class _Child:
 
     A restartable child (the worker, beat) that exits while ``serve`` is not stopping is started again
     after a back-off (:data:`_RESTART_BACKOFF_S`, doubled for each earlier exit within
-    :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``.
+    :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``, and so
+    does its first exit with `CONFIG_REFUSED_EXIT` (its settings are refused: a restart would fail the same way).
     """
 
     def __init__(
@@ -563,11 +575,19 @@ def _supervise(
 
 def _schedule_restart(child: _Child, returncode: int, now: float, api_address: tuple[str, int]) -> bool:
     """Say on stderr that ``child`` exited with ``returncode`` and set when it starts again; False when
-    it is not to be restarted (the API, or a child exiting too often) and ``serve`` must stop."""
+    it is not to be restarted (the API, a child whose settings are refused, or one exiting too often) and ``serve``
+    must stop."""
     exited = f"batchinfer: {child.name} {_describe_exit(returncode)}"
     if not child.restartable:
         hint = _api_exit_hint(*api_address) if returncode == _UVICORN_STARTUP_FAILURE else ""
         print(f"{exited}; stopping{hint}", file=sys.stderr, flush=True)
+        return False
+    if returncode == CONFIG_REFUSED_EXIT:
+        print(
+            f"{exited}: its settings are refused (its log above says why), which a restart would not change; stopping",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     recent = child.record_exit(now)
     if recent > _MAX_RESTARTS:
