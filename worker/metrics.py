@@ -23,7 +23,7 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:request_prompt_tokens`` / ``request_generation_tokens`` | histogram | per finished request |
 | ``batchinfer:request_success_total`` | counter | finished requests by ``finished_reason`` |
 | ``batchinfer:resumed_tokens_total`` | counter | (ours) generated tokens restored from line checkpoints |
-| ``batchinfer:recomputed_tokens_total`` | counter | (ours) generated tokens an interrupted line threw away |
+| ``batchinfer:recomputed_tokens_total`` | counter | (ours) generated tokens an interrupted line threw away (not preemptions) |
 | ``batchinfer:spec_decode_num_drafts_total`` | counter | sequence-steps that verified draft tokens |
 | ``batchinfer:spec_decode_num_draft_tokens_total`` | counter | draft tokens verified |
 | ``batchinfer:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
