@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.config import get_settings
+from jobs.config import get_settings, model_list
 
 if TYPE_CHECKING:
     import httpx
@@ -65,22 +65,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         get_settings()
     except ValidationError as exc:
+        model_names = _model_entry_names()
         for error in exc.errors():
-            print(f"batchinfer: {_setting_error(error)}", file=sys.stderr)
+            print(f"batchinfer: {_setting_error(error, model_names)}", file=sys.stderr)
         return CONFIG_REFUSED_EXIT
     args = _parser().parse_args(argv)
     return args.handler(args) or 0
 
 
-def _setting_error(error: Mapping[str, Any]) -> str:
-    """One line naming the ``BATCHINFER_*`` variable, the place inside it (a model list's entry and key) and
-    what was wrong with the value given."""
+def _setting_error(error: Mapping[str, Any], model_names: Sequence[str | None] = ()) -> str:
+    """One line naming the ``BATCHINFER_*`` variable, the place inside it (a model list's entry and key; the
+    entry's model, by ``model_names``, where it has a name) and what was wrong with the value given."""
     if not error["loc"]:  # a check across settings (worker_dead_s against worker_heartbeat_s, ...)
         return f"settings: {error['msg']}"
     setting, *place = error["loc"]
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in place)
+    if setting == "models" and place and isinstance(place[0], int) and place[0] < len(model_names):
+        name = model_names[place[0]]
+        where += f" (model {name!r})" if name is not None else ""
     message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wrapper of a validator's ValueError
     return f"BATCHINFER_{str(setting).upper()}{where}: {message} (got {error.get('input')!r})"
+
+
+def _model_entry_names() -> list[str | None]:
+    """The model each entry of ``BATCHINFER_MODELS`` names (its ``name``, else its first alias; None for neither),
+    in order, as pydantic numbers them in its errors; empty when the variable is unset or not a JSON list."""
+    raw = next((value for key, value in os.environ.items() if key.upper() == "BATCHINFER_MODELS"), "")
+    try:
+        entries = model_list(raw)
+    except ValueError:  # not JSON: its error names no entry
+        return []
+    if not isinstance(entries, list):
+        return []
+    names: list[str | None] = []
+    for entry in entries:
+        given = entry if isinstance(entry, dict) else {}
+        aliases = given.get("aliases")
+        candidates = [given.get("name"), *(aliases if isinstance(aliases, list) else [])]
+        names.append(next((name for name in candidates if isinstance(name, str) and name), None))
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:

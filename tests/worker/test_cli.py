@@ -57,9 +57,22 @@ def test_every_command_parses(argv):
         (
             "BATCHINFER_MODELS",
             '{"a": {"source": "x", "kv_cache_dtyp": "int8"}}',
-            "BATCHINFER_MODELS[0].kv_cache_dtyp: ",
+            "BATCHINFER_MODELS[0].kv_cache_dtyp (model 'a'): ",
             "'int8'",
         ),
+        (  # the entry named by its model, not only its index
+            "BATCHINFER_MODELS",
+            '[{"name": "a", "source": "x"}, {"name": "e", "source": "y", "kind": "embed", "kv_cache_dtype": "int8"}]',
+            "BATCHINFER_MODELS[1] (model 'e'): kv_cache_dtype is a generate model's",
+            "'int8'",
+        ),
+        (  # without a name (refused), by its first alias
+            "BATCHINFER_MODELS",
+            '[{"source": "x", "aliases": ["b"]}]',
+            "BATCHINFER_MODELS[0].name (model 'b'): Field required",
+            "'source': 'x'",
+        ),
+        ("BATCHINFER_MODELS", '[{"source": "x"}]', "BATCHINFER_MODELS[0].name: Field required", "'source': 'x'"),
     ],
 )
 def test_an_invalid_setting_is_one_line_naming_it(monkeypatch, capsys, variable, value, named, given):
