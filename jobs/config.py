@@ -204,15 +204,7 @@ class Settings(BaseSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _model_list(cls, value: Any) -> Any:
-        """Accept ``{name: source}`` / ``{name: {source, kind, ...}}`` as well as a list of entries."""
-        if isinstance(value, str):
-            value = json.loads(value) if value.strip() else []
-        if isinstance(value, dict):
-            return [
-                {"name": name, "source": entry} if isinstance(entry, str) else {"name": name, **entry}
-                for name, entry in value.items()
-            ]
-        return value
+        return model_list(value)
 
     @field_validator("kv_cache_dtype")
     @classmethod
@@ -312,6 +304,23 @@ class Settings(BaseSettings):
         """The name of the model this process serves (``worker_model``; by default the first configured
         model): what a worker writes in response bodies and its heartbeat row."""
         return self.worker_model
+
+
+def model_list(value: Any) -> Any:
+    """``BATCHINFER_MODELS`` as a list of entries to validate: a JSON text, ``{name: source}`` /
+    ``{name: {source, kind, ...}}`` or a list of entries (returned as they are, checked by `ModelEntry`).
+
+    Raises:
+        json.JSONDecodeError: a text that is not JSON.
+    """
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else []
+    if isinstance(value, dict):
+        return [
+            {"name": name, "source": entry} if isinstance(entry, str) else {"name": name, **entry}
+            for name, entry in value.items()
+        ]
+    return value
 
 
 _WINDOW_UNITS_S = {"s": 1, "m": 60, "h": 3600}

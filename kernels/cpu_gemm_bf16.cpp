@@ -153,19 +153,12 @@ at::Tensor linear_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kNR && packed.size(3) == 2 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kBFloat16,
               "packed weight must come from pack_linear_weight_bf16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "x must be a bfloat16 CPU tensor [num_rows, in_features]");
-  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "x must have unit stride in its last dimension");
+  batchinfer_kernels::check_bf16_rows(x);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, K2 = (K + 1) / 2;
   TORCH_CHECK(packed.size(1) == K2, "x has ", K, " features but the weight expects ", 2 * packed.size(1), " or one fewer");
   TORCH_CHECK(N > (packed.size(0) - 1) * kNR && N <= packed.size(0) * kNR, "out_features ", N,
               " does not match the packed weight");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->device().is_cpu(), "bias must be [out_features] on the CPU");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto [bias_f, y] = batchinfer_kernels::bf16_linear_output(x, N, bias);
   if (M == 0 || N == 0) return y;
 #if defined(__AVX512BF16__)
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;

@@ -1,10 +1,16 @@
 // Row grouping shared by the packed-panel GEMMs (cpu_gemm.cpp: float32, cpu_gemm_bf16.cpp: bfloat16): how the M
 // activation rows of one call are split into micro-kernel calls, and the dispatch of a group's row count to the
-// micro-kernel instantiated for exactly that many rows.
+// micro-kernel instantiated for exactly that many rows. Also the argument checks and output of the bfloat16 linear
+// ops (cpu_gemm_bf16.cpp's dense weight, cpu_q4_bf16.cpp's Q4 blocks): their activation rows, float32 bias and
+// bfloat16 output are the same.
 
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace batchinfer_kernels {
@@ -29,6 +35,31 @@ inline void with_rows(int64_t rows, Kernel&& kernel) {
       with_rows<MR - 1>(rows, kernel);
     }
   }
+}
+
+// Raises unless x is a bfloat16 CPU tensor [num_rows, in_features] with unit stride along in_features (its rows
+// may be strided: a view of every other row is read in place).
+inline void check_bf16_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "x must be a bfloat16 CPU tensor [num_rows, in_features]");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "x must have unit stride in its last dimension");
+}
+
+// A bfloat16 linear op's bias, widened to a contiguous float32 [out_features] (undefined when there is none), and
+// its output y, an uninitialised contiguous bfloat16 [num_rows, out_features] tensor on x's device. Raises unless
+// the bias is [out_features] (any shape of that many elements) on the CPU.
+struct Bf16LinearOutput {
+  at::Tensor bias_f, y;
+};
+
+inline Bf16LinearOutput bf16_linear_output(const at::Tensor& x, int64_t out_features,
+                                           const std::optional<at::Tensor>& bias) {
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features && bias->device().is_cpu(), "bias must be [out_features] on the CPU");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  return {bias_f, at::empty({x.size(0), out_features}, x.options().memory_format(at::MemoryFormat::Contiguous))};
 }
 
 }  // namespace batchinfer_kernels

@@ -337,9 +337,7 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
                             const std::optional<at::Tensor>& bias) {
   require_bf16();
   check_type(type);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "x must be a bfloat16 CPU tensor [num_rows, in_features]");
-  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "x must have unit stride in its last dimension");
+  check_bf16_rows(x);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features ", K, " is not a positive multiple of the block size 32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -347,12 +345,7 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
               "packed weight must come from gguf_pack_bf16 with this type and ", K, " in_features");
   TORCH_CHECK(N > (packed.size(0) - 1) * kNR && N <= packed.size(0) * kNR, "out_features ", N,
               " does not match the packed weight");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->device().is_cpu(), "bias must be [out_features] on the CPU");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto [bias_f, y] = bf16_linear_output(x, N, bias);
   if (M == 0 || N == 0) return y;
 #if defined(__AVX512BF16__)
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;

@@ -111,6 +111,10 @@ def get_engine() -> LLMEngine | PoolingEngine:
 
     Raises:
         KindNotServed: the served model's kind has no engine yet (`check_served_kind`).
+        ValueError: the engine refused its settings: a model it cannot find or load
+            (`worker.model_prepare.ModelNotFoundError`, a corrupt GGUF), a quantization the dtype cannot run, a KV
+            cache too small for one sequence. Deterministic: the same settings fail the same way (``batchinfer
+            worker`` exits with `worker.cli.CONFIG_REFUSED_EXIT`, which ``serve`` does not restart).
     """
     global _engine
     with _lock:

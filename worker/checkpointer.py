@@ -11,7 +11,8 @@ line that grew since its last checkpoint (`LLMEngine.progress`).
 line that cannot resume (`worker.engine.core.request.can_resume`). They are added to each line's
 ``recomputed_tokens`` where the lease still allows, and reported to the observer
 (``batchinfer:recomputed_tokens_total``). A worker killed outright (SIGKILL) loses what it generated
-since its last checkpoint without counting it.
+since its last checkpoint without counting it. An engine preemption is no interruption: the preempted line keeps
+its generated tokens (only their KV is computed again), so it adds nothing here.
 """
 
 from __future__ import annotations

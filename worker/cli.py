@@ -37,11 +37,12 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.config import get_settings
+from jobs.config import get_settings, model_list
 
 if TYPE_CHECKING:
     import httpx
@@ -50,32 +51,59 @@ logger = logging.getLogger(__name__)
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 _SHUTDOWN_GRACE_S = 30
 LIST_PAGE_MAX = 100  # the most GET /v1/batches returns per page (docs/api.md)
+CONFIG_REFUSED_EXIT = 2
+"""The exit status of a command whose configuration is refused: an invalid ``BATCHINFER_*`` setting, a worker's model
+of a kind not served, an engine that refused its settings at load. Deterministic: ``serve`` does not restart a child
+that exits with it (the same settings would fail the same way)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``batchinfer`` console script; returns the exit status (2 when a
+    """Entry point of the ``batchinfer`` console script; returns the exit status (`CONFIG_REFUSED_EXIT` when a
     ``BATCHINFER_*`` setting is invalid, with one line per problem naming it)."""
     from pydantic import ValidationError
 
     try:
         get_settings()
     except ValidationError as exc:
+        model_names = _model_entry_names()
         for error in exc.errors():
-            print(f"batchinfer: {_setting_error(error)}", file=sys.stderr)
-        return 2
+            print(f"batchinfer: {_setting_error(error, model_names)}", file=sys.stderr)
+        return CONFIG_REFUSED_EXIT
     args = _parser().parse_args(argv)
     return args.handler(args) or 0
 
 
-def _setting_error(error: Mapping[str, Any]) -> str:
-    """One line naming the ``BATCHINFER_*`` variable, the place inside it (a model list's entry and key) and
-    what was wrong with the value given."""
+def _setting_error(error: Mapping[str, Any], model_names: Sequence[str | None] = ()) -> str:
+    """One line naming the ``BATCHINFER_*`` variable, the place inside it (a model list's entry and key; the
+    entry's model, by ``model_names``, where it has a name) and what was wrong with the value given."""
     if not error["loc"]:  # a check across settings (worker_dead_s against worker_heartbeat_s, ...)
         return f"settings: {error['msg']}"
     setting, *place = error["loc"]
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in place)
+    if setting == "models" and place and isinstance(place[0], int) and place[0] < len(model_names):
+        name = model_names[place[0]]
+        where += f" (model {name!r})" if name is not None else ""
     message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wrapper of a validator's ValueError
     return f"BATCHINFER_{str(setting).upper()}{where}: {message} (got {error.get('input')!r})"
+
+
+def _model_entry_names() -> list[str | None]:
+    """The model each entry of ``BATCHINFER_MODELS`` names (its ``name``, else its first alias; None for neither),
+    in order, as pydantic numbers them in its errors; empty when the variable is unset or not a JSON list."""
+    raw = next((value for key, value in os.environ.items() if key.upper() == "BATCHINFER_MODELS"), "")
+    try:
+        entries = model_list(raw)
+    except ValueError:  # not JSON: its error names no entry
+        return []
+    if not isinstance(entries, list):
+        return []
+    names: list[str | None] = []
+    for entry in entries:
+        given = entry if isinstance(entry, dict) else {}
+        aliases = given.get("aliases")
+        candidates = [given.get("name"), *(aliases if isinstance(aliases, list) else [])]
+        names.append(next((name for name in candidates if isinstance(name, str) and name), None))
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -310,7 +338,7 @@ def _worker(args: argparse.Namespace) -> int:
     except (ValidationError, KindNotServed) as exc:
         problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         print(f"batchinfer worker: {problem}", file=sys.stderr)
-        return 2
+        return CONFIG_REFUSED_EXIT
     configure_celery(settings)
     heartbeat = start_heartbeat(settings)  # first: the row says "starting" while the model loads
     stop_telemetry = heartbeat.stop
@@ -319,7 +347,13 @@ def _worker(args: argparse.Namespace) -> int:
         from worker.tasks import celery_app
         from worker.telemetry import start_worker_telemetry
 
-        engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+        try:
+            engine = get_engine()  # start-up cost (and any model error) up front, not inside the first task
+        except ValueError as exc:  # the engine refused its settings (bootstrap.get_engine): one line, no restart
+            if args.loglevel.upper() == "DEBUG":
+                traceback.print_exc()
+            print(f"batchinfer worker: the engine refused its settings: {exc}", file=sys.stderr)
+            return CONFIG_REFUSED_EXIT
         stop_telemetry = start_worker_telemetry(
             settings,
             heartbeat,
@@ -430,7 +464,8 @@ class _Child:
 
     A restartable child (the worker, beat) that exits while ``serve`` is not stopping is started again
     after a back-off (:data:`_RESTART_BACKOFF_S`, doubled for each earlier exit within
-    :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``.
+    :data:`_RESTART_WINDOW_S`); the :data:`_MAX_RESTARTS` + 1-th exit within the window stops ``serve``, and so
+    does its first exit with `CONFIG_REFUSED_EXIT` (its settings are refused: a restart would fail the same way).
     """
 
     def __init__(
@@ -563,11 +598,19 @@ def _supervise(
 
 def _schedule_restart(child: _Child, returncode: int, now: float, api_address: tuple[str, int]) -> bool:
     """Say on stderr that ``child`` exited with ``returncode`` and set when it starts again; False when
-    it is not to be restarted (the API, or a child exiting too often) and ``serve`` must stop."""
+    it is not to be restarted (the API, a child whose settings are refused, or one exiting too often) and ``serve``
+    must stop."""
     exited = f"batchinfer: {child.name} {_describe_exit(returncode)}"
     if not child.restartable:
         hint = _api_exit_hint(*api_address) if returncode == _UVICORN_STARTUP_FAILURE else ""
         print(f"{exited}; stopping{hint}", file=sys.stderr, flush=True)
+        return False
+    if returncode == CONFIG_REFUSED_EXIT:
+        print(
+            f"{exited}: its settings are refused (its log above says why), which a restart would not change; stopping",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     recent = child.record_exit(now)
     if recent > _MAX_RESTARTS:

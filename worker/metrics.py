@@ -7,7 +7,7 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | metric | type | vLLM meaning |
 |---|---|---|
 | ``batchinfer:num_requests_running`` / ``num_requests_waiting`` | gauge | sequences in the batch / queued |
-| ``batchinfer:kv_cache_usage_perc`` | gauge | fraction of KV blocks in use (0..1) |
+| ``batchinfer:kv_cache_usage_perc`` | gauge | fraction of KV blocks in use (0..1); none without a KV cache |
 | ``batchinfer:kv_cache_num_blocks`` / ``kv_cache_bytes`` | gauge | (ours) the KV cache's size: blocks, and bytes (scales included) |
 | ``batchinfer:model_config_info`` | gauge | (ours, vLLM's info style) 1; labels ``dtype``, ``quantization``, ``kv_cache_dtype`` |
 | ``batchinfer:prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | prompt tokens looked up / found |
@@ -23,7 +23,7 @@ take-and-reset `EngineStats`) and for every finished request (`EngineMetrics.rec
 | ``batchinfer:request_prompt_tokens`` / ``request_generation_tokens`` | histogram | per finished request |
 | ``batchinfer:request_success_total`` | counter | finished requests by ``finished_reason`` |
 | ``batchinfer:resumed_tokens_total`` | counter | (ours) generated tokens restored from line checkpoints |
-| ``batchinfer:recomputed_tokens_total`` | counter | (ours) generated tokens an interrupted line threw away |
+| ``batchinfer:recomputed_tokens_total`` | counter | (ours) generated tokens an interrupted line threw away (not preemptions) |
 | ``batchinfer:spec_decode_num_drafts_total`` | counter | sequence-steps that verified draft tokens |
 | ``batchinfer:spec_decode_num_draft_tokens_total`` | counter | draft tokens verified |
 | ``batchinfer:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
@@ -108,9 +108,11 @@ class EngineMetrics:
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Number of requests waiting to be processed.", "livesum"
         )
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "livemax")
-        # NOTE: the size gauges get their model's sample only once an engine with a KV cache reports one: an
-        # embedding model's worker shows none (as /v1/workers shows null), not a size of 0.
+        # NOTE: the KV cache gauges (usage and size) get their model's sample only once an engine with a KV cache
+        # reports one: an embedding model's worker shows none (as /v1/workers shows null), not a usage or size of 0.
+        self._kv_cache_usage = gauge_family(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "livemax"
+        )
         self._kv_cache_num_blocks = gauge_family("kv_cache_num_blocks", "KV-cache size in blocks.", "livesum")
         self._kv_cache_bytes = gauge_family(
             "kv_cache_bytes", "KV-cache size in bytes (all layers, K and V, scales included).", "livesum"
@@ -202,10 +204,10 @@ class EngineMetrics:
         """Add one window of engine statistics (usually one step's) to the counters; set the gauges."""
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
-        if stats.num_steps:
-            self.kv_cache_usage.set(stats.kv_cache_usage)
         if stats.num_kv_blocks:
             self.set_kv_cache_size(stats.num_kv_blocks, stats.kv_cache_bytes)
+            if stats.num_steps:
+                self._kv_cache_usage.labels(self._model_name).set(stats.kv_cache_usage)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
@@ -247,7 +249,9 @@ class EngineMetrics:
 
     def set_kv_cache_size(self, num_blocks: int, num_bytes: int) -> None:
         """Set the KV cache's size gauges (blocks; bytes, scales included): once the engine is up, so a scrape
-        shows them before the first batch, and again with every step's statistics."""
+        shows them (and its usage, 0 until a step sets it) before the first batch, and again with every step's
+        statistics."""
+        self._kv_cache_usage.labels(self._model_name)  # its sample shows from now (0 until a step sets it)
         self._kv_cache_num_blocks.labels(self._model_name).set(num_blocks)
         self._kv_cache_bytes.labels(self._model_name).set(num_bytes)
 

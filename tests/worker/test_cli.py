@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -56,9 +57,22 @@ def test_every_command_parses(argv):
         (
             "BATCHINFER_MODELS",
             '{"a": {"source": "x", "kv_cache_dtyp": "int8"}}',
-            "BATCHINFER_MODELS[0].kv_cache_dtyp: ",
+            "BATCHINFER_MODELS[0].kv_cache_dtyp (model 'a'): ",
             "'int8'",
         ),
+        (  # the entry named by its model, not only its index
+            "BATCHINFER_MODELS",
+            '[{"name": "a", "source": "x"}, {"name": "e", "source": "y", "kind": "embed", "kv_cache_dtype": "int8"}]',
+            "BATCHINFER_MODELS[1] (model 'e'): kv_cache_dtype is a generate model's",
+            "'int8'",
+        ),
+        (  # without a name (refused), by its first alias
+            "BATCHINFER_MODELS",
+            '[{"source": "x", "aliases": ["b"]}]',
+            "BATCHINFER_MODELS[0].name (model 'b'): Field required",
+            "'source': 'x'",
+        ),
+        ("BATCHINFER_MODELS", '[{"source": "x"}]', "BATCHINFER_MODELS[0].name: Field required", "'source': 'x'"),
     ],
 )
 def test_an_invalid_setting_is_one_line_naming_it(monkeypatch, capsys, variable, value, named, given):
@@ -362,19 +376,48 @@ def _find_grandchild(pid: int) -> int:
 
 def test_serve_gives_up_on_a_worker_that_exits_at_every_start(quick_restarts, capsys):
     api = cli._Child("api", _python("import time; time.sleep(60)"), restartable=False)
-    worker = cli._Child("worker", _python("raise SystemExit(2)"), restartable=True)
+    worker = cli._Child("worker", _python("raise SystemExit(1)"), restartable=True)  # a crash, as an exception's
     try:
-        assert cli._supervise([api, worker], lambda: False, ("h", 1)) == 2
+        assert cli._supervise([api, worker], lambda: False, ("h", 1)) == 1
     finally:
         cli._stop_children([api.process, worker.process])
     lines = capsys.readouterr().err.splitlines()
     assert [line.rsplit("(", 1)[1] for line in lines[:3]] == ["restart 1)", "restart 2)", "restart 3)"]
     assert "restarting it in 0.1 s" in lines[1] and "restarting it in 0.2 s" in lines[2]
     assert lines[3] == (
-        "batchinfer: worker exited with status 2 (4 exits within 300 s); giving up on it and stopping "
+        "batchinfer: worker exited with status 1 (4 exits within 300 s); giving up on it and stopping "
         "(its log above says why it exits)"
     )
     assert len(lines) == 4
+
+
+def test_serve_does_not_restart_a_worker_whose_settings_are_refused(quick_restarts, capsys):
+    api = cli._Child("api", _python("import time; time.sleep(60)"), restartable=False)
+    worker = cli._Child("worker", _python(f"raise SystemExit({cli.CONFIG_REFUSED_EXIT})"), restartable=True)
+    first_worker = worker.process
+    try:
+        assert cli._supervise([api, worker], lambda: False, ("h", 1)) == cli.CONFIG_REFUSED_EXIT
+    finally:
+        cli._stop_children([api.process, worker.process])
+    assert worker.process is first_worker and worker.restarts == 0
+    assert capsys.readouterr().err == (
+        "batchinfer: worker exited with status 2: its settings are refused (its log above says why), which a "
+        "restart would not change; stopping\n"
+    )
+
+
+def test_worker_whose_engine_refuses_its_settings_says_why_in_one_line(tmp_path, served_model_dir):
+    """float16 weights with quantization q4 are refused when the model loads (q4 runs float32 or bfloat16)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHINFER_")}
+    env.update(BATCHINFER_DATA_DIR=str(tmp_path), BATCHINFER_DTYPE="float16", BATCHINFER_QUANTIZATION="q4")
+    command = [sys.executable, "-m", "worker.cli"]
+    subprocess.run([*command, "db", "upgrade"], env=env, check=True, capture_output=True, timeout=120)
+    worker = subprocess.run([*command, "worker"], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert worker.returncode == cli.CONFIG_REFUSED_EXIT, worker.stderr[-2000:]
+    assert worker.stderr.splitlines() == [
+        "batchinfer worker: the engine refused its settings: quantization 'q4' runs float32 or bfloat16 models on "
+        "CPU; model.embed_tokens.weight is torch.float16 on cpu"
+    ]
 
 
 def test_serve_says_which_port_is_taken_when_the_api_cannot_start(capsys):

@@ -119,15 +119,16 @@ def test_step_stats_map_to_vllm_names():
 
 
 def test_an_engine_without_a_kv_cache_shows_no_kv_cache_size():
-    """An embedding model's steps carry no KV cache size: its scrape has no size samples (not a size of 0), as
-    /v1/workers shows null for it."""
+    """An embedding model's steps carry no KV cache size: its scrape has no KV cache samples (not a usage or size
+    of 0), as /v1/workers shows null for it; a generating engine's shows its usage from the start."""
     metrics = EngineMetrics("embedder")
     metrics.record_step(EngineStats(num_steps=1, num_running_reqs=3, num_prompt_tokens=40))
     samples = scrape(metrics.registry)
     assert samples["batchinfer:num_requests_running{}"] == 3
-    assert not [
-        name for name in samples if name.startswith(("batchinfer:kv_cache_num_blocks", "batchinfer:kv_cache_bytes"))
-    ]
+    assert not [name for name in samples if name.startswith("batchinfer:kv_cache")]
+    generating = EngineMetrics("generator")
+    generating.set_kv_cache_size(100, 100 * 69632)
+    assert scrape(generating.registry)["batchinfer:kv_cache_usage_perc{}"] == 0
 
 
 def test_spec_decoding_counters_map_to_vllm_names():
@@ -344,7 +345,9 @@ from worker.metrics import EngineMetrics
 running, tokens = int(sys.argv[1]), int(sys.argv[2])
 metrics = EngineMetrics("m")
 metrics.record_step(
-    EngineStats(num_steps=1, num_running_reqs=running, num_generation_tokens=tokens, kv_cache_usage=running / 10)
+    EngineStats(
+        num_steps=1, num_running_reqs=running, num_generation_tokens=tokens, kv_cache_usage=running / 10, num_kv_blocks=10
+    )
 )
 metrics.set_model_config(sys.argv[3], "q4", "auto")
 """

@@ -41,6 +41,32 @@ from worker.engine.structured_output import StructuredOutputManager
 _MAX_IDS_SHOWN = 8  # token ids quoted in an error message
 
 
+def _kv_cache_too_small(config: EngineConfig, num_blocks: int, bytes_per_block: int, max_model_len: int) -> str:
+    """Why a KV cache of ``num_blocks`` blocks (``bytes_per_block`` bytes each) cannot hold one sequence of
+    ``max_model_len`` tokens, and what makes it fit, by the names a deployment sets (``BATCHINFER_*``, the settings
+    of ``jobs.config.Settings``): more bytes, fewer bytes an element (a quantized KV cache, else a bfloat16 one)."""
+    needed_blocks = -(-max_model_len // config.block_size)
+    context = "" if config.max_model_len else " (the model's max_position_embeddings)"
+    problem = (
+        f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence of "
+        f"max_model_len={max_model_len} tokens{context} needs ({needed_blocks} blocks)"
+    )
+    if config.num_gpu_blocks_override:
+        return f"{problem}; raise num_gpu_blocks_override to at least {needed_blocks}"
+    fixes = [
+        f"raise kv_cache_memory_bytes (BATCHINFER_KV_CACHE_MEMORY_BYTES, now {config.kv_cache_memory_bytes}) "
+        f"to at least {needed_blocks * bytes_per_block}"
+    ]
+    if config.kv_cache_dtype == "auto":
+        fixes.append("set kv_cache_dtype (BATCHINFER_KV_CACHE_DTYPE) to 'int8' or 'fp8_e4m3' (one byte an element)")
+        fixes.append("'int4' (half a byte)")
+        if config.dtype == "float32":
+            fixes.append("run the model in bfloat16 (dtype, BATCHINFER_DTYPE=bfloat16: a bfloat16 KV cache)")
+    elif config.kv_cache_dtype != "int4":
+        fixes.append("set kv_cache_dtype (BATCHINFER_KV_CACHE_DTYPE) to 'int4' (half a byte an element)")
+    return f"{problem}; {', or '.join(fixes)}"
+
+
 class LLMEngine:
     """Offline engine: add requests, call :meth:`step` until none is unfinished (or use :meth:`generate`).
 
@@ -51,7 +77,8 @@ class LLMEngine:
 
     Raises:
         ValueError: on a ``max_model_len`` beyond the model's positions, or a KV cache too small to hold
-            one sequence of ``max_model_len`` tokens (lower ``max_model_len`` or give more memory).
+            one sequence of ``max_model_len`` tokens (the message names the bytes it needs and the settings that
+            make it fit: ``kv_cache_memory_bytes``, a quantized ``kv_cache_dtype``, a bfloat16 ``dtype``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -72,8 +99,7 @@ class LLMEngine:
         num_blocks = self.model_runner.num_blocks
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+                _kv_cache_too_small(config, num_blocks, self.model_runner.bytes_per_block, self.max_model_len)
             )
         model = self.model_runner.model
         # NOTE: only a model whose every layer is windowed frees blocks behind the window (KVCacheManager), and

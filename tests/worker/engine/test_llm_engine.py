@@ -110,6 +110,26 @@ def test_prompt_too_long_and_generation_stops_at_max_model_len(model_dir):
         make_engine(model_dir, num_gpu_blocks_override=4, max_model_len=64)
 
 
+def test_a_kv_cache_too_small_for_one_sequence_names_the_settings_that_make_it_fit(model_dir):
+    per_block = make_engine(model_dir).model_runner.bytes_per_block  # float32, 4-token blocks
+    budget = 127 * per_block  # one block short of the model's 512 positions
+    with pytest.raises(ValueError) as excinfo:
+        make_engine(model_dir, kv_cache_memory_bytes=budget, max_model_len=None)
+    assert str(excinfo.value) == (
+        "the KV cache holds 127 blocks of 4 tokens, fewer than one sequence of max_model_len=512 tokens (the model's "
+        f"max_position_embeddings) needs (128 blocks); raise kv_cache_memory_bytes (BATCHINFER_KV_CACHE_MEMORY_BYTES, "
+        f"now {budget}) to at least {128 * per_block}, or set kv_cache_dtype (BATCHINFER_KV_CACHE_DTYPE) to 'int8' "
+        "or 'fp8_e4m3' (one byte an element), or 'int4' (half a byte), or run the model in bfloat16 (dtype, "
+        "BATCHINFER_DTYPE=bfloat16: a bfloat16 KV cache)"
+    )
+    # the advice holds: the same bytes hold the sequence in a bfloat16 or an int8 cache
+    for fix in ({"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"}):
+        engine = make_engine(model_dir, kv_cache_memory_bytes=budget, max_model_len=None, **fix)
+        assert engine.model_runner.num_blocks >= 128
+    with pytest.raises(ValueError, match=r"to 'int4' \(half a byte an element\)$"):
+        make_engine(model_dir, kv_cache_memory_bytes=per_block, kv_cache_dtype="int8")
+
+
 def test_abort_frees_everything(model_dir, prompts):
     engine = make_engine(model_dir, max_num_batched_tokens=8)
     for i, prompt in enumerate(prompts):
