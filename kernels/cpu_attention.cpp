@@ -367,10 +367,17 @@ void attend_heads(const Shapes& s, int64_t g_begin, int64_t g_end, const float* 
   SlotCursor ahead(block_table, s.block_size, context_start);
   int64_t ahead_pos = context_start;
   const T* ahead_half = cache;
+  // Prefetches the next `count` rows of one stream: the K rows in position order, then the V rows.
   const auto prefetch_ahead = [&](int64_t count) {
-    for (; count > 0 && ahead_pos < context_end; --count, ++ahead_pos) {
-      const char* k = reinterpret_cast<const char*>(ahead_half + ahead.next() * token_stride + g_begin * head_size);
-      for (int64_t b = 0; b < span_bytes; b += 64) __builtin_prefetch(k + b, 0, 2);
+    for (; count > 0; --count, ++ahead_pos) {
+      if (ahead_pos == context_end) {
+        if (ahead_half == value_cache) return;
+        ahead = SlotCursor(block_table, s.block_size, context_start);
+        ahead_pos = context_start;
+        ahead_half = value_cache;
+      }
+      const char* row = reinterpret_cast<const char*>(ahead_half + ahead.next() * token_stride + g_begin * head_size);
+      for (int64_t b = 0; b < span_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
     }
   };
   prefetch_ahead(kPrefetchPositions);
@@ -446,10 +453,6 @@ void attend_heads(const Shapes& s, int64_t g_begin, int64_t g_end, const float* 
 
   std::fill(out + head_begin * head_size, out + head_end * head_size, 0.0f);
   SlotCursor values(block_table, s.block_size, context_start);
-  ahead = SlotCursor(block_table, s.block_size, context_start);
-  ahead_pos = context_start;
-  ahead_half = value_cache;
-  prefetch_ahead(kPrefetchPositions);
   for (int64_t tile_start = 0; tile_start < context_len; tile_start += kTile) {
     const int64_t n = std::min(kTile, context_len - tile_start);
     prefetch_ahead(kTile);
