@@ -308,8 +308,8 @@ inline vec8 dot_chunks(const float* __restrict q, const vec16* k) {
 }
 
 // How far ahead of the position being read its K (pass 1) or V (pass 3) rows are prefetched, into L2
-// (prefetcht1): in the engine's cache layout that beat prefetching into L1 by 1.3-1.5x (the L1 misses
-// within a block then hit L2; docs/engine.md, "Paged attention on the CPU").
+// (prefetcht1): that beat prefetching into L1 by about 1.5x with the cache in DRAM (docs/engine.md, "Decode
+// attention in registers").
 constexpr int64_t kPrefetchPositions = 16;
 
 // Attention of KV heads g_begin .. g_end - 1 of one query token, each with the r = num_queries_per_kv query heads
