@@ -1,19 +1,24 @@
 // Paged attention for x86/ARM CPUs that reads K/V from the cache blocks in place (no gather).
 //
 // Registered as the Torch op `batchinfer_cpu::paged_attention_` (built and loaded by cpu_extension.py).
-// One work item is a query token with all its heads: the `num_heads / num_kv_heads` query heads that
-// share a KV head are scored together, so every K/V row is read once per token. Softmax is exact and
-// two-pass over a per-thread score buffer (max, then exp and sum) in fp32, as in vLLM's CPU
-// paged-attention kernel (csrc/cpu/attention.cpp); tokens are split into one contiguous run per thread
-// of about equal cost (context length) with at::parallel_for, so torch.set_num_threads governs it. Optionally it also writes each (token, head)'s
+// One work item is a (query token, KV head) pair: the `num_heads / num_kv_heads` query heads that share a KV
+// head are scored together, so every K/V row is read once per token, and a thread's consecutive items of one
+// token run together (attend_heads), its rows streamed once. Softmax is exact and two-pass over a per-thread
+// score buffer (max, then exp and sum) in fp32, as in vLLM's CPU paged-attention kernel
+// (csrc/cpu/attention.cpp); items are split into one contiguous run per thread of about equal cost (context
+// length) with at::parallel_for, so torch.set_num_threads governs it and a small batch still splits evenly.
+// For head sizes 64 and 128 with 1-4 query heads per KV head the K and V rows are converted to float32 in
+// registers (sixteen lanes), the query heads' scores and output rows held in registers over a tile of eight
+// positions. Optionally it also writes each (token, head)'s
 // log-sum-exp of its scaled scores, so a caller can merge this partial attention with another over
 // other keys (cascade attention, worker/engine/executor/layers/attention/cascade.py).
 //
 // Batch invariant: a token's output is a fixed sequence of float operations on its query, its context
-// and the cached K/V, whatever other tokens share the call or which thread runs it. Every reduction has
-// a fixed lane structure (`dot_lanes`, `transpose_sum8`, `lane_sum`) and score rows start 64-byte aligned, so the compiler's
-// vectorised loops never split a row differently from one call to the next (docs/engine.md,
-// "Batch-invariant numerics").
+// and the cached K/V, whatever other tokens share the call, which thread runs it or how its KV heads are split
+// between threads. Every reduction has
+// a fixed lane structure (`dot_lanes`, `dot_chunks`, `transpose_sum8`, `lane_sum`) and score rows start 64-byte
+// aligned, so the compiler's vectorised loops never split a row differently from one call to the next
+// (docs/engine.md, "Batch-invariant numerics").
 //
 // A sliding window limits each token to its last `sliding_window` positions (itself included), and only
 // those are read: blocks before the window may have been returned to the pool. A soft-cap replaces each
@@ -33,7 +38,7 @@
 // a bit set over its sequence's query rows: the token sees every position before the query and the query
 // rows whose bit is set (its ancestors, the sequence's last token and itself). Hidden rows are read like
 // the others (they lie inside the causal range) but score -inf and weigh exactly 0; a token without
-// tree bits pays one predictable branch per position.
+// tree bits pays one predictable branch per tile of positions.
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -63,6 +68,7 @@ using batchinfer_kernels::ivec8;
 using batchinfer_kernels::lane_sum;
 using batchinfer_kernels::load8;
 using batchinfer_kernels::store8;
+using batchinfer_kernels::vec16;
 using batchinfer_kernels::vec8;
 using batchinfer_kernels::widen_bf16;
 
@@ -226,117 +232,202 @@ struct Shapes {
   int64_t num_scale_groups;  // scales per (token, KV head) of a quantized cache, each over head_size / it channels
 };
 
-// Calls visit(position, row, slot) for positions context_start .. context_end - 1 of one half of the cache (K or
-// V), where `row` holds that position's num_kv_heads * head_size elements (`token_stride`) and `slot` is its
-// block_id * block_size + offset (where its scales are). Blocks are walked in order while the same row of the
-// next block is prefetched (block ids are random, so the hardware prefetcher cannot guess them).
-template <typename T, typename Visit>
-inline void for_each_position(const T* cache_half, const int32_t* block_table, int64_t context_start,
-                              int64_t context_end, int64_t block_size, int64_t token_stride, Visit&& visit) {
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t num_blocks = (context_end + block_size - 1) / block_size;
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  for (int64_t b = context_start / block_size; b < num_blocks; ++b) {
-    const T* block = cache_half + block_table[b] * block_stride;
-    const T* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-    const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
-    for (int64_t j = std::max<int64_t>(0, context_start - pos); j < n; ++j) {
-      for (int64_t line = 0; line < token_stride; line += kLine) __builtin_prefetch(next_block + j * token_stride + line);
-      visit(pos + j, block + j * token_stride, block_table[b] * block_size + j);
+// A position's slot (block_id * block_size + offset) through one sequence's block table, one position after
+// the next from `pos` on (no division per position).
+struct SlotCursor {
+  const int32_t* block_table;
+  int64_t block_size, block, offset;
+  SlotCursor(const int32_t* table, int64_t size, int64_t pos)
+      : block_table(table), block_size(size), block(pos / size), offset(pos % size) {}
+  int64_t next() {
+    const int64_t slot = static_cast<int64_t>(block_table[block]) * block_size + offset;
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
     }
+    return slot;
+  }
+};
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Sixteen cache elements as float32, each converted exactly as load8_float converts it.
+template <typename T>
+inline vec16 load16_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load16(p);
+#if defined(__AVX512F__)
+  } else if constexpr (std::is_same_v<T, Bf16>) {
+    return reinterpret_cast<vec16>(_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return reinterpret_cast<vec16>(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#endif
+  } else {
+    return __builtin_shufflevector(load8_float(p), load8_float(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                   14, 15);
   }
 }
 
-// for_each_position a block at a time: calls visit(first_position, count, rows, first_slot) for each block's
-// positions in context_start .. context_end - 1 in order (`rows` holds `count` consecutive rows of token_stride
-// elements), after prefetching the next block's rows.
-template <typename T, typename Visit>
-inline void for_each_block(const T* cache_half, const int32_t* block_table, int64_t context_start, int64_t context_end,
-                           int64_t block_size, int64_t token_stride, Visit&& visit) {
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t num_blocks = (context_end + block_size - 1) / block_size;
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  for (int64_t b = context_start / block_size; b < num_blocks; ++b) {
-    const T* block = cache_half + block_table[b] * block_stride;
-    const T* next_block = cache_half + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-    const int64_t pos = b * block_size, n = std::min(block_size, context_end - pos);
-    const int64_t j0 = std::max<int64_t>(0, context_start - pos);
-    for (int64_t line = j0 * token_stride; line < n * token_stride; line += kLine) __builtin_prefetch(next_block + line);
-    visit(pos + j0, n - j0, block + j0 * token_stride, block_table[b] * block_size + j0);
-  }
-}
-
-// Attention of all heads of one query token over positions context_start .. context_end - 1 of its sequence.
-// Each position's K (then V) row, all KV heads together, is read once and contiguously
-// (for_each_position). `scores` holds num_heads rows of aligned_row(context_end - context_start) floats,
-// 64-byte aligned; `q_scaled` num_heads * head_size; `row_float` head_size (read_row). kHeadSize > 0 fixes head_size at compile time; 0 reads
-// it from `s`. soft_cap > 0 caps the scaled scores (cap * tanh(s / cap)); 0 leaves them as they are.
-// T is the cache element type; for a quantized cache (kScaled<T>) `scales` holds the K half's scales then,
-// `scales_stride_kv` floats on, the V half's, num_kv_heads * num_scale_groups per slot; otherwise it is null.
-// tree_bits != 0: positions tree_base + j are visible only where bit j is set (the token-tree mask above).
+// One KV head's row of kHeadSize elements as kHeadSize / 16 float32 vectors in registers: widened, or for a
+// quantized cache each element times its group's scale (`group_scales`, groups of `group_size` channels; the
+// products dequantize_row computes; a group narrower than 16 channels goes through `buffer` by dequantize_row).
 template <int64_t kHeadSize, typename T>
-void attend_token(const Shapes& s, const float* query, const T* cache, const float* scales, const int32_t* block_table,
-                  int64_t context_start, int64_t context_end, float scale, float soft_cap, int64_t tree_base,
-                  uint64_t tree_bits, float* out, float* lse, float* scores, float* q_scaled, float* row_float) {
-  const int64_t context_len = context_end - context_start;
-  const int64_t r = s.num_queries_per_kv, block_size = s.block_size, num_heads = s.num_heads;
-  const int64_t num_kv_heads = s.num_kv_heads;
+inline void load_row(const T* __restrict row, const float* __restrict group_scales, int64_t group_size,
+                     float* __restrict buffer, vec16* chunks) {
+  constexpr int64_t kChunks = kHeadSize / 16;
+  if constexpr (kScaled<T>) {
+    if (group_size % 16 != 0) {
+      dequantize_row<kHeadSize>(row, kHeadSize, group_scales, group_size, buffer);
+      for (int64_t c = 0; c < kChunks; ++c) chunks[c] = load16(buffer + 16 * c);
+      return;
+    }
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kChunks; ++c) chunks[c] = load16_float(row + 16 * c) * group_scales[16 * c / group_size];
+  } else {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kChunks; ++c) chunks[c] = load16_float(row + 16 * c);
+  }
+}
+
+// dot_lanes with the K row in registers: lane l of one sixteen-lane chain sums q[d] k[d] over d = l (mod 16) in
+// d order, and its two halves are added (the very operations of dot_lanes, so the same eight lanes).
+template <int64_t kChunks>
+inline vec8 dot_chunks(const float* __restrict q, const vec16* k) {
+  vec16 acc = {};
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < kChunks; ++c) acc += load16(q + 16 * c) * k[c];
+  return __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// How far ahead of the position being read its K (pass 1) or V (pass 3) rows are prefetched, into L2
+// (prefetcht1): that beat prefetching into L1 by about 1.5x with the cache in DRAM (docs/engine.md, "Decode
+// attention in registers").
+constexpr int64_t kPrefetchPositions = 16;
+
+// Attention of KV heads g_begin .. g_end - 1 of one query token, each with the r = num_queries_per_kv query heads
+// that share it (heads g * r .. g * r + r - 1), over positions context_start .. context_end - 1 of its sequence.
+// A KV head's results are the same whichever other KV heads share the call: work items are (token, KV head) pairs,
+// and a thread's consecutive items of one token come here together so the token's K/V rows are streamed once.
+//
+// Pass 1 scores kTile positions at a time: for each KV head, each of the tile's K rows is converted to float32
+// once (in registers when kHeadSize and kR are fixed, else into `row_float`), dotted with the head's r scaled
+// query rows and folded to eight lanes; the tile's eight per query head are reduced together (transpose_sum8)
+// and stored as one vector. Meanwhile the K rows kPrefetchPositions ahead are prefetched (blocks are scattered,
+// so the hardware prefetcher cannot follow them across a block boundary). Pass 2 is the exact softmax per query
+// head (max, exp, lane_sum); pass 3 accumulates p * V in position order (prefetching V rows the same way), a tile
+// at a time for each KV head, each output element one chain of `o + p * v` (in registers over the tile when
+// kHeadSize and kR are fixed), then scales by 1 / sum.
+//
+// `scores` holds num_heads rows of aligned_row(context_end - context_start) floats, 64-byte aligned; `q_scaled`
+// num_heads * head_size; `row_float` head_size. kHeadSize > 0 fixes head_size at compile time (a multiple of 16),
+// 0 reads it from `s`; kR > 0 fixes r (kHeadSize > 0 only), 0 reads it. soft_cap > 0 caps the scaled scores
+// (cap * tanh(s / cap)); 0 leaves them as they are. T is the cache element type; for a quantized cache
+// (kScaled<T>) `scales` holds the K half's scales then, `scales_stride_kv` floats on, the V half's,
+// num_kv_heads * num_scale_groups per slot; otherwise it is null. tree_bits != 0: positions tree_base + j are
+// visible only where bit j is set (the token-tree mask above). `out` and `lse` point at the token's rows.
+template <int64_t kHeadSize, int64_t kR, typename T>
+void attend_heads(const Shapes& s, int64_t g_begin, int64_t g_end, const float* query, const T* cache,
+                  const float* scales, const int32_t* block_table, int64_t context_start, int64_t context_end,
+                  float scale, float soft_cap, int64_t tree_base, uint64_t tree_bits, float* out, float* lse,
+                  float* scores, float* q_scaled, float* row_float) {
+  static_assert(kHeadSize % 16 == 0 && (kR == 0 || kHeadSize > 0));
+  constexpr bool kRegisters = kR > 0;  // K and V rows and the output rows in registers
+  constexpr int64_t kChunks = kHeadSize / 16;
+  const int64_t r = kR > 0 ? kR : s.num_queries_per_kv;
   const int64_t head_size = kHeadSize > 0 ? kHeadSize : s.head_size;
-  const int64_t token_stride = num_kv_heads * head_size;  // floats between positions inside a block
-  const int64_t row_stride = aligned_row(context_len);
-  for (int64_t h = 0; h < num_heads; ++h) {
+  const int64_t token_stride = s.num_kv_heads * head_size;  // elements between positions inside a block
+  const int64_t context_len = context_end - context_start, row_stride = aligned_row(context_len);
+  const int64_t head_begin = g_begin * r, head_end = g_end * r;
+  for (int64_t h = head_begin; h < head_end; ++h) {
     const float* q = query + h * s.query_stride_head;
 #pragma omp simd
     for (int64_t d = 0; d < head_size; ++d) q_scaled[h * head_size + d] = q[d] * scale;
   }
-  // Scores, kTile positions at a time: each position's dot products with every query head, folded to eight
-  // lanes as its K row arrives (the next block's rows stream in meanwhile), then the tile's eight per head
-  // reduced together (transpose_sum8) and stored as one vector.
-  vec8 max_score[kMaxHeads];
-  std::fill(max_score, max_score + num_heads, vec8{} - std::numeric_limits<float>::infinity());
-  vec8 dots[kMaxHeads * kTile];
-  int64_t tile_len = 0, tile_start = 0;
-  const auto reduce_tile = [&]() {
-    const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t h = 0; h < num_heads; ++h) {
-      for (int64_t j = tile_len; j < kTile; ++j) dots[h * kTile + j] = dots[h * kTile];  // padding, never read
-      vec8 tile_scores = transpose_sum8(dots + h * kTile);
-      store8(scores + h * row_stride + tile_start, tile_scores);
-      tile_scores = lane < static_cast<float>(tile_len) ? tile_scores : max_score[h];
-      max_score[h] = tile_scores > max_score[h] ? tile_scores : max_score[h];
-    }
-    tile_start += kTile;
-    tile_len = 0;
-  };
-  constexpr bool kConverted = !std::is_same_v<T, float>;  // widened to float32 as it is read
   const int64_t num_groups = s.num_scale_groups, group_size = head_size / std::max<int64_t>(num_groups, 1);
+  const T* value_cache = cache + s.cache_stride_kv;
+  const float* value_scales = scales == nullptr ? nullptr : scales + s.scales_stride_kv;
   // The scales of KV head g's row at `slot` in one half of the scales (null for a cache without scales).
   const auto row_scales = [&](const float* half_scales, int64_t slot, int64_t g) {
-    return half_scales == nullptr ? nullptr : half_scales + (slot * num_kv_heads + g) * num_groups;
+    return half_scales == nullptr ? nullptr : half_scales + (slot * s.num_kv_heads + g) * num_groups;
   };
   const auto tree_hidden = [&](int64_t pos) {
     return tree_bits != 0 && pos >= tree_base && ((tree_bits >> (pos - tree_base)) & 1) == 0;
   };
-  for_each_position(cache, block_table, context_start, context_end, block_size, token_stride,
-                    [&](int64_t pos, const T* row, int64_t slot) {
-    if (tree_hidden(pos)) {
-      for (int64_t h = 0; h < num_heads; ++h) dots[h * kTile + tile_len] = vec8{} - std::numeric_limits<float>::infinity();
-      if (++tile_len == kTile) reduce_tile();
-      return;
+
+  // The heads' part of a position's row: `span_bytes` from g_begin's first element.
+  const int64_t span_bytes = (g_end - g_begin) * head_size * static_cast<int64_t>(sizeof(T));
+  SlotCursor ahead(block_table, s.block_size, context_start);
+  int64_t ahead_pos = context_start;
+  const T* ahead_half = cache;
+  // Prefetches the next `count` rows of one stream: the K rows in position order, then the V rows.
+  const auto prefetch_ahead = [&](int64_t count) {
+    for (; count > 0; --count, ++ahead_pos) {
+      if (ahead_pos == context_end) {
+        if (ahead_half == value_cache) return;
+        ahead = SlotCursor(block_table, s.block_size, context_start);
+        ahead_pos = context_start;
+        ahead_half = value_cache;
+      }
+      const char* row = reinterpret_cast<const char*>(ahead_half + ahead.next() * token_stride + g_begin * head_size);
+      for (int64_t b = 0; b < span_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
     }
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const float* k = read_row<kHeadSize>(row + g * head_size, head_size, row_scales(scales, slot, g), group_size,
-                                           row_float);
-      for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-        dots[h * kTile + tile_len] = dot_lanes<kHeadSize>(q_scaled + h * head_size, k, head_size);
+  };
+  prefetch_ahead(kPrefetchPositions);
+
+  vec8 max_score[kMaxHeads];
+  std::fill(max_score + head_begin, max_score + head_end, vec8{} - std::numeric_limits<float>::infinity());
+  const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  SlotCursor keys(block_table, s.block_size, context_start);
+  int64_t slots[kTile];
+  for (int64_t tile_start = context_start; tile_start < context_end; tile_start += kTile) {
+    const int64_t n = std::min(kTile, context_end - tile_start);
+    prefetch_ahead(kTile);
+    for (int64_t j = 0; j < kTile; ++j) slots[j] = j < n ? keys.next() : slots[0];  // padding, never read
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const int64_t first_head = g * r;
+      vec8 dots[kR > 0 ? kR : kMaxHeads][kTile];
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kTile; ++j) {
+        const T* row = cache + slots[j] * token_stride + g * head_size;
+        if constexpr (kRegisters) {
+          vec16 k[kChunks];
+          load_row<kHeadSize>(row, row_scales(scales, slots[j], g), group_size, row_float, k);
+#pragma GCC unroll 4
+          for (int64_t i = 0; i < kR; ++i) dots[i][j] = dot_chunks<kChunks>(q_scaled + (first_head + i) * kHeadSize, k);
+        } else {
+          const float* k = read_row<kHeadSize>(row, head_size, row_scales(scales, slots[j], g), group_size, row_float);
+          for (int64_t i = 0; i < r; ++i) {
+            dots[i][j] = dot_lanes<kHeadSize>(q_scaled + (first_head + i) * head_size, k, head_size);
+          }
+        }
+      }
+      if (tree_bits != 0) {
+        for (int64_t j = 0; j < n; ++j) {
+          if (!tree_hidden(tile_start + j)) continue;
+          for (int64_t i = 0; i < r; ++i) dots[i][j] = vec8{} - std::numeric_limits<float>::infinity();
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < r; ++i) {
+        const int64_t h = first_head + i;
+        vec8 tile_scores = transpose_sum8(dots[i]);
+        store8(scores + h * row_stride + tile_start - context_start, tile_scores);
+        tile_scores = lane < static_cast<float>(n) ? tile_scores : max_score[h];
+        max_score[h] = tile_scores > max_score[h] ? tile_scores : max_score[h];
       }
     }
-    if (++tile_len == kTile) reduce_tile();
-  });
-  if (tile_len > 0) reduce_tile();
+  }
 
   float inv_sum[kMaxHeads];
-  for (int64_t h = 0; h < num_heads; ++h) {
+  for (int64_t h = head_begin; h < head_end; ++h) {
     float* __restrict row = scores + h * row_stride;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t l = 0; l < kTile; ++l) m = std::max(m, max_score[h][l]);
@@ -344,10 +435,10 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
       // tanh is increasing, so the capped maximum is the cap of the maximum.
       const float inv_cap = 1.0f / soft_cap;
       m = soft_cap * std::tanh(m * inv_cap);
-      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_clamped(soft_cap * std::tanh(row[i] * inv_cap) - m);
+      for (int64_t l = 0; l < context_len; ++l) row[l] = exp_clamped(soft_cap * std::tanh(row[l] * inv_cap) - m);
     } else {
 #pragma omp simd
-      for (int64_t i = 0; i < context_len; ++i) row[i] = exp_clamped(row[i] - m);
+      for (int64_t l = 0; l < context_len; ++l) row[l] = exp_clamped(row[l] - m);
     }
     if (tree_bits != 0) {
       // exp of a clamped -inf is tiny, not 0 (and a soft-cap maps -inf to -cap): hidden rows weigh exactly 0.
@@ -360,71 +451,53 @@ void attend_token(const Shapes& s, const float* query, const T* cache, const flo
     if (lse != nullptr) lse[h] = m + std::log(sum);
   }
 
-  std::fill(out, out + num_heads * head_size, 0.0f);
-  const T* value_cache = cache + s.cache_stride_kv;
-  const float* value_scales = scales == nullptr ? nullptr : scales + s.scales_stride_kv;
-  // A converted cache with a fixed head size: a block at a time, and in it one KV head at a time, its r query
-  // heads' output rows held in registers over the block's positions (r * head_size / 8 vector accumulators, at
-  // most 24), so they are loaded and stored once a block instead of at every position. Each output element is
-  // the same chain of `o + p * v` in position order as the loop below, so the bits are the same.
-  const auto values_in_registers = [&](auto num_queries_per_kv) {
-    constexpr int64_t kR = decltype(num_queries_per_kv)::value;
-    constexpr int64_t kChunks = kHeadSize / 8;
-    for_each_block(value_cache, block_table, context_start, context_end, block_size, token_stride,
-                   [&](int64_t first_pos, int64_t count, const T* rows, int64_t first_slot) {
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        float* __restrict o = out + g * kR * head_size;
-        vec8 acc[kR][kChunks];
+  std::fill(out + head_begin * head_size, out + head_end * head_size, 0.0f);
+  SlotCursor values(block_table, s.block_size, context_start);
+  for (int64_t tile_start = 0; tile_start < context_len; tile_start += kTile) {
+    const int64_t n = std::min(kTile, context_len - tile_start);
+    prefetch_ahead(kTile);
+    for (int64_t j = 0; j < n; ++j) slots[j] = values.next();
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const int64_t first_head = g * r;
+      const float* head_scores = scores + first_head * row_stride + tile_start;
+      if constexpr (kRegisters) {
+        float* __restrict o = out + first_head * kHeadSize;
+        vec16 acc[kR][kChunks];
         for (int64_t i = 0; i < kR; ++i) {
-          for (int64_t c = 0; c < kChunks; ++c) acc[i][c] = load8(o + i * head_size + 8 * c);
+          for (int64_t c = 0; c < kChunks; ++c) acc[i][c] = load16(o + i * kHeadSize + 16 * c);
         }
-        const float* head_scores = scores + g * kR * row_stride + first_pos - context_start;
-        for (int64_t j = 0; j < count; ++j) {
-          const float* __restrict v = read_row<kHeadSize>(rows + j * token_stride + g * head_size, head_size,
-                                                          row_scales(value_scales, first_slot + j, g), group_size,
-                                                          row_float);
-          float p[kR];
-          for (int64_t i = 0; i < kR; ++i) p[i] = head_scores[i * row_stride + j];
-#pragma GCC unroll 16
-          for (int64_t c = 0; c < kChunks; ++c) {
-            const vec8 chunk = load8(v + 8 * c);
+        for (int64_t j = 0; j < n; ++j) {
+          vec16 v[kChunks];
+          load_row<kHeadSize>(value_cache + slots[j] * token_stride + g * kHeadSize,
+                              row_scales(value_scales, slots[j], g), group_size, row_float, v);
 #pragma GCC unroll 4
-            for (int64_t i = 0; i < kR; ++i) acc[i][c] = acc[i][c] + p[i] * chunk;
+          for (int64_t i = 0; i < kR; ++i) {
+            const float p = head_scores[i * row_stride + j];
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < kChunks; ++c) acc[i][c] = acc[i][c] + p * v[c];
           }
         }
         for (int64_t i = 0; i < kR; ++i) {
-          for (int64_t c = 0; c < kChunks; ++c) store8(o + i * head_size + 8 * c, acc[i][c]);
+          for (int64_t c = 0; c < kChunks; ++c) store16(o + i * kHeadSize + 16 * c, acc[i][c]);
         }
-      }
-    });
-  };
-  constexpr bool kRegisterValues = kConverted && kHeadSize > 0 && kHeadSize % 8 == 0;
-  const bool registers = kRegisterValues && r <= 3 && r * head_size <= 192;
-  if constexpr (kRegisterValues) {
-    if (registers && r == 1) values_in_registers(std::integral_constant<int64_t, 1>{});
-    if (registers && r == 2) values_in_registers(std::integral_constant<int64_t, 2>{});
-    if (registers && r == 3) values_in_registers(std::integral_constant<int64_t, 3>{});
-  }
-  if (!registers) {
-    for_each_position(value_cache, block_table, context_start, context_end, block_size, token_stride,
-                      [&](int64_t pos, const T* row, int64_t slot) {
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const float* __restrict v =
-            read_row<kHeadSize>(row + g * head_size, head_size, row_scales(value_scales, slot, g), group_size, row_float);
-        for (int64_t h = g * r; h < (g + 1) * r; ++h) {
-          const float p = scores[h * row_stride + pos - context_start];
-          float* __restrict o = out + h * head_size;
-          int64_t d = 0;
-          if constexpr (kConverted) {
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          const float* __restrict v = read_row<kHeadSize>(value_cache + slots[j] * token_stride + g * head_size,
+                                                          head_size, row_scales(value_scales, slots[j], g),
+                                                          group_size, row_float);
+          for (int64_t i = 0; i < r; ++i) {
+            const float p = head_scores[i * row_stride + j];
+            float* __restrict o = out + (first_head + i) * head_size;
+            int64_t d = 0;
             for (; d + 8 <= head_size; d += 8) store8(o + d, load8(o + d) + p * load8(v + d));
-          }
 #pragma omp simd
-          for (int64_t e = d; e < head_size; ++e) o[e] += p * v[e];
+            for (int64_t e = d; e < head_size; ++e) o[e] += p * v[e];
+          }
         }
       }
-    });
+    }
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
+  for (int64_t h = head_begin; h < head_end; ++h) {
     float* __restrict o = out + h * head_size;
     const float inv = inv_sum[h];
 #pragma omp simd
@@ -537,14 +610,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     max_context = std::max(max_context, seq_len);
   }
 
-  // One work item per token; one contiguous run of tokens per thread, of about equal cost.
-  constexpr int64_t kTokenOverhead = 16;  // fixed cost of a token, in context positions
-  std::vector<int64_t> cu_cost(num_tokens + 1, 0);
-  for (int64_t t = 0; t < num_tokens; ++t) cu_cost[t + 1] = cu_cost[t] + token_context[t] - token_start[t] + kTokenOverhead;
-  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tokens));
-  std::vector<int64_t> part_start(num_parts + 1, num_tokens);
+  // One work item per (token, KV head), token-major; one contiguous run of items per thread, of about equal cost.
+  constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in context positions
+  const int64_t num_items = num_tokens * s.num_kv_heads;
+  std::vector<int64_t> cu_cost(num_items + 1, 0);
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t t = item / s.num_kv_heads;
+    cu_cost[item + 1] = cu_cost[item] + token_context[t] - token_start[t] + kItemOverhead;
+  }
+  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> part_start(num_parts + 1, num_items);
   for (int64_t p = 0; p < num_parts; ++p) {
-    const int64_t target = cu_cost[num_tokens] * p / num_parts;
+    const int64_t target = cu_cost[num_items] * p / num_parts;
     part_start[p] = std::lower_bound(cu_cost.begin(), cu_cost.end(), target) - cu_cost.begin();
   }
 
@@ -556,20 +633,34 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const float soft_cap = static_cast<float>(logits_soft_cap.value_or(0.0));
   const auto run = [&](auto cache_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
-    const auto attend = s.head_size == 64    ? attend_token<64, T>
-                        : s.head_size == 128 ? attend_token<128, T>
-                                             : attend_token<0, T>;
+    // A head size and query heads per KV head of the registers path, else the general one.
+    const auto select = [&](auto head_size) {
+      constexpr int64_t kHeadSize = decltype(head_size)::value;
+      const int64_t r = s.num_queries_per_kv;
+      return r == 1   ? attend_heads<kHeadSize, 1, T>
+             : r == 2 ? attend_heads<kHeadSize, 2, T>
+             : r == 3 ? attend_heads<kHeadSize, 3, T>
+             : r == 4 ? attend_heads<kHeadSize, 4, T>
+                      : attend_heads<kHeadSize, 0, T>;
+    };
+    const auto attend = s.head_size == 64    ? select(std::integral_constant<int64_t, 64>{})
+                        : s.head_size == 128 ? select(std::integral_constant<int64_t, 128>{})
+                                             : attend_heads<0, 0, T>;
     at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> scores_buffer(s.num_heads * aligned_row(max_context) + kAlignFloats);
       float* scores = scores_buffer.data();
       scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
       std::vector<float> q_scaled(s.num_heads * s.head_size);
       std::vector<float> row_float(s.head_size);  // one K or V row as float32 (read_row)
-      for (int64_t t = part_start[part_begin]; t < part_start[part_end]; ++t) {
-        attend(s, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
+      // The thread's items, (token, KV head) pairs token-major, a token's run of KV heads at a time.
+      for (int64_t item = part_start[part_begin]; item < part_start[part_end];) {
+        const int64_t t = item / s.num_kv_heads, g_begin = item % s.num_kv_heads;
+        const int64_t g_end = std::min(s.num_kv_heads, g_begin + part_start[part_end] - item);
+        attend(s, g_begin, g_end, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
                tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t], token_context[t], scale_f, soft_cap,
-               token_tree_base[t], token_tree_bits[t], out_ptr + t * s.num_heads * s.head_size, lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads,
-               scores, q_scaled.data(), row_float.data());
+               token_tree_base[t], token_tree_bits[t], out_ptr + t * s.num_heads * s.head_size,
+               lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores, q_scaled.data(), row_float.data());
+        item += g_end - g_begin;
       }
     });
   };

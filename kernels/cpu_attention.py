@@ -37,8 +37,8 @@ def paged_attention_cpu(
     itself included; earlier positions are not read, their blocks may be freed). ``logits_soft_cap`` caps
     the scaled scores at ``cap * tanh(s / cap)``. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
     Softmax is exact (two passes over the scores) in float32; slots outside a sequence's context are
-    never read. Work is split over query tokens (each with all its heads), one run of about equal cost per
-    ``torch.get_num_threads()`` thread.
+    never read. Work is split over (query token, KV head) pairs, one run of about equal cost per
+    ``torch.get_num_threads()`` thread; a token's result does not depend on the split.
 
     Args:
         query: float32 or bfloat16 ``[num_tokens, num_heads, head_size]`` on CPU, unit stride in the last dim
