@@ -267,9 +267,14 @@ def paged_attention_forward(
         return _attend_triton(
             query, key, value, kv_cache, attn_metadata, plan.triton, scale, plan.sliding_window, soft_cap
         )
-    # NOTE: only a fresh prefill attends this step's K/V directly; every other path reads them from the cache.
+    quantized = isinstance(kv_cache, QuantizedKVCache)
+    # NOTE: only a fresh prefill attends this step's K/V directly (but a quantized cache's through the paged kernel).
     stored = write_to_kv_cache(
-        key, value, kv_cache, attn_metadata.slot_mapping, return_stored=bool(plan.fresh_prefills)
+        key,
+        value,
+        kv_cache,
+        attn_metadata.slot_mapping,
+        return_stored=bool(plan.fresh_prefills) and not (quantized and plan.fresh_runs),
     )
     if stored is not None:
         key, value = stored
@@ -303,9 +308,9 @@ def paged_attention_forward(
     if plan.fresh_runs:
         for run in plan.fresh_runs:
             rows = slice(run.start, run.end)
-            if isinstance(kv_cache, QuantizedKVCache):
-                # NOTE: a quantized cache's fresh prompts keep the paged kernel over the stored values (the same
-                # numbers as the causal kernel up to float32 rounding): its agreement floors were measured there.
+            if quantized:
+                # NOTE: a quantized cache's fresh prompts go to the paged kernel over the stored values (the same
+                # numbers as the causal kernel up to float32 rounding), where its agreement floors were measured.
                 kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
                 output[rows] = paged_attention_cpu(
                     query[rows],
