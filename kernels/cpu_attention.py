@@ -1,5 +1,6 @@
-"""C++ attention for CPUs: paged attention that reads K/V from the cache blocks in place (decoders), and
-bidirectional attention over packed variable-length sequences (encoders).
+"""C++ attention for CPUs: paged attention that reads K/V from the cache blocks in place (decoders), bidirectional
+attention over packed variable-length sequences (encoders), and causal attention over packed fresh prompts
+(decoders' prefill).
 
 The sources are ``cpu_attention.cpp`` and ``cpu_varlen_attention.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first).

@@ -1,5 +1,6 @@
 // Bidirectional (non-causal) attention over packed variable-length sequences for x86/ARM CPUs: the encoder
-// attention of BERT-family embedders (worker/engine/executor/models/bert.py).
+// attention of BERT-family embedders (worker/engine/executor/models/bert.py). Its causal twin for a decoder's
+// fresh prompts, with grouped-query attention and bfloat16 inputs, is the second half of this file.
 //
 // Registered as the Torch op `batchinfer_cpu::varlen_attention_` (built and loaded by cpu_extension.py).
 // Sequence s owns rows cu_seqlens[s] .. cu_seqlens[s + 1] of q, k and v and attends to exactly those rows:
