@@ -1,5 +1,6 @@
-"""C++ attention for CPUs: paged attention that reads K/V from the cache blocks in place (decoders), and
-bidirectional attention over packed variable-length sequences (encoders).
+"""C++ attention for CPUs: paged attention that reads K/V from the cache blocks in place (decoders), bidirectional
+attention over packed variable-length sequences (encoders), and causal attention over packed fresh prompts
+(decoders' prefill).
 
 The sources are ``cpu_attention.cpp`` and ``cpu_varlen_attention.cpp`` next to this file, built with the other CPU kernels by
 :mod:`kernels.cpu_extension` (check :func:`kernels.cpu_extension.cpu_kernels_available` first).
@@ -125,4 +126,52 @@ def varlen_attention_cpu(
     require_cpu_kernels()
     out = torch.empty(query.shape, dtype=torch.float32)
     torch.ops.batchinfer_cpu.varlen_attention_(out, query, key, value, cu_seqlens, scale)
+    return out
+
+
+def causal_attention_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    logits_soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each packed sequence over its own tokens: a decoder's fresh prompts, straight from
+    the step's K/V (no cache read, no padding, no mask tensor).
+
+    Sequence ``s`` owns rows ``cu_seqlens[s] : cu_seqlens[s + 1]``; its row ``i`` attends to its rows ``0 .. i``
+    (FlashAttention's ``cu_seqlens`` convention, Dao et al. 2022). Query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)`` (grouped-query attention, Hugging Face's ``repeat_kv``). Work is one item
+    per (sequence, KV head), split into one run of about equal cost per ``torch.get_num_threads()`` thread; per
+    item, K (transposed) and V are widened to float32 and packed once for the KV head's query heads, whose rows
+    are scored together in register tiles of up to 12 rows that stop at the block's causal bound, with an exact
+    two-pass float32 softmax per row (docs/engine.md, "Attention metadata and plan"). A row's result does not
+    depend on the other sequences of the call nor on the thread count; it differs from the paged kernel
+    (:func:`paged_attention_cpu`) and from ``scaled_dot_product_attention`` by float32 rounding only.
+
+    Args:
+        query: float32 or bfloat16 CPU ``[num_tokens, num_heads, head_size]``; key, value: the same dtype,
+            ``[num_tokens, num_kv_heads, head_size]``; unit stride in the last dimension (views into a fused QKV
+            projection are fine); ``head_size`` a multiple of 8, ``num_heads`` a multiple of ``num_kv_heads``.
+        cu_seqlens: int32 ``[num_seqs + 1]`` prefix sums of the sequence lengths, from 0 to ``num_tokens``,
+            strictly increasing (no empty sequence).
+        scale: multiplier of ``q . k``, positive.
+        logits_soft_cap: cap the scaled scores at ``cap * tanh(s / cap)`` (Gemma 2, ``> 0``), or None.
+        out: contiguous ``[num_tokens, num_heads, head_size]`` of query's dtype to write into, or None for a new one.
+
+    Returns:
+        ``out`` (or a new contiguous tensor like it), in ``query.dtype``: computed in float32, a bfloat16 result
+        rounded once at the end.
+
+    Raises:
+        RuntimeError: when the kernels are unavailable, on bad shapes, dtypes, strides or ``cu_seqlens``, or a
+            scale or soft cap that is not positive.
+    """
+    require_cpu_kernels()
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.batchinfer_cpu.causal_attention_(out, query, key, value, cu_seqlens, scale, logits_soft_cap)
     return out

@@ -1,7 +1,7 @@
 """Build and load batchinfer's C++ CPU kernels (one Torch extension library), compiled on first use.
 
 Sources: ``cpu_attention.cpp`` (paged attention), ``cpu_varlen_attention.cpp`` (bidirectional attention
-over packed sequences, for encoders), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, GELU, rotary
+over packed sequences, for encoders, and causal, for decoders' fresh prompts), ``cpu_elementwise.cpp`` (fused norms, SwiGLU, GELU, rotary
 embeddings), ``cpu_gemm.cpp`` (packed-weight linear layer), ``cpu_gemm_bf16.cpp`` (its bfloat16 twin on
 AVX512_BF16), ``cpu_kv_store.cpp`` (quantize-on-store of a quantized KV cache), ``cpu_q4.cpp`` (linear layer
 over a GGUF's quantized blocks), ``cpu_q4_bf16.cpp`` (Q4 blocks with bfloat16 activations on AVX512_BF16) and

@@ -1,5 +1,6 @@
 // Bidirectional (non-causal) attention over packed variable-length sequences for x86/ARM CPUs: the encoder
-// attention of BERT-family embedders (worker/engine/executor/models/bert.py).
+// attention of BERT-family embedders (worker/engine/executor/models/bert.py). Its causal twin for a decoder's
+// fresh prompts, with grouped-query attention and bfloat16 inputs, is the second half of this file.
 //
 // Registered as the Torch op `batchinfer_cpu::varlen_attention_` (built and loaded by cpu_extension.py).
 // Sequence s owns rows cu_seqlens[s] .. cu_seqlens[s + 1] of q, k and v and attends to exactly those rows:
@@ -29,11 +30,19 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cmath>
+#include <optional>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_exp.h"
 
 namespace {
@@ -44,6 +53,8 @@ using batchinfer_kernels::load8;
 using batchinfer_kernels::store8;
 using batchinfer_kernels::vec16;
 using batchinfer_kernels::vec8;
+using batchinfer_kernels::round_bf16;
+using batchinfer_kernels::widen_bf16;
 
 // GCC/Clang vector extension of one AVX-512 register (16 floats) or one AVX register (8), as in cpu_gemm.cpp.
 #if defined(__AVX512F__)
@@ -368,11 +379,354 @@ void varlen_attention(const at::Tensor& out, const at::Tensor& query, const at::
   });
 }
 
+// ---- Causal attention of fresh prompts (a decoder's prefill over its own K/V) ----
+//
+// Registered as the Torch op `batchinfer_cpu::causal_attention_`. One work item is one (sequence, KV head). Its K
+// is packed transposed (float32: widened to float32 first; bfloat16 on AVX512_BF16: as pairs of channels for
+// vdpbf16ps, see causal_score_tile_bf16) and its V widened to float32, once for the num_heads / num_kv_heads query
+// heads that read them (grouped-query attention). The
+// item's query rows are (token, query head) pairs, token-major, so the heads of one token sit in one row block
+// and see the same keys. A block of kScoreRows rows scores only the keys up to its last token (the causal
+// bound, rounded up to whole vectors): S = Q K^T over that prefix as register tiles, then per row an exact
+// softmax in float32 over its own visible keys (each row's max taken over those keys as the scores leave the
+// registers), zero weights for the keys after it, and P V over the prefix, the
+// division by the row sum applied once at the end; a bfloat16 output is rounded once from float32. Items are
+// split into one contiguous run per thread of about equal cost (L^2 * query heads / 2 + a fixed overhead). A
+// row's output is a fixed sequence of float operations on its query and its sequence's K/V, whatever the other
+// sequences of the call or the thread. The fresh-prompt path of a decoder (docs/engine.md, "Attention metadata
+// and plan"): on SmolLM2's shapes (16 prompts of 80-140 tokens, 9 query heads over 3 KV heads, head size 64,
+// one Zen 4 thread) it takes about half the CPU time of the paged kernel (cpu_attention.cpp), which scores each
+// row alone.
+
+inline void widen_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen_row(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen_bf16(src[i]);
+}
+inline void narrow_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void narrow_row(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
+}
+
+// scores[r][0 .. NK vectors) = q_r . k_j for R packed query rows (q rows head_size apart, kt rows kt_stride
+// apart, score rows s_stride apart); each score one multiply-add chain over d in order. row_max[r] takes the
+// lane-wise max of the tile's scores of the keys row r sees (keys counted from the tile's first: visible[r]).
+template <int R, int NK>
+inline void causal_score_tile(const float* __restrict q, const float* __restrict kt, int64_t kt_stride,
+                              int64_t head_size, float* __restrict scores, int64_t s_stride,
+                              const int64_t* visible, vec* __restrict row_max) {
+  vec acc[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NK; ++n) acc[r][n] = vec{};
+  for (int64_t d = 0; d < head_size; ++d) {
+    vec w[NK];
+    for (int n = 0; n < NK; ++n) w[n] = loadv<vec>(kt + d * kt_stride + n * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float qs = q[r * head_size + d];
+      for (int n = 0; n < NK; ++n) acc[r][n] += qs * w[n];
+    }
+  }
+  ivec lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < NK; ++n) {
+      storev(scores + r * s_stride + n * kLanes, acc[r][n]);
+      const ivec live = lane + static_cast<int32_t>(n * kLanes) < static_cast<int32_t>(visible[r]);
+      row_max[r] = (live & (acc[r][n] > row_max[r])) ? acc[r][n] : row_max[r];
+    }
+  }
+}
+
+// Keys [0, cols) (a multiple of kLanes) of R rows: two vectors at a time, the last one alone when odd.
+template <int R>
+inline void causal_score_rows(const float* q, const float* kt, int64_t kt_stride, int64_t head_size, int64_t cols,
+                              float* scores, int64_t s_stride, const int64_t* visible, vec* row_max) {
+  for (int r = 0; r < R; ++r) row_max[r] = vec{} - __builtin_inff();
+  int64_t left[R];
+  int64_t j0 = 0;
+  for (; j0 + kKeyTile <= cols; j0 += kKeyTile) {
+    for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
+    causal_score_tile<R, 2>(q, kt + j0, kt_stride, head_size, scores + j0, s_stride, left, row_max);
+  }
+  if (j0 < cols) {
+    for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
+    causal_score_tile<R, 1>(q, kt + j0, kt_stride, head_size, scores + j0, s_stride, left, row_max);
+  }
+}
+
+template <int R>
+inline void causal_score_block(int rows, const float* q, const float* kt, int64_t kt_stride, int64_t head_size,
+                               int64_t cols, float* scores, int64_t s_stride, const int64_t* visible, vec* row_max) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      causal_score_rows<R>(q, kt, kt_stride, head_size, cols, scores, s_stride, visible, row_max);
+    } else {
+      causal_score_block<R - 1>(rows, q, kt, kt_stride, head_size, cols, scores, s_stride, visible, row_max);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The bfloat16 form of causal_score_tile on AVX512_BF16: q rows and kt rows hold pairs of bfloat16 channels
+// (2d, 2d + 1) as one 32-bit word (kt: [head_size / 2][keys]), and each vdpbf16ps adds a pair's two exact
+// products to the float32 accumulator; each score one chain over the pairs in order.
+template <int R, int NK>
+inline void causal_score_tile_bf16(const uint32_t* __restrict q, const uint32_t* __restrict kt, int64_t kt_stride,
+                                   int64_t num_pairs, float* __restrict scores, int64_t s_stride,
+                                   const int64_t* visible, vec* __restrict row_max) {
+  __m512 acc[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NK; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < num_pairs; ++d) {
+    __m512bh w[NK];
+    for (int n = 0; n < NK; ++n) w[n] = (__m512bh)_mm512_loadu_si512(kt + d * kt_stride + n * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qs = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * num_pairs + d]));
+      for (int n = 0; n < NK; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], qs, w[n]);
+    }
+  }
+  ivec lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < NK; ++n) {
+      const vec a = (vec)acc[r][n];
+      storev(scores + r * s_stride + n * kLanes, a);
+      const ivec live = lane + static_cast<int32_t>(n * kLanes) < static_cast<int32_t>(visible[r]);
+      row_max[r] = (live & (a > row_max[r])) ? a : row_max[r];
+    }
+  }
+}
+
+template <int R>
+inline void causal_score_rows_bf16(const uint32_t* q, const uint32_t* kt, int64_t kt_stride, int64_t num_pairs,
+                                   int64_t cols, float* scores, int64_t s_stride, const int64_t* visible,
+                                   vec* row_max) {
+  for (int r = 0; r < R; ++r) row_max[r] = vec{} - __builtin_inff();
+  int64_t left[R];
+  int64_t j0 = 0;
+  for (; j0 + kKeyTile <= cols; j0 += kKeyTile) {
+    for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
+    causal_score_tile_bf16<R, 2>(q, kt + j0, kt_stride, num_pairs, scores + j0, s_stride, left, row_max);
+  }
+  if (j0 < cols) {
+    for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
+    causal_score_tile_bf16<R, 1>(q, kt + j0, kt_stride, num_pairs, scores + j0, s_stride, left, row_max);
+  }
+}
+
+template <int R>
+inline void causal_score_block_bf16(int rows, const uint32_t* q, const uint32_t* kt, int64_t kt_stride,
+                                    int64_t num_pairs, int64_t cols, float* scores, int64_t s_stride,
+                                    const int64_t* visible, vec* row_max) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      causal_score_rows_bf16<R>(q, kt, kt_stride, num_pairs, cols, scores, s_stride, visible, row_max);
+    } else {
+      causal_score_block_bf16<R - 1>(rows, q, kt, kt_stride, num_pairs, cols, scores, s_stride, visible, row_max);
+    }
+  }
+}
+#endif
+
+// Row of unscaled scores whose first `visible` keys are seen (their max: the lanes of row_max):
+// exp(scale * s - scale * max) over those (with a soft cap > 0, exp(cap * tanh(scale * s / cap) -
+// cap * tanh(scale * max / cap))), 0 for keys [visible, cols); returns 1 / sum. The exponentials run a register
+// wide; the sum keeps eight lanes in every build (a wide vector is added as its halves in order).
+inline float causal_softmax_row(float* __restrict s, int64_t visible, int64_t cols, float scale, float soft_cap,
+                                vec row_max) {
+  float max_score = row_max[0];
+  for (int l = 1; l < kLanes; ++l) max_score = std::max(max_score, row_max[l]);
+  if (soft_cap > 0.0f) {
+    // tanh is increasing, so the capped maximum is the cap of the maximum.
+    const float inv_cap = 1.0f / soft_cap;
+    const float m = soft_cap * std::tanh(max_score * scale * inv_cap);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < visible; ++j) {
+      s[j] = exp_nonpositive<float, int32_t>(soft_cap * std::tanh(s[j] * scale * inv_cap) - m);
+      sum += s[j];
+    }
+    std::fill(s + visible, s + cols, 0.0f);
+    return 1.0f / sum;
+  }
+  const float shift = -max_score * scale;
+  ivec lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  vec8 sum8{};
+  for (int64_t j = 0; j < cols; j += kLanes) {
+    const vec p = exp_nonpositive<vec, ivec>(loadv<vec>(s + j) * scale + shift);
+    const vec kept = lane < static_cast<int32_t>(visible - j) ? p : vec{};
+    storev(s + j, kept);
+#if defined(__AVX512F__)
+    sum8 += __builtin_shufflevector(kept, kept, 0, 1, 2, 3, 4, 5, 6, 7);
+    sum8 += __builtin_shufflevector(kept, kept, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    sum8 += kept;
+#endif
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < 8; ++l) sum += sum8[l];
+  return 1.0f / sum;
+}
+
+// One (sequence, KV head): L tokens; q/k/v point at the item's first token, its first query head / its KV head;
+// out (contiguous [num_tokens, num_heads, head_size]) at the first token's first query head of the group.
+template <typename T>
+void causal_attend_item(const T* q, const T* k, const T* v, int64_t L, int64_t group, int64_t q_stride,
+                        int64_t q_head_stride, int64_t k_stride, int64_t v_stride, int64_t head_size, float scale,
+                        float soft_cap, T* out, int64_t out_stride, float* kwide, float* kt, float* vpack,
+                        float* scores, float* qbuf, float* obuf) {
+  const int64_t padded_len = (L + kLanes - 1) / kLanes * kLanes;
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<T, uint16_t>;  // bfloat16 scores by vdpbf16ps over channel pairs
+#else
+  constexpr bool kPairs = false;
+#endif
+  [[maybe_unused]] const int64_t num_pairs = head_size / 2;
+  [[maybe_unused]] uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(kt);
+  [[maybe_unused]] uint32_t* q_pairs = reinterpret_cast<uint32_t*>(qbuf);
+  if constexpr (kPairs) {
+    // kt_pairs[d][j] = channels (2d, 2d + 1) of key j, zero past L.
+    for (int64_t j = 0; j < L; ++j) {
+      const T* row = k + j * k_stride;
+      for (int64_t d = 0; d < num_pairs; ++d) {
+        uint32_t word;
+        std::memcpy(&word, row + 2 * d, sizeof(word));
+        kt_pairs[d * padded_len + j] = word;
+      }
+    }
+    for (int64_t d = 0; d < num_pairs; ++d) std::fill(kt_pairs + d * padded_len + L, kt_pairs + (d + 1) * padded_len, 0u);
+  } else {
+    for (int64_t j = 0; j < L; ++j) widen_row(k + j * k_stride, kwide + j * head_size, head_size);
+    pack_keys_transposed(kwide, head_size, L, head_size, padded_len, kt);
+  }
+  for (int64_t j = 0; j < L; ++j) widen_row(v + j * v_stride, vpack + j * head_size, head_size);
+  const int64_t num_rows = L * group;
+  float inv_sum[kScoreRows];
+  int64_t visible[kScoreRows];
+  vec row_max[kScoreRows];
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kScoreRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kScoreRows, num_rows - r0));
+    const int64_t keys = (r0 + rows - 1) / group + 1;  // the block's last token sees keys [0, keys)
+    const int64_t cols = (keys + kLanes - 1) / kLanes * kLanes;
+    for (int r = 0; r < rows; ++r) visible[r] = (r0 + r) / group + 1;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = (r0 + r) / group, g = (r0 + r) % group;
+      if constexpr (kPairs) {
+        std::memcpy(q_pairs + r * num_pairs, q + t * q_stride + g * q_head_stride, head_size * sizeof(T));
+      } else {
+        widen_row(q + t * q_stride + g * q_head_stride, qbuf + r * head_size, head_size);
+      }
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      causal_score_block_bf16<kScoreRows>(rows, q_pairs, kt_pairs, padded_len, num_pairs, cols, scores, padded_len,
+                                          visible, row_max);
+    } else {
+      causal_score_block<kScoreRows>(rows, qbuf, kt, padded_len, head_size, cols, scores, padded_len, visible,
+                                     row_max);
+    }
+#else
+    causal_score_block<kScoreRows>(rows, qbuf, kt, padded_len, head_size, cols, scores, padded_len, visible, row_max);
+#endif
+    for (int r = 0; r < rows; ++r) {
+      inv_sum[r] = causal_softmax_row(scores + r * padded_len, visible[r], cols, scale, soft_cap, row_max[r]);
+    }
+    for (int b0 = 0; b0 < rows; b0 += kOutRows) {
+      weigh_block<kOutRows>(std::min(kOutRows, rows - b0), scores + b0 * padded_len, padded_len, vpack, head_size,
+                            keys, inv_sum + b0, obuf + b0 * head_size, head_size);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = (r0 + r) / group, g = (r0 + r) % group;
+      narrow_row(obuf + r * head_size, out + t * out_stride + g * head_size, head_size);
+    }
+  }
+}
+
+template <typename T>
+void causal_attention_typed(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const int32_t* cp, int64_t num_seqs, int64_t max_len,
+                            float scale, float soft_cap) {
+  const int64_t H = query.size(1), Hkv = key.size(1), D = query.size(2), group = H / Hkv;
+  // Items (s, kv head) in order s * Hkv + h; one contiguous run per thread of about equal cost.
+  const int64_t num_items = num_seqs * Hkv;
+  std::vector<int64_t> cu_cost(num_items + 1, 0);
+  for (int64_t i = 0; i < num_items; ++i) {
+    const int64_t L = cp[i / Hkv + 1] - cp[i / Hkv];
+    cu_cost[i + 1] = cu_cost[i] + L * L * group / 2 + kItemOverhead;
+  }
+  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> part_start(num_parts + 1, num_items);
+  for (int64_t p = 0; p < num_parts; ++p) {
+    part_start[p] = std::lower_bound(cu_cost.begin(), cu_cost.end(), cu_cost[num_items] * p / num_parts) - cu_cost.begin();
+  }
+  const T* qp = static_cast<const T*>(query.data_ptr());
+  const T* kp = static_cast<const T*>(key.data_ptr());
+  const T* vp = static_cast<const T*>(value.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
+  const int64_t q_stride = query.stride(0), k_stride = key.stride(0), v_stride = value.stride(0);
+  const int64_t qh = query.stride(1), kh = key.stride(1), vh = value.stride(1);
+  const int64_t padded_max = (max_len + kLanes - 1) / kLanes * kLanes;
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    std::vector<float> kwide(max_len * D), kt(D * padded_max), vpack(max_len * D), scores(kScoreRows * padded_max),
+        qbuf(kScoreRows * D), obuf(kScoreRows * D);
+    for (int64_t i = part_start[part_begin]; i < part_start[part_end]; ++i) {
+      const int64_t s = i / Hkv, h = i % Hkv, start = cp[s], L = cp[s + 1] - start;
+      causal_attend_item<T>(qp + start * q_stride + h * group * qh, kp + start * k_stride + h * kh,
+                            vp + start * v_stride + h * vh, L, group, q_stride, qh, k_stride, v_stride, D, scale,
+                            soft_cap, op + (start * H + h * group) * D, H * D, kwide.data(), kt.data(), vpack.data(),
+                            scores.data(), qbuf.data(), obuf.data());
+    }
+  });
+}
+
+void causal_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& cu_seqlens, double scale, std::optional<double> logits_soft_cap) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "query must be float32 or bfloat16");
+  for (const at::Tensor* x : {&query, &key, &value}) {
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == dtype && x->device().is_cpu() && x->stride(2) == 1,
+                "query, key and value must be CPU tensors [num_tokens, heads, head_size] of one dtype with unit "
+                "stride in their last dimension");
+  }
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2), Hkv = key.size(1);
+  TORCH_CHECK(key.size(0) == T && value.size(0) == T && value.size(1) == Hkv && key.size(2) == D && value.size(2) == D,
+              "key and value must be [num_tokens, num_kv_heads, head_size] with query's tokens and head size");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", Hkv, ")");
+  TORCH_CHECK(D % 8 == 0 && D > 0, "head_size must be a positive multiple of 8, got ", D);
+  TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
+  TORCH_CHECK(!logits_soft_cap.has_value() || *logits_soft_cap > 0.0, "logits_soft_cap must be > 0");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == dtype && out.device().is_cpu(),
+              "out must be contiguous with query's shape and dtype");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1 && cu_seqlens.scalar_type() == at::kInt,
+              "cu_seqlens must be int32 [num_seqs + 1]");
+  const at::Tensor cu = cu_seqlens.contiguous();
+  const int32_t* cp = cu.data_ptr<int32_t>();
+  const int64_t num_seqs = cu.size(0) - 1;
+  TORCH_CHECK(cp[0] == 0 && cp[num_seqs] == T, "cu_seqlens must run from 0 to num_tokens (", T, ")");
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(cp[s + 1] > cp[s], "cu_seqlens must be strictly increasing (sequence ", s, " is empty)");
+    max_len = std::max<int64_t>(max_len, cp[s + 1] - cp[s]);
+  }
+  if (T == 0) return;
+  const float scale_f = static_cast<float>(scale), cap = static_cast<float>(logits_soft_cap.value_or(0.0));
+  if (dtype == at::kFloat) {
+    causal_attention_typed<float>(out, query, key, value, cp, num_seqs, max_len, scale_f, cap);
+  } else {
+    causal_attention_typed<uint16_t>(out, query, key, value, cp, num_seqs, max_len, scale_f, cap);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "varlen_attention_(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, float scale) -> ()");
+  m.def(
+      "causal_attention_(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, float scale, "
+      "float? logits_soft_cap=None) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { m.impl("varlen_attention_", varlen_attention); }
+TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) { 
+  m.impl("varlen_attention_", varlen_attention);
+  m.impl("causal_attention_", causal_attention);
+}

@@ -76,12 +76,13 @@ def test_windowed_layer_matches_reference_on_every_path(
     plan = metadata.sliding_plan
     assert plan is not None and plan is not metadata.plan and plan.sliding_window == WINDOW
     assert plan.cascade is None
-    if use_cpu_kernels and short_extends_to_kernel:  # every query is at most 9 tokens: the kernel takes them all
-        assert plan.fresh_prefills == metadata.plan.fresh_prefills == [] and not plan.groups
-        assert plan.kernel is not None and plan.kernel.token_idx is None
+    # The 9-token fresh prompt is longer than the window: kernel or masked group; the 4-token one stays fresh (the
+    # causal kernel with the kernels, a causal SDPA without).
+    assert plan.fresh_prefills == [(10, 14)] and metadata.plan.fresh_prefills == [(1, 10), (10, 14)]
+    assert [(run.start, run.end) for run in plan.fresh_runs] == ([(10, 14)] if use_cpu_kernels else [])
+    if use_cpu_kernels and short_extends_to_kernel:  # every other query is at most 9 tokens: the kernel takes them
+        assert not plan.groups and plan.kernel is not None and plan.kernel.token_idx is not None
     else:
-        # The 9-token fresh prompt is longer than the window: masked group; the 4-token one stays a causal SDPA.
-        assert plan.fresh_prefills == [(10, 14)] and metadata.plan.fresh_prefills == [(1, 10), (10, 14)]
         assert (plan.kernel is not None) == use_cpu_kernels
     expected_cache = kv_cache.clone()
     reshape_and_cache(key, value, expected_cache, metadata.slot_mapping)

@@ -1,9 +1,9 @@
 """Paged attention over a flat ragged batch: store the step's K/V, then run each row's planned path.
 
 Executes the step's :class:`~.plan.AttentionPlan` (on CUDA the Triton kernels for the whole batch; on CPU
-the fresh-prompt causal SDPA, the C++ CPU kernel for decode rows and batch-invariant sequences, gathered SDPA groups, or cascade
-attention): see :mod:`.plan` for the paths and :mod:`.metadata` for the batch layout
-(Kwon et al. 2023, PagedAttention; vLLM's ragged batch).
+fresh prompts through the C++ causal kernel (or causal SDPA without the kernels), the C++ paged kernel for decode
+rows, short extends and batch-invariant sequences, gathered SDPA groups, or cascade attention): see :mod:`.plan`
+for the paths and :mod:`.metadata` for the batch layout (Kwon et al. 2023, PagedAttention; vLLM's ragged batch).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import paged_attention_cpu
+from kernels.cpu_attention import causal_attention_cpu, paged_attention_cpu
 from kernels.cpu_extension import cpu_kernels_available
 from kernels.cpu_kv_store import kv_store_cpu
 from worker.engine.executor.layers.attention import cascade as cascade_attention
@@ -267,9 +267,14 @@ def paged_attention_forward(
         return _attend_triton(
             query, key, value, kv_cache, attn_metadata, plan.triton, scale, plan.sliding_window, soft_cap
         )
-    # NOTE: only a fresh prefill attends this step's K/V directly; every other path reads them from the cache.
+    quantized = isinstance(kv_cache, QuantizedKVCache)
+    # NOTE: only a fresh prefill attends this step's K/V directly (but a quantized cache's through the paged kernel).
     stored = write_to_kv_cache(
-        key, value, kv_cache, attn_metadata.slot_mapping, return_stored=bool(plan.fresh_prefills)
+        key,
+        value,
+        kv_cache,
+        attn_metadata.slot_mapping,
+        return_stored=bool(plan.fresh_prefills) and not (quantized and plan.fresh_runs),
     )
     if stored is not None:
         key, value = stored
@@ -299,9 +304,38 @@ def paged_attention_forward(
 
     if kernel is not None and kernel.token_idx is None:
         return attend_kernel(query)
-    output = torch.empty_like(query)
-    for start, end in plan.fresh_prefills:
-        output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, soft_cap)
+    output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if plan.fresh_runs:
+        for run in plan.fresh_runs:
+            rows = slice(run.start, run.end)
+            if quantized:
+                # NOTE: a quantized cache's fresh prompts go to the paged kernel over the stored values (the same
+                # numbers as the causal kernel up to float32 rounding), where its agreement floors were measured.
+                kv_data, kv_scales = kv_cache_data_and_scales(kv_cache)
+                output[rows] = paged_attention_cpu(
+                    query[rows],
+                    kv_data,
+                    run.cu_seqlens,
+                    run.seq_lens,
+                    run.block_tables,
+                    scale,
+                    sliding_window=plan.sliding_window,
+                    logits_soft_cap=soft_cap,
+                    kv_scales=kv_scales,
+                )
+            else:
+                causal_attention_cpu(
+                    query[rows],
+                    key[rows],
+                    value[rows],
+                    run.cu_seqlens,
+                    scale,
+                    logits_soft_cap=soft_cap,
+                    out=output[rows],
+                )
+    else:
+        for start, end in plan.fresh_prefills:
+            output[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, soft_cap)
     if kernel is not None:
         assert kernel.token_idx is not None  # a kernel plan covering the whole batch returned above
         output.index_copy_(0, kernel.token_idx, attend_kernel(query.index_select(0, kernel.token_idx)))

@@ -5,14 +5,16 @@ Paths (executed by :mod:`.paged`):
 - on CUDA with Triton installed (:func:`~.metadata.triton_kernels_apply`), every row goes to one Triton
   kernel (:func:`kernels.triton_attention.paged_attention_triton`) that reads K/V through the block table in
   place; the paths below are the CPU's:
-- a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached) and
-  too long for the kernel (below) attends its own K/V with one causal ``scaled_dot_product_attention``
-  call (no gather, no mask);
-- decode rows (``query_len == 1``) and queries of up to ``MAX_KERNEL_QUERY_LEN`` tokens (the verification of
-  speculative drafts, prompts and prefill chunks of a few hundred tokens) go to the C++ CPU kernel, which
-  reads K/V from the blocks in place, when the kernels apply (float32 on CPU,
+- a sequence whose whole context is this step's tokens (a fresh prompt, not chunked, nothing cached) of more
+  than one token attends its own K/V straight from the step (no cache read, no gather, no mask): when the
+  kernels apply, every such prompt of a run of consecutive ones in one call of the C++ causal kernel
+  (:func:`kernels.cpu_attention.causal_attention_cpu`, register tiles over each KV head's query heads); without
+  them, one causal ``scaled_dot_product_attention`` call per prompt;
+- decode rows (``query_len == 1``) and other queries of up to ``MAX_KERNEL_QUERY_LEN`` tokens (the verification of
+  speculative drafts, prefill chunks of a few hundred tokens over a cached prefix or an earlier chunk) go to the
+  C++ paged kernel, which reads K/V from the blocks in place, when the kernels apply (float32 or bfloat16 on CPU,
   :func:`~.metadata.cpu_kernels_apply`); the kernel computes each row alone, so a verified draft gets the
-  very bits a plain decode step would give it, and a prompt the bits of the same prompt computed in chunks;
+  very bits a plain decode step would give it;
 - the rest (longer prefill chunks over a cached prefix or an earlier chunk; without the kernels, decode
   rows and short extends too) are split into two groups, decode rows and the others; for each group, one ``index_select``
   gathers the whole blocks of every sequence into a padded
@@ -51,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -146,6 +148,19 @@ class TritonPlan:
 
 
 @dataclass(slots=True)
+class FreshRun:
+    """Consecutive fresh prompts: tokens ``start:end`` of the batch; ``cu_seqlens``: int32 ``[num_run_seqs + 1]``
+    prefix sums of their lengths from 0; ``seq_lens`` (int32) and ``block_tables`` (int32, contiguous): their rows
+    of the step's, for the paged kernel (a quantized cache's fresh prompts, :mod:`.paged`)."""
+
+    start: int
+    end: int
+    cu_seqlens: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     """Which rows of a step take which attention path; built once per step, read by every layer."""
 
@@ -158,6 +173,9 @@ class AttentionPlan:
     covers_batch_in_order: bool  # one PyTorch group whose rows are exactly the batch, in order
     triton: TritonPlan | None = None  # when set, it covers every row and the other fields are unused
     sliding_window: int | None = None  # keys each query sees (kernels and masks apply it), None: all
+    # With the kernels: runs of consecutive fresh prompts, one C++ causal kernel call each; empty without the
+    # kernels (fresh_prefills then go to SDPA).
+    fresh_runs: list[FreshRun] = field(default_factory=list)
 
 
 def _build_group(
@@ -246,6 +264,32 @@ def _build_kernel_plan(
         block_tables=batch.block_tables.index_select(0, seq_ids).to(torch.int32).contiguous(),
         tree_mask=None if tree_mask is None else tree_mask.index_select(0, token_idx_t),
     )
+
+
+def _fresh_runs(batch: _Batch, fresh_ids: list[int], cu_query_lens: list[int]) -> list[FreshRun]:
+    """Consecutive fresh prompts as runs, one causal kernel call each (a step's prompts usually follow each other:
+    one run)."""
+    runs: list[list[int]] = []
+    for i in fresh_ids:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    device = batch.block_tables.device
+    return [
+        FreshRun(
+            start=cu_query_lens[ids[0]],
+            end=cu_query_lens[ids[-1] + 1],
+            cu_seqlens=torch.tensor(
+                [cu_query_lens[i] - cu_query_lens[ids[0]] for i in [*ids, ids[-1] + 1]],
+                dtype=torch.int32,
+                device=device,
+            ),
+            seq_lens=batch.seq_lens[ids[0] : ids[-1] + 1].to(torch.int32).contiguous(),
+            block_tables=batch.block_tables[ids[0] : ids[-1] + 1].to(torch.int32).contiguous(),
+        )
+        for ids in runs
+    ]
 
 
 def _build_cascade_plan(
@@ -358,9 +402,13 @@ def build_attention_plan(
     fresh_limit = math.inf if sliding_window is None else sliding_window
     short = MAX_KERNEL_QUERY_LEN if use_kernel else 1  # longest query the kernel (or the decode group) takes
     kernel_ids = [i for i, query_len in enumerate(query_lens_list) if query_len <= short or invariant[i]]
+    # With the kernels a fresh prompt of any length goes to the causal kernel; without them, SDPA takes those
+    # longer than one token.
     fresh_ids = [
-        i for i, q in enumerate(query_lens_list) if short < q == seq_lens_list[i] <= fresh_limit and not invariant[i]
+        i for i, q in enumerate(query_lens_list) if 1 < q == seq_lens_list[i] <= fresh_limit and not invariant[i]
     ]
+    fresh_set = set(fresh_ids)
+    kernel_ids = [i for i in kernel_ids if i not in fresh_set]
     other_ids = [
         i
         for i, q in enumerate(query_lens_list)
@@ -378,6 +426,7 @@ def build_attention_plan(
         num_queries_per_kv=num_queries_per_kv,
         cascade=None,
         fresh_prefills=[(cu_query_lens[i], cu_query_lens[i + 1]) for i in fresh_ids],
+        fresh_runs=_fresh_runs(batch, fresh_ids, cu_query_lens) if use_kernel else [],
         kernel=kernel,
         groups=groups,
         covers_batch_in_order=kernel is None and not fresh_ids and len(groups) == 1,
