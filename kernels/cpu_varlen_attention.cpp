@@ -436,31 +436,45 @@ inline void causal_score_tile(const float* __restrict q, const float* __restrict
   }
 }
 
-// Keys [0, cols) (a multiple of kLanes) of R rows: two vectors at a time, the last one alone when odd.
-template <int R>
-inline void causal_score_rows(const float* q, const float* kt, int64_t kt_stride, int64_t head_size, int64_t cols,
-                              float* scores, int64_t s_stride, const int64_t* visible, vec* row_max) {
+// The score tile in float32 (q and kt rows of float channels; `depth` = head_size).
+struct FloatScoreTile {
+  using Elem = float;
+  template <int R, int NK>
+  static void run(const float* q, const float* kt, int64_t kt_stride, int64_t depth, float* scores, int64_t s_stride,
+                  const int64_t* visible, vec* row_max) {
+    causal_score_tile<R, NK>(q, kt, kt_stride, depth, scores, s_stride, visible, row_max);
+  }
+};
+
+// Keys [0, cols) (a multiple of kLanes) of R rows by `Tile` (FloatScoreTile, Bf16ScoreTile): two vectors at a
+// time, the last one alone when odd; `depth` is what each score sums over (channels, or bfloat16 channel pairs).
+template <class Tile, int R>
+inline void causal_score_rows(const typename Tile::Elem* q, const typename Tile::Elem* kt, int64_t kt_stride,
+                              int64_t depth, int64_t cols, float* scores, int64_t s_stride, const int64_t* visible,
+                              vec* row_max) {
   for (int r = 0; r < R; ++r) row_max[r] = vec{} - __builtin_inff();
   int64_t left[R];
   int64_t j0 = 0;
   for (; j0 + kKeyTile <= cols; j0 += kKeyTile) {
     for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
-    causal_score_tile<R, 2>(q, kt + j0, kt_stride, head_size, scores + j0, s_stride, left, row_max);
+    Tile::template run<R, 2>(q, kt + j0, kt_stride, depth, scores + j0, s_stride, left, row_max);
   }
   if (j0 < cols) {
     for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
-    causal_score_tile<R, 1>(q, kt + j0, kt_stride, head_size, scores + j0, s_stride, left, row_max);
+    Tile::template run<R, 1>(q, kt + j0, kt_stride, depth, scores + j0, s_stride, left, row_max);
   }
 }
 
-template <int R>
-inline void causal_score_block(int rows, const float* q, const float* kt, int64_t kt_stride, int64_t head_size,
-                               int64_t cols, float* scores, int64_t s_stride, const int64_t* visible, vec* row_max) {
+// causal_score_rows for `rows` (1..R) rows, R a compile-time bound.
+template <class Tile, int R>
+inline void causal_score_block(int rows, const typename Tile::Elem* q, const typename Tile::Elem* kt,
+                               int64_t kt_stride, int64_t depth, int64_t cols, float* scores, int64_t s_stride,
+                               const int64_t* visible, vec* row_max) {
   if constexpr (R > 0) {
     if (rows == R) {
-      causal_score_rows<R>(q, kt, kt_stride, head_size, cols, scores, s_stride, visible, row_max);
+      causal_score_rows<Tile, R>(q, kt, kt_stride, depth, cols, scores, s_stride, visible, row_max);
     } else {
-      causal_score_block<R - 1>(rows, q, kt, kt_stride, head_size, cols, scores, s_stride, visible, row_max);
+      causal_score_block<Tile, R - 1>(rows, q, kt, kt_stride, depth, cols, scores, s_stride, visible, row_max);
     }
   }
 }
@@ -496,35 +510,15 @@ inline void causal_score_tile_bf16(const uint32_t* __restrict q, const uint32_t*
   }
 }
 
-template <int R>
-inline void causal_score_rows_bf16(const uint32_t* q, const uint32_t* kt, int64_t kt_stride, int64_t num_pairs,
-                                   int64_t cols, float* scores, int64_t s_stride, const int64_t* visible,
-                                   vec* row_max) {
-  for (int r = 0; r < R; ++r) row_max[r] = vec{} - __builtin_inff();
-  int64_t left[R];
-  int64_t j0 = 0;
-  for (; j0 + kKeyTile <= cols; j0 += kKeyTile) {
-    for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
-    causal_score_tile_bf16<R, 2>(q, kt + j0, kt_stride, num_pairs, scores + j0, s_stride, left, row_max);
+// The score tile in bfloat16 pairs (`depth` = head_size / 2).
+struct Bf16ScoreTile {
+  using Elem = uint32_t;
+  template <int R, int NK>
+  static void run(const uint32_t* q, const uint32_t* kt, int64_t kt_stride, int64_t depth, float* scores,
+                  int64_t s_stride, const int64_t* visible, vec* row_max) {
+    causal_score_tile_bf16<R, NK>(q, kt, kt_stride, depth, scores, s_stride, visible, row_max);
   }
-  if (j0 < cols) {
-    for (int r = 0; r < R; ++r) left[r] = visible[r] - j0;
-    causal_score_tile_bf16<R, 1>(q, kt + j0, kt_stride, num_pairs, scores + j0, s_stride, left, row_max);
-  }
-}
-
-template <int R>
-inline void causal_score_block_bf16(int rows, const uint32_t* q, const uint32_t* kt, int64_t kt_stride,
-                                    int64_t num_pairs, int64_t cols, float* scores, int64_t s_stride,
-                                    const int64_t* visible, vec* row_max) {
-  if constexpr (R > 0) {
-    if (rows == R) {
-      causal_score_rows_bf16<R>(q, kt, kt_stride, num_pairs, cols, scores, s_stride, visible, row_max);
-    } else {
-      causal_score_block_bf16<R - 1>(rows, q, kt, kt_stride, num_pairs, cols, scores, s_stride, visible, row_max);
-    }
-  }
-}
+};
 #endif
 
 // Row of unscaled scores whose first `visible` keys are seen (their max: the lanes of row_max):
@@ -618,14 +612,15 @@ void causal_attend_item(const T* q, const T* k, const T* v, int64_t L, int64_t g
     }
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
-      causal_score_block_bf16<kScoreRows>(rows, q_pairs, kt_pairs, padded_len, num_pairs, cols, scores, padded_len,
-                                          visible, row_max);
+      causal_score_block<Bf16ScoreTile, kScoreRows>(rows, q_pairs, kt_pairs, padded_len, num_pairs, cols, scores,
+                                                    padded_len, visible, row_max);
     } else {
-      causal_score_block<kScoreRows>(rows, qbuf, kt, padded_len, head_size, cols, scores, padded_len, visible,
-                                     row_max);
+      causal_score_block<FloatScoreTile, kScoreRows>(rows, qbuf, kt, padded_len, head_size, cols, scores, padded_len,
+                                                     visible, row_max);
     }
 #else
-    causal_score_block<kScoreRows>(rows, qbuf, kt, padded_len, head_size, cols, scores, padded_len, visible, row_max);
+    causal_score_block<FloatScoreTile, kScoreRows>(rows, qbuf, kt, padded_len, head_size, cols, scores, padded_len,
+                                                   visible, row_max);
 #endif
     for (int r = 0; r < rows; ++r) {
       inv_sum[r] = causal_softmax_row(scores + r * padded_len, visible[r], cols, scale, soft_cap, row_max[r]);
