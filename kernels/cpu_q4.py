@@ -130,7 +130,7 @@ def linear_gguf_bf16(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` in bfloat16 with ``W`` Q4_0 / Q4_1 blocks packed by :func:`gguf_pack_bf16`.
 
-    Two numerics by the number of rows (source ``cpu_q4_bf16.cpp``). A call of up to 12 rows (decode; the
+    Two numerics by the number of rows (source ``cpu_q4_bf16.cpp``). A call of up to 24 rows (decode; the
     kernel's ``kDirectRows``) sums in float32: the bias, for Q4_1 the blocks' ``m`` times the sums of their 32
     activations, then block by block ``d`` times the block's dot of the activations with the integer quants
     (``vdpbf16ps``: the weights enter exactly, only the activations are bfloat16). A taller call dequantizes each

@@ -8,14 +8,14 @@
 // Method. A Q4 weight is w = d q + m per block of 32 along K (Q4_0: q - 8 and m = 0; Q4_1: q in 0..15 and its
 // minimum m); every value of q (or q - 8) is a small integer, exact in bfloat16. Two numerics by the call's height:
 //
-// - Up to kDirectRows = 12 rows (decode at small batches), exact weights. Each output is
+// - Up to kDirectRows = 24 rows (decode at small batches), exact weights. Each output is
 //     y[r, n] = bias[n] + sum_b m[b, n] s[r, b] + sum_b d[b, n] (x[r, block b] . q[n, block b]),
 //   s[r, b] the float32 sum of row r's 32 activations of block b (Q4_1 only). The integer dot of a block is 16
 //   vdpbf16ps into a fresh float32 accumulator (pairs of k, the operand layout of cpu_gemm_bf16.h), then scaled by
 //   d into the output's accumulator with one FMA: the weights enter the products exactly (no bfloat16 rounding of
 //   d q + m), and only the activations are bfloat16. The quants are expanded in registers (one vpermw lookup per
 //   32 weights), kMR = 6 rows at a time (6 rows x 32 columns x (output + block accumulator) = 24 of AVX-512's 32
-//   vector registers). The same chain in the same order for every height up to 12: bias, the m s terms block by
+//   vector registers). The same chain in the same order for every height up to 24: bias, the m s terms block by
 //   block, then block by block d times the block's 16-pair chain.
 // - More rows (prefill, large decode batches), bfloat16 weights: each panel is dequantized to the values
 //   round_bf16(d (q - 8)) / round_bf16(d q + m) (float32, rounded once to nearest even) in the packed bfloat16
@@ -64,7 +64,7 @@ constexpr int64_t kBlock = 32;           // weights per block along K
 constexpr int64_t kNR = 32;              // output columns per panel
 constexpr int kMR = 6;                   // activation rows per micro-kernel call (up to kDirectRows rows)
 constexpr int64_t kQuantBytes = 512;     // a panel's nibbles for one block: 16 pairs x 32 columns x 2 k / 2
-constexpr int64_t kDirectRows = 2 * kMR;  // calls of up to this many rows: exact weights, expanded in registers
+constexpr int64_t kDirectRows = 4 * kMR;  // calls of up to this many rows: exact weights, expanded in registers
 
 int64_t raw_block_bytes(int64_t type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 0; }
 

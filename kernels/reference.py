@@ -457,7 +457,7 @@ def linear_gguf_reference(
     return torch.nn.functional.linear(x, weight, bias)
 
 
-GGUF_BF16_EXACT_ROWS = 12  # calls of up to this many rows: exact Q4 weights in linear_gguf_bf16 (kDirectRows)
+GGUF_BF16_EXACT_ROWS = 24  # calls of up to this many rows: exact Q4 weights in linear_gguf_bf16 (kDirectRows)
 
 
 def linear_gguf_bf16_reference(
