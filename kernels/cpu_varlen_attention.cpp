@@ -323,6 +323,30 @@ void check_qkv(const at::Tensor& x, const char* name) {
               "dimension");
 }
 
+// cu_seqlens checked against num_tokens: int32 [num_seqs + 1], from 0 to num_tokens, strictly increasing (no
+// empty sequence); `cp` points into `cu` (kept alive here), `max_len` is the longest sequence.
+struct SeqLens {
+  at::Tensor cu;
+  const int32_t* cp;
+  int64_t num_seqs;
+  int64_t max_len;
+};
+
+SeqLens checked_seqlens(const at::Tensor& cu_seqlens, int64_t T) {
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1 && cu_seqlens.scalar_type() == at::kInt,
+              "cu_seqlens must be int32 [num_seqs + 1]");
+  SeqLens lens{cu_seqlens.contiguous(), nullptr, 0, 0};
+  lens.cp = lens.cu.data_ptr<int32_t>();
+  lens.num_seqs = lens.cu.size(0) - 1;
+  const int32_t* cp = lens.cp;
+  TORCH_CHECK(cp[0] == 0 && cp[lens.num_seqs] == T, "cu_seqlens must run from 0 to num_tokens (", T, ")");
+  for (int64_t s = 0; s < lens.num_seqs; ++s) {
+    TORCH_CHECK(cp[s + 1] > cp[s], "cu_seqlens must be strictly increasing (sequence ", s, " is empty)");
+    lens.max_len = std::max<int64_t>(lens.max_len, cp[s + 1] - cp[s]);
+  }
+  return lens;
+}
+
 void varlen_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const at::Tensor& cu_seqlens, double scale) {
   check_qkv(query, "query");
@@ -334,17 +358,9 @@ void varlen_attention(const at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "out must be contiguous float32 with query's shape");
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1 && cu_seqlens.scalar_type() == at::kInt,
-              "cu_seqlens must be int32 [num_seqs + 1]");
-  const at::Tensor cu = cu_seqlens.contiguous();
-  const int32_t* cp = cu.data_ptr<int32_t>();
-  const int64_t num_seqs = cu.size(0) - 1;
-  TORCH_CHECK(cp[0] == 0 && cp[num_seqs] == T, "cu_seqlens must run from 0 to num_tokens (", T, ")");
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(cp[s + 1] > cp[s], "cu_seqlens must be strictly increasing (sequence ", s, " is empty)");
-    max_len = std::max<int64_t>(max_len, cp[s + 1] - cp[s]);
-  }
+  const SeqLens lens = checked_seqlens(cu_seqlens, T);
+  const int32_t* cp = lens.cp;
+  const int64_t num_seqs = lens.num_seqs, max_len = lens.max_len;
   if (T == 0) return;
 
   // Items (s, h) in order s * H + h; one contiguous run per thread of about equal cost.
@@ -691,17 +707,9 @@ void causal_attention(const at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(!logits_soft_cap.has_value() || *logits_soft_cap > 0.0, "logits_soft_cap must be > 0");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == dtype && out.device().is_cpu(),
               "out must be contiguous with query's shape and dtype");
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1 && cu_seqlens.scalar_type() == at::kInt,
-              "cu_seqlens must be int32 [num_seqs + 1]");
-  const at::Tensor cu = cu_seqlens.contiguous();
-  const int32_t* cp = cu.data_ptr<int32_t>();
-  const int64_t num_seqs = cu.size(0) - 1;
-  TORCH_CHECK(cp[0] == 0 && cp[num_seqs] == T, "cu_seqlens must run from 0 to num_tokens (", T, ")");
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(cp[s + 1] > cp[s], "cu_seqlens must be strictly increasing (sequence ", s, " is empty)");
-    max_len = std::max<int64_t>(max_len, cp[s + 1] - cp[s]);
-  }
+  const SeqLens lens = checked_seqlens(cu_seqlens, T);
+  const int32_t* cp = lens.cp;
+  const int64_t num_seqs = lens.num_seqs, max_len = lens.max_len;
   if (T == 0) return;
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(logits_soft_cap.value_or(0.0));
   if (dtype == at::kFloat) {
