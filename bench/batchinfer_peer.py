@@ -52,6 +52,7 @@ def main() -> None:
             **extra,
         )
     )
+    engine.populate_kv_cache()  # as the worker does at start (worker/bootstrap.py, warm_up_engine)
     warmup_ids = json.loads(args.warmup_prompt_json) if args.warmup_prompt_json else prompts[0]
     engine.generate([warmup_ids], SamplingParams(max_tokens=4, temperature=0.0))
     engine.make_stats()  # start a fresh window

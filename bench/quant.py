@@ -73,7 +73,9 @@ def _engine(quantization: str, threads: int, dtype: str = "float32") -> Any:
         kv_cache_memory_bytes=2 << 30,
         max_model_len=2048,
     )
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    engine.populate_kv_cache()  # as the worker does at start (worker/bootstrap.py, warm_up_engine)
+    return engine
 
 
 def weight_bytes_per_step(model: Any) -> int:

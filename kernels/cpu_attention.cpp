@@ -67,6 +67,7 @@ using batchinfer_kernels::exp_clamped;
 using batchinfer_kernels::ivec8;
 using batchinfer_kernels::lane_sum;
 using batchinfer_kernels::load8;
+using batchinfer_kernels::round_bf16;
 using batchinfer_kernels::store8;
 using batchinfer_kernels::vec16;
 using batchinfer_kernels::vec8;
@@ -514,9 +515,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
               "paged_attention_: CPU tensors only");
   const at::ScalarType cache_type = kv_cache.scalar_type();
   const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+  const bool bf16_io = query.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((query.scalar_type() == at::kFloat || bf16_io) && out.scalar_type() == query.scalar_type() &&
                   (cache_type == at::kFloat || cache_type == at::kBFloat16 || quantized),
-              "paged_attention_: float32 query and out, float32, bfloat16, int8 or float8_e4m3fn kv_cache only");
+              "paged_attention_: float32 or bfloat16 query and out (one dtype), float32, bfloat16, int8 or "
+              "float8_e4m3fn kv_cache only");
   const bool with_scales = kv_scales.has_value() && kv_scales->defined();
   TORCH_CHECK(with_scales == quantized, "paged_attention_: kv_scales are required with (only with) a quantized kv_cache");
   if (with_scales) {
@@ -625,8 +628,14 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     part_start[p] = std::lower_bound(cu_cost.begin(), cu_cost.end(), target) - cu_cost.begin();
   }
 
-  const float* q_ptr = query.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
+  // bfloat16 query and out: each item widens its token's query heads into a float32 row (exact) and rounds its
+  // float32 output heads once (to nearest even), so the bits are those of float32 I/O around .float() / .to().
+  const float* q_ptr = bf16_io ? nullptr : query.data_ptr<float>();
+  float* out_ptr = bf16_io ? nullptr : out.data_ptr<float>();
+  const auto* q_bf16 = bf16_io ? static_cast<const uint16_t*>(query.const_data_ptr()) : nullptr;
+  auto* out_bf16 = bf16_io ? static_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  Shapes widened = s;  // the float32 row an item widens a bfloat16 query into: heads side by side
+  widened.query_stride_head = s.head_size;
   float* lse_ptr = with_lse ? lse->data_ptr<float>() : nullptr;
   const float* scales_ptr = with_scales ? kv_scales->data_ptr<float>() : nullptr;
   const float scale_f = static_cast<float>(scale);
@@ -652,14 +661,27 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       scores += (kAlignFloats - reinterpret_cast<uintptr_t>(scores) / sizeof(float) % kAlignFloats) % kAlignFloats;
       std::vector<float> q_scaled(s.num_heads * s.head_size);
       std::vector<float> row_float(s.head_size);  // one K or V row as float32 (read_row)
+      std::vector<float> q_row(bf16_io ? s.num_heads * s.head_size : 0), out_row(q_row.size());
       // The thread's items, (token, KV head) pairs token-major, a token's run of KV heads at a time.
       for (int64_t item = part_start[part_begin]; item < part_start[part_end];) {
         const int64_t t = item / s.num_kv_heads, g_begin = item % s.num_kv_heads;
         const int64_t g_end = std::min(s.num_kv_heads, g_begin + part_start[part_end] - item);
-        attend(s, g_begin, g_end, q_ptr + t * s.query_stride_token, cache_ptr, scales_ptr,
-               tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t], token_context[t], scale_f, soft_cap,
-               token_tree_base[t], token_tree_bits[t], out_ptr + t * s.num_heads * s.head_size,
+        const int64_t h_begin = g_begin * s.num_queries_per_kv, h_end = g_end * s.num_queries_per_kv;
+        if (bf16_io) {
+          for (int64_t h = h_begin; h < h_end; ++h) {
+            const uint16_t* src = q_bf16 + t * s.query_stride_token + h * s.query_stride_head;
+            for (int64_t i = 0; i < s.head_size; ++i) q_row[h * s.head_size + i] = widen_bf16(src[i]);
+          }
+        }
+        attend(bf16_io ? widened : s, g_begin, g_end, bf16_io ? q_row.data() : q_ptr + t * s.query_stride_token,
+               cache_ptr, scales_ptr, tables + token_seq[t] * s.max_num_blocks_per_seq, token_start[t],
+               token_context[t], scale_f, soft_cap, token_tree_base[t], token_tree_bits[t],
+               bf16_io ? out_row.data() : out_ptr + t * s.num_heads * s.head_size,
                lse_ptr == nullptr ? nullptr : lse_ptr + t * s.num_heads, scores, q_scaled.data(), row_float.data());
+        if (bf16_io) {
+          uint16_t* dst = out_bf16 + t * s.num_heads * s.head_size;
+          for (int64_t i = h_begin * s.head_size; i < h_end * s.head_size; ++i) dst[i] = round_bf16(out_row[i]);
+        }
         item += g_end - g_begin;
       }
     });

@@ -43,7 +43,8 @@ def paged_attention_cpu(
 
     Args:
         query: float32 or bfloat16 ``[num_tokens, num_heads, head_size]`` on CPU, unit stride in the last dim
-            (a strided view of a fused QKV projection is fine); bfloat16 is widened to float32 first.
+            (a strided view of a fused QKV projection is fine); bfloat16 is widened to float32 in the kernel, a
+            token's heads as its work item reads them.
         kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_size]``: float32, bfloat16 (widened
             to float32 element by element as it is read), or a quantized
             cache (int8 or float8_e4m3fn, :func:`kernels.reference.quantize_kv`) read in place and converted
@@ -74,10 +75,7 @@ def paged_attention_cpu(
             on bad shapes, dtypes, lengths or out-of-range block ids.
     """
     require_cpu_kernels()
-    dtype = query.dtype
-    if dtype == torch.bfloat16:
-        query = query.float()
-    out = torch.empty(query.shape, dtype=torch.float32)
+    out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.batchinfer_cpu.paged_attention_(
         out,
         query,
@@ -92,7 +90,7 @@ def paged_attention_cpu(
         kv_scales,
         tree_mask,
     )
-    return out.to(dtype)
+    return out
 
 
 def varlen_attention_cpu(

@@ -186,7 +186,9 @@ def warm_up_engine(engine: LLMEngine) -> None:
     """Run a short greedy generate so the first job's first steps do not pay one-off start-up costs.
 
     The first forward passes of a fresh process are slow (lazily initialised kernels and thread pools,
-    first-touch page faults on the KV cache and on freshly packed weights). Two prompts of
+    first-touch page faults on the KV cache and on freshly packed weights). The whole KV cache is faulted in first
+    (:meth:`LLMEngine.populate_kv_cache`: about 0.3-2 s per GiB here, once, against a few percent of the first jobs'
+    steps; docs/engine.md, "KV cache memory"). Two prompts of
     :data:`WARMUP_PROMPT_LENS` tokens (clipped to the context) are prefilled in one step and decoded as a
     batch for :data:`WARMUP_MAX_TOKENS` tokens, through the same paths a job takes. The engine's statistics
     window is then reset (:meth:`LLMEngine.make_stats`), so metrics report jobs only.
@@ -194,6 +196,7 @@ def warm_up_engine(engine: LLMEngine) -> None:
     from worker.engine.sampling_params import SamplingParams
 
     start_s = time.perf_counter()
+    engine.populate_kv_cache()
     vocab_size = int(engine.model_config.vocab_size)
     room = engine.max_model_len - WARMUP_MAX_TOKENS
     prompts: list[str | list[int]] = [

@@ -244,6 +244,39 @@ def test_bfloat16_cache_and_query_match_reference(kind, num_heads, num_kv_heads,
     torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 4), (6, 1, 16), (4, 4, 1)])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_bfloat16_query_gives_the_bits_of_float32_io(kind, num_heads, num_kv_heads, block_size, threads):
+    """A bfloat16 query (here a strided view, as of a fused QKV projection) is widened and the output rounded
+    inside the kernel: the same bits as the float32 call on the widened query, rounded with ``.to``, whatever the
+    split of a token's KV heads over threads."""
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(BATCHES[kind], num_heads, num_kv_heads, block_size)
+    fused = torch.cat([query, query[:, :1]], dim=1).bfloat16()  # one more head: query is a strided view of it
+    query, kv_cache = fused[:, :num_heads], kv_cache.bfloat16()
+    scale = HEAD_SIZE**-0.5
+    lse, float_lse = torch.empty(query.shape[:2]), torch.empty(query.shape[:2])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention_cpu(query, kv_cache, query_start_loc, seq_lens, tables, scale, lse)
+        float_out = paged_attention_cpu(query.float(), kv_cache, query_start_loc, seq_lens, tables, scale, float_lse)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert torch.equal(out.view(torch.int16), float_out.bfloat16().view(torch.int16))
+    assert torch.equal(lse, float_lse)
+
+
+def test_query_and_out_dtypes_must_agree():
+    query, kv_cache, query_start_loc, seq_lens, tables = _setup(DECODE, 4, 4, 4)
+    out = torch.empty(query.shape, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.batchinfer_cpu.paged_attention_(
+            out, query.bfloat16(), kv_cache.bfloat16(), query_start_loc, seq_lens, tables, 0.125
+        )
+
+
 def test_bfloat16_cache_takes_no_scales():
     query, kv_cache, query_start_loc, seq_lens, tables = _setup(DECODE, 4, 4, 4)
     scales = torch.ones(kv_cache.shape[:4])

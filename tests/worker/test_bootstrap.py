@@ -100,7 +100,10 @@ def test_warm_up_generates_and_leaves_a_fresh_stats_window(tiny_model_dir, monke
         return outputs
 
     monkeypatch.setattr(engine, "generate", recording_generate)
+    populated = []
+    monkeypatch.setattr(engine.model_runner, "populate_kv_cache", lambda: populated.append(not generated))
     bootstrap.warm_up_engine(engine)
+    assert populated == [True]  # the whole KV cache faulted in, before the warm-up's steps
     assert [len(o.prompt_token_ids) for o in generated] == list(bootstrap.WARMUP_PROMPT_LENS)
     assert [len(o.outputs[0].token_ids) for o in generated] == [bootstrap.WARMUP_MAX_TOKENS] * 2
     assert not engine.has_unfinished_requests()

@@ -125,6 +125,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
 
+    def populate_kv_cache(self) -> None:
+        """Fault in every page of the KV cache now instead of in the first jobs' steps: what a long-running
+        worker does at start (``worker.bootstrap.warm_up_engine``; docs/engine.md, "KV cache memory")."""
+        self.model_runner.populate_kv_cache()
+
     def add_request(
         self,
         request_id: str,

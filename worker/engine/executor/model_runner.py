@@ -20,6 +20,8 @@ nothing is kept.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import time
@@ -213,15 +215,49 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``; on CPU, memory the kernel zeroes page by page as it is
-    first touched (an anonymous mapping), so a KV cache costs nothing at start for the blocks no job has used yet
-    (``torch.zeros`` writes every byte: about 0.6 CPU-s per GiB at each worker start). Page-aligned, contiguous."""
+    first touched (a private anonymous mapping), so a KV cache costs nothing at start for the blocks no job has used
+    yet (``torch.zeros`` writes every byte: about 0.6 CPU-s per GiB at each worker start). Page-aligned, contiguous.
+    :func:`populate` touches every page up front where a process wants no faults while it runs."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * dtype.itemsize
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
+    # NOTE: private, not mmap's default MAP_SHARED (shared memory: slower faults, and shared with a forked child).
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # NOTE: the tensor holds the mapping (torch.frombuffer keeps a reference to its buffer) and frees it with the tensor.
-    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8).view(dtype).view(shape)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14); Python's mmap module names it from 3.13 only
+
+
+def populate(tensor: torch.Tensor) -> None:
+    """Fault in every page of a contiguous CPU ``tensor`` now, as writable and without changing its values.
+
+    A KV cache from :func:`zeros_on_first_touch` otherwise takes one page fault per 4 KiB the first time a block is
+    written, inside the steps of the first jobs: 73,000 faults, about 5% of the wall time of issue #27's mixed
+    workload on a fresh engine (docs/engine.md, "KV cache memory"). ``madvise(MADV_POPULATE_WRITE)`` faults the
+    range in the kernel; where that is refused (a kernel before 5.14) each page gets one zero byte written
+    (the pages hold zeros, so the values stay). Costs about 0.3-2 s per GiB, once.
+    """
+    num_bytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or num_bytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + num_bytes - start
+    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0:
+        return
+    flat = tensor.view(torch.uint8).view(-1)
+    first = (-tensor.data_ptr()) % page  # the first page boundary inside the tensor
+    flat[first::page] = flat[first::page].clone()  # NOTE: a copy_ from itself would be skipped as a no-op
+    flat[:1] = flat[:1].clone()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class ModelRunner:
@@ -304,6 +340,13 @@ class ModelRunner:
         # hidden_states is [num_tokens, hidden_size] (model dtype), seqs[i]'s rows at its positions
         # num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (drafts included), sequence by sequence.
         self.hidden_states_sink: HiddenStatesSink | None = None
+
+    def populate_kv_cache(self) -> None:
+        """Fault in the whole KV cache now (:func:`populate`), so the jobs that first fill it take no page faults.
+        A quantized cache's arrays are already written at start (``torch.zeros``)."""
+        for cache in self.kv_caches:
+            if isinstance(cache, torch.Tensor):
+                populate(cache)
 
     def free_seqs(self, seqs: list[Sequence]) -> None:
         """Forget per-sequence state (sampling keys) of finished or aborted sequences."""

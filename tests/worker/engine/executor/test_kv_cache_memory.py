@@ -1,5 +1,5 @@
-"""The KV cache's memory on CPU (worker/engine/executor/model_runner.py, `zeros_on_first_touch`): zeros that cost
-nothing until touched, so a worker start does not write its whole KV budget."""
+"""The KV cache's memory on CPU (worker/engine/executor/model_runner.py, `zeros_on_first_touch`, `populate`): zeros
+that cost nothing until touched, and faulted in as a whole where a worker asks (docs/engine.md, "KV cache memory")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.executor.model_runner import zeros_on_first_touch
+from worker.engine.executor import model_runner
+from worker.engine.executor.model_runner import populate, zeros_on_first_touch
 
 CPU = torch.device("cpu")
 
@@ -46,3 +47,39 @@ def test_untouched_pages_are_not_resident():
     cache[0, : 1 << 20].fill_(1.0)  # 4 MiB touched
     assert float(cache[0, : 1 << 20].sum()) == float(1 << 20)
     assert _resident_bytes() - before < num_bytes // 4
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_populate_makes_every_page_resident_and_keeps_the_values():
+    num_bytes = 64 << 20
+    cache = zeros_on_first_touch((2, num_bytes // 8), torch.float32, CPU)
+    cache[1, 5] = 3.0  # one page already touched, with a value that must survive
+    before = _resident_bytes()
+    populate(cache)
+    assert _resident_bytes() - before > num_bytes * 9 // 10
+    assert float(cache[1, 5]) == 3.0 and float(cache.sum()) == 3.0
+
+
+def test_populate_an_unaligned_view_keeps_its_values_and_its_neighbours():
+    cache = torch.arange(3 << 12, dtype=torch.float32)
+    view = cache[1000:9000]  # starts and ends inside pages
+    populate(view)
+    assert torch.equal(cache, torch.arange(3 << 12, dtype=torch.float32))
+    populate(cache[:0])  # nothing to do
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_populate_writes_the_pages_where_the_kernel_refuses_madvise(monkeypatch):
+    class OldKernel:  # before Linux 5.14: MADV_POPULATE_WRITE is EINVAL
+        @staticmethod
+        def madvise(*args):
+            return -1
+
+    monkeypatch.setattr(model_runner, "_libc", OldKernel)
+    num_bytes = 64 << 20
+    cache = zeros_on_first_touch((num_bytes // 4,), torch.float32, CPU)
+    cache[7] = 2.0
+    before = _resident_bytes()
+    populate(cache)
+    assert _resident_bytes() - before > num_bytes * 9 // 10
+    assert float(cache[7]) == 2.0 and float(cache.sum()) == 2.0
