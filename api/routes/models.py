@@ -3,8 +3,9 @@
 Each is OpenAI's model object plus batchinfer's fields: ``kind`` (``generate`` or ``embed``),
 ``aliases`` (other names a line may use), ``dtype``, ``quantization`` and ``kv_cache_dtype`` (what its
 workers run: docs/engine.md, "Quantized weights" and "Quantized KV cache"; the value its live workers report
-when they agree, else the configured one; for an embedding model quantization and KV cache dtype are null,
-and dtype is null until a worker reports it),
+when they agree, else the configured one; an embedding model's quantization is ``none`` (its weights are in its
+dtype, as its workers report on ``/v1/workers``), its KV cache dtype null (it has no KV cache), and its dtype null
+until a worker reports it),
 ``num_workers`` (live workers serving it: heartbeat within ``Settings.worker_live_s``) and
 ``num_ready_workers`` (those of them that take work; the rest are loading the model). A model with no
 live worker is still listed: its batches wait (docs/operations.md, "Several models").
@@ -58,9 +59,9 @@ class ModelObject(BaseModel):
             kind=entry.kind,
             aliases=entry.aliases,
             dtype=running(readiness.dtypes if readiness else (), dtype if generate else None),
-            quantization=running(readiness.quantizations if readiness else (), entry.quantization)
-            if generate
-            else None,
+            quantization=running(
+                readiness.quantizations if readiness else (), entry.quantization if generate else "none"
+            ),
             kv_cache_dtype=(
                 running(readiness.kv_cache_dtypes if readiness else (), entry.kv_cache_dtype) if generate else None
             ),

@@ -87,7 +87,7 @@ def test_each_generate_model_shows_its_quantization_and_kv_cache_dtype(client: A
     shown = {m["id"]: (m["quantization"], m["kv_cache_dtype"]) for m in client.get("/v1/models").json()["data"]}
     assert shown == {
         BUILTIN_MODEL: (service_settings.quantization, service_settings.kv_cache_dtype),
-        BUILTIN_EMBEDDING_MODEL: (None, None),
+        BUILTIN_EMBEDDING_MODEL: ("none", None),  # weights in its dtype, as /v1/workers shows; no KV cache
         "tiny-q4": ("q4", "fp8_e4m3"),  # vLLM's name shown canonical, as /v1/workers shows it
     }
 
@@ -107,13 +107,13 @@ def test_the_live_workers_report_what_they_run_over_the_configured_values(
     configured = (service_settings.dtype, service_settings.quantization, service_settings.kv_cache_dtype)
     assert shown()["tiny"] == (service_settings.dtype, "int8", "auto")
     assert shown()[BUILTIN_MODEL] == configured
-    assert shown()[BUILTIN_EMBEDDING_MODEL] == (None, None, None)
+    assert shown()[BUILTIN_EMBEDDING_MODEL] == (None, "none", None)
 
     _beat(service_settings, 1, "tiny", engine=("bfloat16", "q4", "int8"))  # started with other settings
     _beat(service_settings, 2, "tiny", ready_s=None)  # still loading: reports nothing yet
     _beat(service_settings, 3, BUILTIN_EMBEDDING_MODEL, engine=("float32", "none", "auto"))
     assert shown()["tiny"] == ("bfloat16", "q4", "int8")
-    assert shown()[BUILTIN_EMBEDDING_MODEL] == ("float32", None, None)  # an embedder has no quantization nor KV cache
+    assert shown()[BUILTIN_EMBEDDING_MODEL] == ("float32", "none", None)  # as its worker reports; no KV cache
     assert client.get("/v1/models/tiny").json()["quantization"] == "q4"
 
     _beat(service_settings, 2, "tiny", engine=("bfloat16", "none", "int8"))  # a rolling change: workers disagree
