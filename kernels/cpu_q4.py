@@ -130,10 +130,15 @@ def linear_gguf_bf16(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` in bfloat16 with ``W`` Q4_0 / Q4_1 blocks packed by :func:`gguf_pack_bf16`.
 
-    Each output is a float32 sum: the bias, for Q4_1 the blocks' ``m`` times the sums of their 32 activations, then
-    block by block ``d`` times the block's dot of the activations with the integer quants (``vdpbf16ps``: the
-    weights enter exactly, only the activations are bfloat16), in the same order whatever the number of rows
-    (batch invariant), rounded to bfloat16 once. Reference: :func:`kernels.reference.linear_gguf_bf16_reference`.
+    Two numerics by the number of rows (source ``cpu_q4_bf16.cpp``). A call of up to 24 rows (decode; the
+    kernel's ``kDirectRows``) sums in float32: the bias, for Q4_1 the blocks' ``m`` times the sums of their 32
+    activations, then block by block ``d`` times the block's dot of the activations with the integer quants
+    (``vdpbf16ps``: the weights enter exactly, only the activations are bfloat16). A taller call dequantizes each
+    weight to bfloat16 (``d (q - 8)`` or ``d q + m`` in float32, rounded once to nearest even) and runs the packed
+    bfloat16 GEMM's chain over them (:func:`kernels.cpu_gemm.linear_packed_bf16`: the same bits as that kernel over
+    those weights). A row's output depends only on that row within either range of heights, but can differ between
+    them (by the weights' bfloat16 rounding). Rounded to bfloat16 once. Reference:
+    :func:`kernels.reference.linear_gguf_bf16_reference`.
 
     Args:
         x: bfloat16 CPU ``[..., in_features]`` with unit stride in the last dimension.

@@ -79,7 +79,8 @@ class GGUFLinearBF16(nn.Module):
 
     ``blocks`` uint8 ``[out_features, in_features / 32 * block_bytes]`` in ggml's layout are regrouped once
     (:func:`kernels.cpu_q4.gguf_pack_bf16`, the same bits a weight) into ``packed_blocks``; ``forward`` runs
-    :func:`kernels.cpu_q4.linear_gguf_bf16` (float32 accumulation, rounded to bfloat16 once, batch invariant).
+    :func:`kernels.cpu_q4.linear_gguf_bf16` (float32 accumulation, rounded to bfloat16 once; exact Q4 weights in
+    calls of up to 24 rows, bfloat16-rounded ones in taller calls, so batch invariant within each range only).
     The fused bfloat16 decoder layers run it too (``cpu_kernel_weight``).
     """
 
