@@ -6,26 +6,31 @@
 // `batchinfer_cpu::gguf_linear_bf16_supported` (built and loaded by cpu_extension.py).
 //
 // Method. A Q4 weight is w = d q + m per block of 32 along K (Q4_0: q - 8 and m = 0; Q4_1: q in 0..15 and its
-// minimum m); every value of q (or q - 8) is a small integer, exact in bfloat16. Two numerics by the call's height:
+// minimum m); every value of q (or q - 8) is a small integer, exact in bfloat16. Two numerics, chosen by the
+// call's height unless it asks for batch invariance:
 //
-// - Up to kDirectRows = 24 rows (decode at small batches), exact weights. Each output is
+// - Exact weights: calls of up to kDirectRows = 24 rows (decode at small batches), and calls of any height with
+//   batch_invariant set. Each output is
 //     y[r, n] = bias[n] + sum_b m[b, n] s[r, b] + sum_b d[b, n] (x[r, block b] . q[n, block b]),
 //   s[r, b] the float32 sum of row r's 32 activations of block b (Q4_1 only). The integer dot of a block is 16
 //   vdpbf16ps into a fresh float32 accumulator (pairs of k, the operand layout of cpu_gemm_bf16.h), then scaled by
 //   d into the output's accumulator with one FMA: the weights enter the products exactly (no bfloat16 rounding of
-//   d q + m), and only the activations are bfloat16. The quants are expanded in registers (one vpermw lookup per
-//   32 weights), kMR = 6 rows at a time (6 rows x 32 columns x (output + block accumulator) = 24 of AVX-512's 32
-//   vector registers). The same chain in the same order for every height up to 24: bias, the m s terms block by
-//   block, then block by block d times the block's 16-pair chain.
-// - More rows (prefill, large decode batches), bfloat16 weights: each panel is dequantized to the values
-//   round_bf16(d (q - 8)) / round_bf16(d q + m) (float32, rounded once to nearest even) in the packed bfloat16
-//   GEMM's layout, and that GEMM's micro-kernel (cpu_gemm_bf16.h, 12 rows x 32 columns) runs every row over them:
-//   one chain per output, no per-block scale FMA, the same bits as linear_packed_bf16 over those weights. The
-//   first row group of each panel dequantizes as its chain asks for the pair rows (the conversions issue beside
-//   its vdpbf16ps) and stores them into an L2 buffer that the other groups read.
+//   d q + m), and only the activations are bfloat16. kMR = 6 rows at a time (6 rows x 32 columns x (output +
+//   block accumulator) = 24 of AVX-512's 32 vector registers). Up to kDirectRows rows the quants are expanded in
+//   registers (one vpermw lookup per 32 weights); above, a thread expands each of its panels once into an L2
+//   buffer with the same values (bfloat16 integer pairs, d and m widened to float32) and runs the rows over it in
+//   blocks of kRowBlockBytes. The same chain in the same order for every height: bias, the m s terms block by
+//   block, then block by block d times the block's 16-pair chain, so a row's bits are those of the row alone.
+// - More rows without batch_invariant (prefill, large decode batches), bfloat16 weights: each panel is
+//   dequantized to the values round_bf16(d (q - 8)) / round_bf16(d q + m) (float32, rounded once to nearest even)
+//   in the packed bfloat16 GEMM's layout, and that GEMM's micro-kernel (cpu_gemm_bf16.h, 12 rows x 32 columns)
+//   runs every row over them: one chain per output, no per-block scale FMA, the same bits as linear_packed_bf16
+//   over those weights. The first row group of each panel dequantizes as its chain asks for the pair rows (the
+//   conversions issue beside its vdpbf16ps) and stores them into an L2 buffer that the other groups read.
 //
-// A row's bits depend only on the row within each range of heights, but can differ between the two (the weights'
-// bfloat16 rounding): docs/engine.md, "Batch-invariant numerics". Either way rounded to bfloat16 once.
+// The bfloat16-weight numerics is faster but a row's bits there differ from the exact chain's (the weights'
+// bfloat16 rounding), so a row's output depends on its call's height unless batch_invariant is set: docs/engine.md,
+// "Batch-invariant numerics". Either way rounded to bfloat16 once.
 //
 // Layout (gguf_pack_bf16, once at load). The blocks are regrouped into panels of kNR = 32 output columns; per
 // panel and block of 32 k, 16 rows of 32 bytes (one per pair of k: byte j holds in its low nibble column j / 2's
@@ -62,9 +67,10 @@ namespace {
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3;  // ggml type ids
 constexpr int64_t kBlock = 32;           // weights per block along K
 constexpr int64_t kNR = 32;              // output columns per panel
-constexpr int kMR = 6;                   // activation rows per micro-kernel call (up to kDirectRows rows)
+constexpr int kMR = 6;                   // activation rows per micro-kernel call (exact weights)
 constexpr int64_t kQuantBytes = 512;     // a panel's nibbles for one block: 16 pairs x 32 columns x 2 k / 2
 constexpr int64_t kDirectRows = 4 * kMR;  // calls of up to this many rows: exact weights, expanded in registers
+constexpr int64_t kRowBlockBytes = 1 << 19;  // exact weights above kDirectRows: packed rows per pass (in L2)
 
 int64_t raw_block_bytes(int64_t type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 0; }
 
@@ -127,6 +133,47 @@ inline __m512 half_floats(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A panel's exact weights expanded once (a taller call with batch_invariant): per block, 16 pairs x 64 bfloat16
+// integer weights (the operand layout of vdpbf16ps: column c's k and k + 1 side by side), then d and m as float32.
+struct Panel {
+  std::vector<uint16_t> quants;  // [nb][16][64]
+  std::vector<float> d, m;       // [nb][32]
+};
+
+template <int64_t T>
+void expand_panel(const uint8_t* packed, int64_t nb, Panel& panel) {
+  const __m512i lut = nibble_table<T>();
+  const int64_t block_bytes = packed_block_bytes(T);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* src = packed + b * block_bytes;
+    uint16_t* dst = panel.quants.data() + b * 16 * 64;
+    for (int p = 0; p < 16; ++p) {
+      __m512bh w0, w1;
+      nibble_pairs(src + 32 * p, lut, w0, w1);
+      _mm512_storeu_si512(dst + 64 * p, (__m512i)w0);
+      _mm512_storeu_si512(dst + 64 * p + 32, (__m512i)w1);
+    }
+    for (int h = 0; h < 2; ++h) {
+      _mm512_storeu_ps(panel.d.data() + b * kNR + 16 * h, half_floats(src + kQuantBytes + 32 * h));
+      if constexpr (T == kQ4_1) {
+        _mm512_storeu_ps(panel.m.data() + b * kNR + 16 * h, half_floats(src + kQuantBytes + 64 + 32 * h));
+      }
+    }
+  }
+}
+
+// A panel's exact weights as the micro-kernel reads them: from the expanded buffer (a taller call) ...
+struct ExpandedWeights {
+  const Panel& panel;
+  void pairs(int64_t b, int p, __m512bh& w0, __m512bh& w1) const {
+    const uint16_t* at = panel.quants.data() + (b * 16 + p) * 64;
+    w0 = (__m512bh)_mm512_loadu_si512(at);
+    w1 = (__m512bh)_mm512_loadu_si512(at + 32);
+  }
+  __m512 d(int64_t b, int h) const { return _mm512_loadu_ps(panel.d.data() + b * kNR + 16 * h); }
+  __m512 m(int64_t b, int h) const { return _mm512_loadu_ps(panel.m.data() + b * kNR + 16 * h); }
+};
+
 // A panel's blocks dequantized into the packed bfloat16 GEMM's pair rows (cpu_gemm_bf16.h: [K / 2][32][2]) as the
 // micro-kernel asks for them, each also stored into `panel` (a buffer the panel's later row groups read back):
 // each weight round_bf16(d (q - 8)) (Q4_0) or round_bf16(d q + m) (Q4_1), the value computed in float32 (d q is
@@ -187,8 +234,8 @@ struct DequantizingWeights {
   }
 };
 
-// The exact weights of a call of up to kDirectRows rows, expanded in registers from the packed bytes (a buffer's
-// stores and loads would cost more than they save): bfloat16 integer quants, d and m widened to float32.
+// ... or expanded in registers from the packed bytes (a call of up to kDirectRows rows: the buffer's stores and
+// loads would cost more than they save). The same values either way, so the same chain.
 template <int64_t T>
 struct DirectWeights {
   const uint8_t* packed;
@@ -203,9 +250,8 @@ struct DirectWeights {
 };
 
 // y[r, 0:ncols] for MR rows (x pairs [K2][MR], sums [nb][MR]) over one panel's exact weights.
-template <int64_t T, int MR>
-inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict sums, const DirectWeights<T>& weights,
-                         int64_t nb,
+template <int64_t T, int MR, typename Weights>
+inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict sums, const Weights& weights, int64_t nb,
                          const float* __restrict bias_panel, uint16_t* __restrict y, int64_t ldy, int64_t ncols) {
   __m512 acc0[MR], acc1[MR];
   const __m512 bias0 = _mm512_loadu_ps(bias_panel), bias1 = _mm512_loadu_ps(bias_panel + 16);
@@ -256,9 +302,9 @@ inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict s
   }
 }
 
-template <int64_t T>
-void panel_rows(const uint32_t* xpack, const float* sums, int64_t rows, int64_t K2, int64_t nb,
-                const DirectWeights<T>& weights, const float* bias_panel, uint16_t* y, int64_t ldy, int64_t ncols) {
+template <int64_t T, typename Weights>
+void panel_rows(const uint32_t* xpack, const float* sums, int64_t rows, int64_t K2, int64_t nb, const Weights& weights,
+                const float* bias_panel, uint16_t* y, int64_t ldy, int64_t ncols) {
   const batchinfer_kernels::RowGroups<kMR> groups(rows);
   for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
     batchinfer_kernels::with_rows<kMR>(groups.size(g), [&](auto r) {
@@ -268,30 +314,47 @@ void panel_rows(const uint32_t* xpack, const float* sums, int64_t rows, int64_t 
   }
 }
 
-// A call of few rows: the exact chain (micro_kernel above), weights expanded in registers.
+// The exact weights at any height (micro_kernel above): up to kDirectRows rows expanded in registers, taller calls
+// from each panel's expansion, rows in blocks of kRowBlockBytes.
 template <int64_t T>
-void run_direct(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
-                const float* bias, uint16_t* y) {
+void run_exact(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+               const float* bias, uint16_t* y) {
   const int64_t K2 = K / 2, nb = K / kBlock, num_panels = (N + kNR - 1) / kNR;
   const int64_t panel_bytes = nb * packed_block_bytes(T);
+  const int64_t row_block = std::max<int64_t>(kMR, kRowBlockBytes / (K2 * 4) / kMR * kMR);
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint32_t> xpack(M * K2);
-    std::vector<float> sums(M * nb);
+    const int64_t max_rows = std::min(row_block, M);
+    std::vector<uint32_t> xpack(max_rows * K2);
+    std::vector<float> sums(max_rows * nb);
+    const bool direct = M <= kDirectRows;
     const __m512i lut = nibble_table<T>();
-    pack_rows(x, ldx, M, K, xpack.data(), sums.data(), T == kQ4_1);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t ncols = std::min(kNR, N - p * kNR);
-      float bias_panel[kNR] = {};
-      if (bias != nullptr) std::memcpy(bias_panel, bias + p * kNR, ncols * sizeof(float));
-      const DirectWeights<T> weights{packed + p * panel_bytes, lut};
-      panel_rows<T>(xpack.data(), sums.data(), M, K2, nb, weights, bias_panel, y + p * kNR, N, ncols);
+    Panel panel;
+    if (!direct) {
+      panel = Panel{std::vector<uint16_t>(nb * 16 * 64), std::vector<float>(nb * kNR), std::vector<float>(nb * kNR)};
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t rows = std::min(row_block, M - m0);
+      pack_rows(x + m0 * ldx, ldx, rows, K, xpack.data(), sums.data(), T == kQ4_1);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ncols = std::min(kNR, N - p * kNR);
+        float bias_panel[kNR] = {};
+        if (bias != nullptr) std::memcpy(bias_panel, bias + p * kNR, ncols * sizeof(float));
+        uint16_t* out = y + m0 * N + p * kNR;
+        if (direct) {
+          const DirectWeights<T> weights{packed + p * panel_bytes, lut};
+          panel_rows<T>(xpack.data(), sums.data(), rows, K2, nb, weights, bias_panel, out, N, ncols);
+        } else {
+          expand_panel<T>(packed + p * panel_bytes, nb, panel);
+          panel_rows<T>(xpack.data(), sums.data(), rows, K2, nb, ExpandedWeights{panel}, bias_panel, out, N, ncols);
+        }
+      }
     }
   });
 }
 
-// A call of many rows: each panel dequantized to bfloat16 values by its first row group (DequantizingWeights), the
-// others reading them back from an L2 buffer, all through the packed bfloat16 GEMM's micro-kernel (cpu_gemm_bf16.h),
-// 12 rows at a time.
+// A call of many rows without batch invariance: each panel dequantized to bfloat16 values by its first row group
+// (DequantizingWeights), the others reading them back from an L2 buffer, all through the packed bfloat16 GEMM's
+// micro-kernel (cpu_gemm_bf16.h), 12 rows at a time.
 template <int64_t T>
 void run_dequantized(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                      const float* bias, uint16_t* y) {
@@ -334,9 +397,9 @@ void run_dequantized(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const
 
 template <int64_t T>
 void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias,
-         uint16_t* y) {
-  if (M <= kDirectRows) {
-    run_direct<T>(x, ldx, M, K, packed, N, bias, y);
+         bool batch_invariant, uint16_t* y) {
+  if (M <= kDirectRows || batch_invariant) {
+    run_exact<T>(x, ldx, M, K, packed, N, bias, y);
   } else {
     run_dequantized<T>(x, ldx, M, K, packed, N, bias, y);
   }
@@ -401,7 +464,7 @@ bool gguf_linear_bf16_supported() {
 namespace batchinfer_kernels {
 
 at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, bool batch_invariant) {
   require_bf16();
   check_type(type);
   check_bf16_rows(x);
@@ -420,9 +483,9 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
   const auto* pp = packed.const_data_ptr<uint8_t>();
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
   if (type == kQ4_1) {
-    run<kQ4_1>(xp, x.stride(0), M, K, pp, N, b, yp);
+    run<kQ4_1>(xp, x.stride(0), M, K, pp, N, b, batch_invariant, yp);
   } else {
-    run<kQ4_0>(xp, x.stride(0), M, K, pp, N, b, yp);
+    run<kQ4_0>(xp, x.stride(0), M, K, pp, N, b, batch_invariant, yp);
   }
 #endif
   return y;
@@ -432,7 +495,9 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("gguf_pack_bf16(Tensor blocks, int type, int in_features) -> Tensor");
-  m.def("gguf_linear_bf16(Tensor x, Tensor packed, int type, int out_features, Tensor? bias) -> Tensor");
+  m.def(
+      "gguf_linear_bf16(Tensor x, Tensor packed, int type, int out_features, Tensor? bias, "
+      "bool batch_invariant=False) -> Tensor");
   m.def("gguf_linear_bf16_supported() -> bool", gguf_linear_bf16_supported);  // no tensor argument: catch-all
 }
 

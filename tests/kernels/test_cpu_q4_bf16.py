@@ -1,11 +1,13 @@
 """The bfloat16-activation Q4 linear layer (kernels/cpu_q4_bf16.cpp, AVX512_BF16) against its float64 twin
-(kernels/reference.py), its packed layout, its batch invariance and its refusals.
+(kernels/reference.py), its packed layout, its batch invariance (within each range of heights by default, at every
+height with ``batch_invariant``), the fused decoder-layer ops' use of the flag, and its refusals.
 
-Blocks come from the ``gguf`` package's own quantizers, so the layout is ggml's. In calls of up to 24 rows the
-kernel's weights and activations enter its products exactly (integer quants, bfloat16 activations), so it differs
-from the exact float64 result only by float32 rounding in its sums before the one rounding to bfloat16: each output
-must be within one bfloat16 unit of the exact value (one of its two bfloat16 neighbours), plus float32 rounding of
-the sum's terms where the sum nearly cancels. Taller calls run on the weights dequantized and rounded to bfloat16
+Blocks come from the ``gguf`` package's own quantizers, so the layout is ggml's. In calls of up to 24 rows (or any
+height with ``batch_invariant``) the kernel's weights and activations enter its products exactly (integer quants,
+bfloat16 activations), so it differs from the exact float64 result only by float32 rounding in its sums before the
+one rounding to bfloat16: each output must be within one bfloat16 unit of the exact value (one of its two bfloat16
+neighbours), plus float32 rounding of the sum's terms where the sum nearly cancels. Taller calls without the flag run
+on the weights dequantized and rounded to bfloat16
 (``round_bf16(d (q - 8))``, ``round_bf16(d q + m)``): the same bound holds against the float64 result over those
 weights, and the output is the packed bfloat16 kernel's over them, bit for bit.
 """
@@ -17,6 +19,15 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.cpu_elementwise import (
+    add_rms_norm_cpu,
+    decoder_attention_input_cpu,
+    decoder_attention_output_mlp_cpu,
+    gguf_bf16_kind,
+    rms_norm_cpu,
+    rotary_embedding_cpu_,
+    silu_and_mul_cpu,
+)
 from kernels.cpu_extension import cpu_flags
 from kernels.cpu_gemm import linear_packed_bf16, pack_linear_weight_bf16
 from kernels.cpu_q4 import gguf_bf16_supported, gguf_pack_bf16, linear_gguf_bf16
@@ -160,6 +171,124 @@ def test_batch_invariant_bit_for_bit_within_each_range_of_heights(type_name):
         assert torch.equal(linear_gguf_bf16(x[rows], packed, block_type, 100), short[rows])
     # Across the two a row's bits can differ (documented, docs/engine.md "Batch-invariant numerics").
     assert not torch.equal(short, tall[:24])
+
+
+@needs_bf16
+@pytest.mark.parametrize("type_name", list(TYPES))
+@pytest.mark.parametrize("num_rows", [40, 100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 1536), (100, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_invariant_gives_every_row_of_a_tall_call_its_bits_alone(
+    type_name, num_rows, out_features, in_features, threads
+):
+    torch.set_num_threads(threads)
+    block_type = TYPES[type_name]
+    blocks = _blocks(type_name, out_features, in_features)
+    packed = gguf_pack_bf16(blocks, block_type, in_features)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(num_rows, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+
+    tall = linear_gguf_bf16(x, packed, block_type, out_features, bias, batch_invariant=True)
+
+    for r in range(num_rows):  # the exact chain: the bits of the row alone (a 1-row call, registers' expansion)
+        assert torch.equal(tall[r], linear_gguf_bf16(x[r : r + 1], packed, block_type, out_features, bias)[0]), r
+    for rows in (slice(0, 24), slice(7, 31), slice(3, num_rows)):  # and of any other height, flagged or not
+        assert torch.equal(linear_gguf_bf16(x[rows], packed, block_type, out_features, bias, True), tall[rows])
+    _assert_within_one_bf16_unit(tall, x, dequantize_gguf_blocks(blocks, block_type), bias)
+    twin = linear_gguf_bf16_reference(x, blocks, block_type, bias, batch_invariant=True)
+    assert (tall != twin).sum() <= 0.05 * tall.numel()
+    # Without the flag the same call runs on the bfloat16-rounded weights: other bits.
+    assert not torch.equal(linear_gguf_bf16(x, packed, block_type, out_features, bias), tall)
+
+
+@needs_bf16
+def test_the_fused_decoder_layer_ops_pass_the_flag_to_the_q4_panels():
+    hidden, heads, head_size, intermediate, num_tokens = 128, 4, 32, 256, 40
+    gen = torch.Generator().manual_seed(5)
+    panels = {}
+    for name, (out_features, in_features) in {
+        "qkv": (3 * hidden, hidden),
+        "o": (hidden, hidden),
+        "gate_up": (2 * intermediate, hidden),
+        "down": (hidden, intermediate),
+    }.items():
+        panels[name] = (
+            gguf_pack_bf16(_blocks("Q4_1", out_features, in_features, seed=len(panels)), 3, in_features),
+            out_features,
+        )
+    kind = gguf_bf16_kind(3)
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    attn = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    norm = torch.rand(hidden, generator=gen) + 0.5
+    positions = torch.arange(num_tokens)
+    angles = torch.arange(64)[:, None] * torch.rand(head_size // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).bfloat16(), torch.cat([angles.sin()] * 2, -1).bfloat16()
+
+    def linear(name, rows, batch_invariant):
+        weight, out_features = panels[name]
+        return linear_gguf_bf16(rows, weight, 3, out_features, None, batch_invariant)
+
+    for batch_invariant in (False, True):
+        qkv = decoder_attention_input_cpu(
+            x,
+            norm,
+            1e-5,
+            panels["qkv"][0],
+            kind,
+            3 * hidden,
+            None,
+            positions,
+            cos,
+            sin,
+            2 * heads,
+            head_size,
+            batch_invariant,
+        )
+        want_qkv = linear("qkv", rms_norm_cpu(x, norm, 1e-5), batch_invariant)
+        rotary_embedding_cpu_(want_qkv.view(num_tokens, -1, head_size)[:, : 2 * heads], positions, cos, sin)
+        assert torch.equal(qkv, want_qkv), batch_invariant
+        out = decoder_attention_output_mlp_cpu(
+            attn,
+            x,
+            panels["o"][0],
+            kind,
+            None,
+            norm,
+            1e-5,
+            panels["gate_up"][0],
+            kind,
+            2 * intermediate,
+            None,
+            panels["down"][0],
+            kind,
+            None,
+            batch_invariant,
+        )
+        total, normed = add_rms_norm_cpu(x, linear("o", attn, batch_invariant), norm, 1e-5)
+        want = total + linear("down", silu_and_mul_cpu(linear("gate_up", normed, batch_invariant)), batch_invariant)
+        assert torch.equal(out, want), batch_invariant
+        if batch_invariant:  # every row as alone: the first row of a 1-row call
+            assert torch.equal(
+                qkv[:1],
+                decoder_attention_input_cpu(
+                    x[:1],
+                    norm,
+                    1e-5,
+                    panels["qkv"][0],
+                    kind,
+                    3 * hidden,
+                    None,
+                    positions[:1],
+                    cos,
+                    sin,
+                    2 * heads,
+                    head_size,
+                ),
+            )
+        else:
+            unflagged = (qkv, out)
+    assert not torch.equal(unflagged[0], qkv) and not torch.equal(unflagged[1], out)
 
 
 @needs_bf16
