@@ -431,11 +431,12 @@ constexpr int64_t kGgufBf16Q4_0Kind = -2, kGgufBf16Q4_1Kind = -3;
 // bfloat16 weight on bfloat16 activations (`linear_packed_bf16`), kGgufBf16Q4_0Kind / kGgufBf16Q4_1Kind Q4 panels on
 // bfloat16 activations (`gguf_linear_bf16`, called directly through cpu_q4_bf16.h), otherwise the ggml block type id
 // of GGUF blocks run on float32 activations (`gguf_linear`, weight-only); `x` is 2-D. The others go through the
-// dispatcher.
+// dispatcher. `batch_invariant` goes to the Q4 panels' kernel (its exact chain at every height); the other kinds are
+// batch invariant whatever it says.
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t out_features,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool batch_invariant) {
   if (kind == kGgufBf16Q4_0Kind || kind == kGgufBf16Q4_1Kind) {
-    return batchinfer_kernels::gguf_linear_bf16(x, weight, -kind, out_features, bias);
+    return batchinfer_kernels::gguf_linear_bf16(x, weight, -kind, out_features, bias, batch_invariant);
   }
   if (kind == kPackedBf16Kind) {
     static const auto packed_bf16 =
@@ -464,31 +465,35 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, int64_t k
 // [num_tokens, qkv_features]. The same kernels on the same inputs in the same order as the module path, so the
 // same bits. float32 activations, or bfloat16 ones with packed bfloat16 weights (kPackedBf16Kind) or Q4 panels
 // (kGgufBf16Q4_0Kind, kGgufBf16Q4_1Kind), in any mix, and bfloat16 cos/sin tables (the kernels widen them row by
-// row, as they do called one by one).
+// row, as they do called one by one). batch_invariant: as fused_linear's.
 at::Tensor decoder_attention_input(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                    const at::Tensor& qkv_weight, int64_t qkv_kind, int64_t qkv_features,
                                    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& positions,
                                    const at::Tensor& cos, const at::Tensor& sin, int64_t rotated_heads,
-                                   int64_t head_size) {
+                                   int64_t head_size, bool batch_invariant) {
   const at::Tensor normed = rms_norm(x, norm_weight, eps, false);
-  at::Tensor qkv = fused_linear(normed, qkv_weight, qkv_kind, qkv_features, qkv_bias);
+  at::Tensor qkv = fused_linear(normed, qkv_weight, qkv_kind, qkv_features, qkv_bias, batch_invariant);
   rotary_embedding_(qkv.view({qkv.size(0), -1, head_size}).narrow(1, 0, rotated_heads), positions, cos, sin);
   return qkv;
 }
 
 // The rest of a Llama decoder layer after attention, as one call: h = residual + o_proj(attn), then
-// h + down(silu_and_mul(gate_up(rms_norm(h)))). Same kernels, inputs and order as the module path.
+// h + down(silu_and_mul(gate_up(rms_norm(h)))). Same kernels, inputs and order as the module path; batch_invariant:
+// as fused_linear's.
 at::Tensor decoder_attention_output_mlp(const at::Tensor& attn, const at::Tensor& residual, const at::Tensor& o_weight,
                                         int64_t o_kind, const std::optional<at::Tensor>& o_bias,
                                         const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_weight,
                                         int64_t gate_up_kind, int64_t gate_up_features,
                                         const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
-                                        int64_t down_kind, const std::optional<at::Tensor>& down_bias) {
+                                        int64_t down_kind, const std::optional<at::Tensor>& down_bias,
+                                        bool batch_invariant) {
   const int64_t hidden = residual.size(1);
-  const at::Tensor projected = fused_linear(attn, o_weight, o_kind, hidden, o_bias);
+  const at::Tensor projected = fused_linear(attn, o_weight, o_kind, hidden, o_bias, batch_invariant);
   auto [total, normed] = add_rms_norm(residual, projected, norm_weight, eps, false);
-  const at::Tensor gate_up = fused_linear(normed, gate_up_weight, gate_up_kind, gate_up_features, gate_up_bias);
-  const at::Tensor down = fused_linear(silu_and_mul(gate_up), down_weight, down_kind, hidden, down_bias);
+  const at::Tensor gate_up =
+      fused_linear(normed, gate_up_weight, gate_up_kind, gate_up_features, gate_up_bias, batch_invariant);
+  const at::Tensor down =
+      fused_linear(silu_and_mul(gate_up), down_weight, down_kind, hidden, down_bias, batch_invariant);
   return total.add_(down);
 }
 
@@ -504,11 +509,12 @@ TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def(
       "decoder_attention_input(Tensor x, Tensor norm_weight, float eps, Tensor qkv_weight, int qkv_kind, "
       "int qkv_features, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, int rotated_heads, "
-      "int head_size) -> Tensor");
+      "int head_size, bool batch_invariant=False) -> Tensor");
   m.def(
       "decoder_attention_output_mlp(Tensor attn, Tensor residual, Tensor o_weight, int o_kind, Tensor? o_bias, "
       "Tensor norm_weight, float eps, Tensor gate_up_weight, int gate_up_kind, int gate_up_features, "
-      "Tensor? gate_up_bias, Tensor down_weight, int down_kind, Tensor? down_bias) -> Tensor");
+      "Tensor? gate_up_bias, Tensor down_weight, int down_kind, Tensor? down_bias, "
+      "bool batch_invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer_cpu, CPU, m) {

@@ -208,6 +208,7 @@ def decoder_attention_input_cpu(
     sin: torch.Tensor,
     rotated_heads: int,
     head_size: int,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """A Llama decoder layer up to attention in one call: ``qkv = linear(rms_norm(x))``, then rotary embeddings
     on its first ``rotated_heads`` heads (q and k) in place; the same kernels in the same order as
@@ -224,6 +225,8 @@ def decoder_attention_input_cpu(
         qkv_features: the projection's output features; qkv_bias: optional ``[qkv_features]``.
         positions, cos, sin: as :func:`rotary_embedding_cpu_` (tables in ``x``'s dtype).
         rotated_heads: heads rotated from the first; head_size: the width of a head.
+        batch_invariant: Q4 panels run their exact-weight chain at every height
+            (:func:`kernels.cpu_q4.linear_gguf_bf16`); the other kinds are batch invariant without it.
 
     Returns:
         contiguous ``[num_tokens, qkv_features]`` in ``x``'s dtype.
@@ -233,7 +236,19 @@ def decoder_attention_input_cpu(
     """
     require_cpu_kernels()
     out: torch.Tensor = torch.ops.batchinfer_cpu.decoder_attention_input(
-        x, norm_weight, eps, qkv_weight, qkv_kind, qkv_features, qkv_bias, positions, cos, sin, rotated_heads, head_size
+        x,
+        norm_weight,
+        eps,
+        qkv_weight,
+        qkv_kind,
+        qkv_features,
+        qkv_bias,
+        positions,
+        cos,
+        sin,
+        rotated_heads,
+        head_size,
+        batch_invariant,
     )
     return out
 
@@ -253,6 +268,7 @@ def decoder_attention_output_mlp_cpu(
     down_weight: torch.Tensor,
     down_kind: int,
     down_bias: torch.Tensor | None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """A Llama decoder layer after attention in one call: ``h = residual + o_proj(attn)``, then
     ``h + down(silu_and_mul(gate_up(rms_norm(h))))``; the same kernels in the same order as the module path
@@ -265,6 +281,7 @@ def decoder_attention_output_mlp_cpu(
             the three projections as in :func:`decoder_attention_input_cpu` (``o`` and ``down`` output
             ``hidden_size`` features, ``gate_up`` ``gate_up_features``: gate, then up).
         norm_weight, eps: the post-attention RMSNorm.
+        batch_invariant: as in :func:`decoder_attention_input_cpu`.
 
     Returns:
         contiguous ``[num_tokens, hidden_size]`` in ``residual``'s dtype, the layer's output.
@@ -288,5 +305,6 @@ def decoder_attention_output_mlp_cpu(
         down_weight,
         down_kind,
         down_bias,
+        batch_invariant,
     )
     return out

@@ -56,7 +56,7 @@ _SOURCES = [
 ]
 _HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("cpu_bf16.h", "cpu_exp.h", "cpu_gemm_rows.h", "cpu_lanes.h", "cpu_q4_bf16.h")
+    for name in ("cpu_bf16.h", "cpu_exp.h", "cpu_gemm_bf16.h", "cpu_gemm_rows.h", "cpu_lanes.h", "cpu_q4_bf16.h")
 ]
 # NOTE: -fno-trapping-math lets GCC if-convert float comparisons (the clamp of exp_clamped) on AVX2, where it
 # would otherwise leave the exp loops of the softmax and SiLU scalar; it only drops the assumption that

@@ -126,14 +126,26 @@ def gguf_pack_bf16(blocks: torch.Tensor, block_type: int, in_features: int) -> t
 
 
 def linear_gguf_bf16(
-    x: torch.Tensor, packed: torch.Tensor, block_type: int, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    block_type: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` in bfloat16 with ``W`` Q4_0 / Q4_1 blocks packed by :func:`gguf_pack_bf16`.
 
-    Each output is a float32 sum: the bias, for Q4_1 the blocks' ``m`` times the sums of their 32 activations, then
-    block by block ``d`` times the block's dot of the activations with the integer quants (``vdpbf16ps``: the
-    weights enter exactly, only the activations are bfloat16), in the same order whatever the number of rows
-    (batch invariant), rounded to bfloat16 once. Reference: :func:`kernels.reference.linear_gguf_bf16_reference`.
+    Two numerics (source ``cpu_q4_bf16.cpp``). A call of up to 24 rows (decode; the kernel's ``kDirectRows``), or
+    of any height with ``batch_invariant``, sums in float32: the bias, for Q4_1 the blocks' ``m`` times the sums of their 32
+    activations, then block by block ``d`` times the block's dot of the activations with the integer quants
+    (``vdpbf16ps``: the weights enter exactly, only the activations are bfloat16), the same chain at every height,
+    so a row's bits are those of the row alone. A taller call without ``batch_invariant`` (faster) dequantizes each
+    weight to bfloat16 (``d (q - 8)`` or ``d q + m`` in float32, rounded once to nearest even) and runs the packed
+    bfloat16 GEMM's chain over them (:func:`kernels.cpu_gemm.linear_packed_bf16`: the same bits as that kernel over
+    those weights), whose results differ from the exact chain's by the weights' bfloat16 rounding: without
+    ``batch_invariant`` a row's output depends on whether its call has more than 24 rows. Rounded to bfloat16
+    once. Reference:
+    :func:`kernels.reference.linear_gguf_bf16_reference`.
 
     Args:
         x: bfloat16 CPU ``[..., in_features]`` with unit stride in the last dimension.
@@ -141,6 +153,8 @@ def linear_gguf_bf16(
         block_type: 2 (Q4_0) or 3 (Q4_1).
         out_features: rows of the weight.
         bias: optional ``[out_features]`` (any float dtype; added in float32).
+        batch_invariant: the exact-weight chain at every height (the engine sets it for steps that hold a seeded
+            sequence, :mod:`worker.engine.executor.forward_context`).
 
     Returns:
         bfloat16 contiguous ``[..., out_features]``.
@@ -151,6 +165,6 @@ def linear_gguf_bf16(
     require_cpu_kernels()
     flat = x.dim() == 2
     out: torch.Tensor = torch.ops.batchinfer_cpu.gguf_linear_bf16(
-        x if flat else x.reshape(-1, x.shape[-1]), packed, block_type, out_features, bias
+        x if flat else x.reshape(-1, x.shape[-1]), packed, block_type, out_features, bias, batch_invariant
     )
     return out if flat else out.view(*x.shape[:-1], out_features)

@@ -6,25 +6,37 @@
 // `batchinfer_cpu::gguf_linear_bf16_supported` (built and loaded by cpu_extension.py).
 //
 // Method. A Q4 weight is w = d q + m per block of 32 along K (Q4_0: q - 8 and m = 0; Q4_1: q in 0..15 and its
-// minimum m); every value of q (or q - 8) is a small integer, exact in bfloat16. So each output is
-//   y[r, n] = bias[n] + sum_b m[b, n] s[r, b] + sum_b d[b, n] (x[r, block b] . q[n, block b]),
-// s[r, b] the float32 sum of row r's 32 activations of block b (Q4_1 only). The integer dot of a block is 16
-// vdpbf16ps into a fresh float32 accumulator (pairs of k, the operand layout of cpu_gemm_bf16.cpp), then scaled
-// by d into the output's accumulator with one FMA: the weights enter the products exactly (no bfloat16 rounding
-// of d q + m), and only the activations are bfloat16.
+// minimum m); every value of q (or q - 8) is a small integer, exact in bfloat16. Two numerics, chosen by the
+// call's height unless it asks for batch invariance:
+//
+// - Exact weights: calls of up to kDirectRows = 24 rows (decode at small batches), and calls of any height with
+//   batch_invariant set. Each output is
+//     y[r, n] = bias[n] + sum_b m[b, n] s[r, b] + sum_b d[b, n] (x[r, block b] . q[n, block b]),
+//   s[r, b] the float32 sum of row r's 32 activations of block b (Q4_1 only). The integer dot of a block is 16
+//   vdpbf16ps into a fresh float32 accumulator (pairs of k, the operand layout of cpu_gemm_bf16.h), then scaled by
+//   d into the output's accumulator with one FMA: the weights enter the products exactly (no bfloat16 rounding of
+//   d q + m), and only the activations are bfloat16. kMR = 6 rows at a time (6 rows x 32 columns x (output +
+//   block accumulator) = 24 of AVX-512's 32 vector registers). Up to kDirectRows rows the quants are expanded in
+//   registers (one vpermw lookup per 32 weights); above, a thread expands each of its panels once into an L2
+//   buffer with the same values (bfloat16 integer pairs, d and m widened to float32) and runs the rows over it in
+//   blocks of kRowBlockBytes. The same chain in the same order for every height: bias, the m s terms block by
+//   block, then block by block d times the block's 16-pair chain, so a row's bits are those of the row alone.
+// - More rows without batch_invariant (prefill, large decode batches), bfloat16 weights: each panel is
+//   dequantized to the values round_bf16(d (q - 8)) / round_bf16(d q + m) (float32, rounded once to nearest even)
+//   in the packed bfloat16 GEMM's layout, and that GEMM's micro-kernel (cpu_gemm_bf16.h, 12 rows x 32 columns)
+//   runs every row over them: one chain per output, no per-block scale FMA, the same bits as linear_packed_bf16
+//   over those weights. The first row group of each panel dequantizes as its chain asks for the pair rows (the
+//   conversions issue beside its vdpbf16ps) and stores them into an L2 buffer that the other groups read.
+//
+// The bfloat16-weight numerics is faster but a row's bits there differ from the exact chain's (the weights'
+// bfloat16 rounding), so a row's output depends on its call's height unless batch_invariant is set: docs/engine.md,
+// "Batch-invariant numerics". Either way rounded to bfloat16 once.
 //
 // Layout (gguf_pack_bf16, once at load). The blocks are regrouped into panels of kNR = 32 output columns; per
 // panel and block of 32 k, 16 rows of 32 bytes (one per pair of k: byte j holds in its low nibble column j / 2's
 // weight at k = 2p + j % 2 and in its high nibble column 16 + j / 2's), then the 32 columns' float16 d, then (Q4_1)
 // their float16 m: 512 + 64 (+ 64) bytes per 32 x 32 weights, 4.5 (Q4_0) or 5 (Q4_1) bits a weight as in the file.
 // Columns past out_features are zero (d = m = 0).
-//
-// Per call, a thread expands each of its panels once into an L2 buffer (bfloat16 integer pairs through one
-// vpermw lookup per 32 weights, d and m widened to float32) and runs every activation row over it, kMR = 6 at a
-// time (6 rows x 32 columns x (output + block accumulator) = 24 of AVX-512's 32 vector registers). A call of up
-// to kDirectRows rows (decode at small batches) skips the buffer and expands the same values in registers. Each output
-// element is the same chain in the same order whatever the number of rows (batch invariant): bias, the m s terms
-// block by block, then block by block d times the block's 16-pair chain; rounded to bfloat16 once (nearest even).
 //
 // Built without AVX512_BF16 (-march=native on a CPU without it), the ops exist but
 // `gguf_linear_bf16_supported()` is false and the others raise, naming the instruction set.
@@ -42,6 +54,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_gemm_bf16.h"
 #include "cpu_gemm_rows.h"
 #include "cpu_q4_bf16.h"
 
@@ -54,10 +67,10 @@ namespace {
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3;  // ggml type ids
 constexpr int64_t kBlock = 32;           // weights per block along K
 constexpr int64_t kNR = 32;              // output columns per panel
-constexpr int kMR = 6;                   // activation rows per micro-kernel call
+constexpr int kMR = 6;                   // activation rows per micro-kernel call (exact weights)
 constexpr int64_t kQuantBytes = 512;     // a panel's nibbles for one block: 16 pairs x 32 columns x 2 k / 2
-constexpr int64_t kRowBlockBytes = 1 << 19;  // packed activation rows per pass over the panels (in L2)
-constexpr int64_t kDirectRows = 2 * kMR;  // calls of up to this many rows expand the weights in registers
+constexpr int64_t kDirectRows = 4 * kMR;  // calls of up to this many rows: exact weights, expanded in registers
+constexpr int64_t kRowBlockBytes = 1 << 19;  // exact weights above kDirectRows: packed rows per pass (in L2)
 
 int64_t raw_block_bytes(int64_t type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 0; }
 
@@ -96,13 +109,6 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* x
   }
 }
 
-// A panel's expansion: per block, 16 pairs x 64 bfloat16 integer weights (the operand layout of vdpbf16ps:
-// column c's k and k + 1 side by side), then d and m as float32.
-struct Panel {
-  std::vector<uint16_t> quants;  // [nb][16][64]
-  std::vector<float> d, m;       // [nb][32]
-};
-
 // bfloat16 bits of 0..15 (Q4_1) or of -8..7 (Q4_0), indexed by the nibble (vpermw reads an index's low 5 bits).
 template <int64_t T>
 inline __m512i nibble_table() {
@@ -127,6 +133,13 @@ inline __m512 half_floats(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A panel's exact weights expanded once (a taller call with batch_invariant): per block, 16 pairs x 64 bfloat16
+// integer weights (the operand layout of vdpbf16ps: column c's k and k + 1 side by side), then d and m as float32.
+struct Panel {
+  std::vector<uint16_t> quants;  // [nb][16][64]
+  std::vector<float> d, m;       // [nb][32]
+};
+
 template <int64_t T>
 void expand_panel(const uint8_t* packed, int64_t nb, Panel& panel) {
   const __m512i lut = nibble_table<T>();
@@ -149,7 +162,7 @@ void expand_panel(const uint8_t* packed, int64_t nb, Panel& panel) {
   }
 }
 
-// A panel's weights as the micro-kernel reads them: from the expanded buffer (calls of many rows) ...
+// A panel's exact weights as the micro-kernel reads them: from the expanded buffer (a taller call) ...
 struct ExpandedWeights {
   const Panel& panel;
   void pairs(int64_t b, int p, __m512bh& w0, __m512bh& w1) const {
@@ -161,8 +174,68 @@ struct ExpandedWeights {
   __m512 m(int64_t b, int h) const { return _mm512_loadu_ps(panel.m.data() + b * kNR + 16 * h); }
 };
 
-// ... or expanded in registers from the packed bytes (a call of a few rows: the buffer's stores and loads would
-// cost more than they save). The same values either way, so the same chain.
+// A panel's blocks dequantized into the packed bfloat16 GEMM's pair rows (cpu_gemm_bf16.h: [K / 2][32][2]) as the
+// micro-kernel asks for them, each also stored into `panel` (a buffer the panel's later row groups read back):
+// each weight round_bf16(d (q - 8)) (Q4_0) or round_bf16(d q + m) (Q4_1), the value computed in float32 (d q is
+// exact there; the one float32 rounding is of the sum d q + m) and rounded to bfloat16 once, to nearest even.
+// Computing them inside the first row group's chain lets the conversions issue beside its vdpbf16ps.
+template <int64_t T>
+struct DequantizingWeights {
+  const uint8_t* packed;  // the panel's packed blocks
+  const float* scales;    // per block: d then (Q4_1) m, per quarter of a pair row ([nb][2][4][16]; set_scales)
+  uint16_t* panel;
+  __m512 table;  // q - 8 or q by the nibble (vpermps reads an index's low 4 bits)
+
+  DequantizingWeights(const uint8_t* packed_panel, const float* block_scales, uint16_t* panel_buffer)
+      : packed(packed_panel), scales(block_scales), panel(panel_buffer) {
+    alignas(64) float values[16];
+    for (int i = 0; i < 16; ++i) values[i] = static_cast<float>(T == kQ4_0 ? i - 8 : i);
+    table = _mm512_load_ps(values);
+  }
+
+  // The quarters of a pair row are columns 0-7 and 8-15 (low nibbles of bytes 0-15 and 16-31), then 16-23 and
+  // 24-31 (their high nibbles); lane j of a quarter is column j / 2, so d and m are repeated per pair.
+  static void set_scales(const uint8_t* packed_panel, int64_t nb, float* block_scales) {
+    const __m512i first8 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i last8 = _mm512_add_epi32(first8, _mm512_set1_epi32(8));
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = packed_panel + b * packed_block_bytes(T) + kQuantBytes;
+      for (int s = 0; s < (T == kQ4_1 ? 2 : 1); ++s) {  // d, m
+        for (int h = 0; h < 2; ++h) {
+          const __m512 half = half_floats(src + 64 * s + 32 * h);
+          float* dst = block_scales + ((b * 2 + s) * 4 + 2 * h) * 16;
+          _mm512_storeu_ps(dst, _mm512_permutexvar_ps(first8, half));
+          _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(last8, half));
+        }
+      }
+    }
+  }
+
+  void operator()(int64_t k, __m512bh& w0, __m512bh& w1) const {
+    const int64_t b = k / 16;
+    const uint8_t* row = packed + b * packed_block_bytes(T) + 32 * (k % 16);
+    const float* d = scales + b * 2 * 64;
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+    __m512 v[4] = {_mm512_permutexvar_ps(lo, table), _mm512_permutexvar_ps(hi, table),
+                   _mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), table),
+                   _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), table)};
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (T == kQ4_1) {
+        v[i] = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(d + 16 * i), _mm512_loadu_ps(d + 64 + 16 * i));
+      } else {
+        v[i] = _mm512_mul_ps(v[i], _mm512_loadu_ps(d + 16 * i));
+      }
+    }
+    w0 = _mm512_cvtne2ps_pbh(v[1], v[0]);
+    w1 = _mm512_cvtne2ps_pbh(v[3], v[2]);
+    _mm512_storeu_si512(panel + k * 2 * kNR, (__m512i)w0);
+    _mm512_storeu_si512(panel + k * 2 * kNR + 32, (__m512i)w1);
+  }
+};
+
+// ... or expanded in registers from the packed bytes (a call of up to kDirectRows rows: the buffer's stores and
+// loads would cost more than they save). The same values either way, so the same chain.
 template <int64_t T>
 struct DirectWeights {
   const uint8_t* packed;
@@ -176,7 +249,7 @@ struct DirectWeights {
   }
 };
 
-// y[r, 0:ncols] for MR rows (x pairs [K2][MR], sums [nb][MR]) over one panel's weights.
+// y[r, 0:ncols] for MR rows (x pairs [K2][MR], sums [nb][MR]) over one panel's exact weights.
 template <int64_t T, int MR, typename Weights>
 inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict sums, const Weights& weights, int64_t nb,
                          const float* __restrict bias_panel, uint16_t* __restrict y, int64_t ldy, int64_t ncols) {
@@ -241,9 +314,11 @@ void panel_rows(const uint32_t* xpack, const float* sums, int64_t rows, int64_t 
   }
 }
 
+// The exact weights at any height (micro_kernel above): up to kDirectRows rows expanded in registers, taller calls
+// from each panel's expansion, rows in blocks of kRowBlockBytes.
 template <int64_t T>
-void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias,
-         uint16_t* y) {
+void run_exact(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+               const float* bias, uint16_t* y) {
   const int64_t K2 = K / 2, nb = K / kBlock, num_panels = (N + kNR - 1) / kNR;
   const int64_t panel_bytes = nb * packed_block_bytes(T);
   const int64_t row_block = std::max<int64_t>(kMR, kRowBlockBytes / (K2 * 4) / kMR * kMR);
@@ -254,7 +329,9 @@ void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* pa
     const bool direct = M <= kDirectRows;
     const __m512i lut = nibble_table<T>();
     Panel panel;
-    if (!direct) panel = Panel{std::vector<uint16_t>(nb * 16 * 64), std::vector<float>(nb * kNR), std::vector<float>(nb * kNR)};
+    if (!direct) {
+      panel = Panel{std::vector<uint16_t>(nb * 16 * 64), std::vector<float>(nb * kNR), std::vector<float>(nb * kNR)};
+    }
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t rows = std::min(row_block, M - m0);
       pack_rows(x + m0 * ldx, ldx, rows, K, xpack.data(), sums.data(), T == kQ4_1);
@@ -273,6 +350,59 @@ void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* pa
       }
     }
   });
+}
+
+// A call of many rows without batch invariance: each panel dequantized to bfloat16 values by its first row group
+// (DequantizingWeights), the others reading them back from an L2 buffer, all through the packed bfloat16 GEMM's
+// micro-kernel (cpu_gemm_bf16.h), 12 rows at a time.
+template <int64_t T>
+void run_dequantized(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                     const float* bias, uint16_t* y) {
+  namespace gemm = batchinfer_kernels::packed_bf16;
+  const int64_t K2 = K / 2, nb = K / kBlock, num_panels = (N + kNR - 1) / kNR;
+  const int64_t panel_bytes = nb * packed_block_bytes(T);
+  const int64_t row_block = gemm::row_block(K2);
+  at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint32_t> xpack(std::min(row_block, M) * K2);
+    std::vector<uint16_t> panel(K2 * 2 * kNR);
+    std::vector<float> scales(nb * 2 * 64);
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t rows = std::min(row_block, M - m0);
+      gemm::pack_rows(x + m0 * ldx, ldx, rows, K, xpack.data());
+      const gemm::RowGroups groups(rows);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ncols = std::min(kNR, N - p * kNR);
+        float bias_panel[kNR] = {};
+        if (bias != nullptr) std::memcpy(bias_panel, bias + p * kNR, ncols * sizeof(float));
+        DequantizingWeights<T>::set_scales(packed + p * panel_bytes, nb, scales.data());
+        const DequantizingWeights<T> dequantizing(packed + p * panel_bytes, scales.data(), panel.data());
+        uint16_t* out = y + m0 * N + p * kNR;
+        for (int64_t g = 0, m = 0; g < groups.count; m += groups.size(g), ++g) {
+          batchinfer_kernels::with_rows<gemm::kMR>(groups.size(g), [&](auto r) {
+            constexpr int MR = decltype(r)::value;
+            if (g == 0) {  // also fetches the next panel's blocks, 128 bytes (a bfloat16 pair row) at a time
+              const auto* next = reinterpret_cast<const uint16_t*>(packed + (p + 1) * panel_bytes);
+              gemm::micro_kernel<MR>(xpack.data(), dequantizing, K2, bias_panel, out, N, ncols,
+                                     p + 1 < p1 ? next : nullptr, p + 1 < p1 ? (panel_bytes + 127) / 128 : 0);
+            } else {
+              gemm::micro_kernel<MR>(xpack.data() + m * K2, gemm::PanelWeights{panel.data()}, K2, bias_panel,
+                                     out + m * N, N, ncols, nullptr, 0);
+            }
+          });
+        }
+      }
+    }
+  });
+}
+
+template <int64_t T>
+void run(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias,
+         bool batch_invariant, uint16_t* y) {
+  if (M <= kDirectRows || batch_invariant) {
+    run_exact<T>(x, ldx, M, K, packed, N, bias, y);
+  } else {
+    run_dequantized<T>(x, ldx, M, K, packed, N, bias, y);
+  }
 }
 
 #endif  // __AVX512BF16__
@@ -334,7 +464,7 @@ bool gguf_linear_bf16_supported() {
 namespace batchinfer_kernels {
 
 at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, bool batch_invariant) {
   require_bf16();
   check_type(type);
   check_bf16_rows(x);
@@ -353,9 +483,9 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
   const auto* pp = packed.const_data_ptr<uint8_t>();
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
   if (type == kQ4_1) {
-    run<kQ4_1>(xp, x.stride(0), M, K, pp, N, b, yp);
+    run<kQ4_1>(xp, x.stride(0), M, K, pp, N, b, batch_invariant, yp);
   } else {
-    run<kQ4_0>(xp, x.stride(0), M, K, pp, N, b, yp);
+    run<kQ4_0>(xp, x.stride(0), M, K, pp, N, b, batch_invariant, yp);
   }
 #endif
   return y;
@@ -365,7 +495,9 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
 
 TORCH_LIBRARY_FRAGMENT(batchinfer_cpu, m) {
   m.def("gguf_pack_bf16(Tensor blocks, int type, int in_features) -> Tensor");
-  m.def("gguf_linear_bf16(Tensor x, Tensor packed, int type, int out_features, Tensor? bias) -> Tensor");
+  m.def(
+      "gguf_linear_bf16(Tensor x, Tensor packed, int type, int out_features, Tensor? bias, "
+      "bool batch_invariant=False) -> Tensor");
   m.def("gguf_linear_bf16_supported() -> bool", gguf_linear_bf16_supported);  // no tensor argument: catch-all
 }
 

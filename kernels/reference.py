@@ -457,28 +457,41 @@ def linear_gguf_reference(
     return torch.nn.functional.linear(x, weight, bias)
 
 
+GGUF_BF16_EXACT_ROWS = 24  # calls of up to this many rows: exact Q4 weights in linear_gguf_bf16 (kDirectRows)
+
+
 def linear_gguf_bf16_reference(
-    x: torch.Tensor, blocks: torch.Tensor, block_type: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: int,
+    bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """Twin of :func:`kernels.cpu_q4.linear_gguf_bf16`: the bfloat16 activations and the Q4 weight (``d q + m``,
-    from its float16 ``d`` and ``m``) both exact in float64, the float64 linear plus the bias, rounded to bfloat16
-    once. The kernel's float32 sums differ from it by float32 rounding only.
+    """Twin of :func:`kernels.cpu_q4.linear_gguf_bf16`: the bfloat16 activations and the weight in float64, the
+    float64 linear plus the bias, rounded to bfloat16 once. The weight is the Q4 weight (``d q + m``, from its
+    float16 ``d`` and ``m``) exactly for up to ``GGUF_BF16_EXACT_ROWS`` rows or with ``batch_invariant``, and
+    :func:`dequantize_gguf_blocks` rounded to bfloat16 (the kernel's dequantized weights) otherwise. The kernel's
+    float32 sums differ from it by float32 rounding only.
 
     Args:
         x: bfloat16 ``[rows, in_features]``; blocks, block_type: as :func:`dequantize_gguf_blocks` (Q4_0 or Q4_1);
-            bias: optional ``[out_features]``.
+            bias: optional ``[out_features]``; batch_invariant: as the kernel's (exact weights at every height).
 
     Returns:
         bfloat16 ``[rows, out_features]``.
     """
-    sizes = {2: 18, 3: 20}
-    rows = blocks.shape[0]
-    raw = blocks.reshape(rows, -1, sizes[block_type])
-    d = raw[..., :2].contiguous().view(torch.float16).double()
-    qs = raw[..., 4:] if block_type == 3 else raw[..., 2:]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).double()
-    offset = raw[..., 2:4].contiguous().view(torch.float16).double() if block_type == 3 else -8 * d
-    out = x.double() @ (d * q + offset).reshape(rows, -1).T
+    if x.shape[0] > GGUF_BF16_EXACT_ROWS and not batch_invariant:
+        weight = dequantize_gguf_blocks(blocks, block_type).bfloat16().double()
+    else:
+        sizes = {2: 18, 3: 20}
+        rows = blocks.shape[0]
+        raw = blocks.reshape(rows, -1, sizes[block_type])
+        d = raw[..., :2].contiguous().view(torch.float16).double()
+        qs = raw[..., 4:] if block_type == 3 else raw[..., 2:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).double()
+        offset = raw[..., 2:4].contiguous().view(torch.float16).double() if block_type == 3 else -8 * d
+        weight = (d * q + offset).reshape(rows, -1)
+    out = x.double() @ weight.T
     if bias is not None:
         out = out + bias.double()
     return out.to(torch.bfloat16)

@@ -1,10 +1,14 @@
 """Seeded lines on the real model give bit-identical token ids and logprobs however they are batched:
 alone, with their own prefill chunked, next to neighbours whose prefill is chunked, and after their own
-preemption (docs/engine.md, "Batch-invariant numerics"); and lines sharing one seed draw independently."""
+preemption (docs/engine.md, "Batch-invariant numerics"); and lines sharing one seed draw independently.
+In a bfloat16 engine over q4 weights (q4-bf16), whose linear layers run other numerics above 24 rows unless the
+step holds a seeded line, two identical seeded lines submitted together, and a seeded line alone or in a tall batch,
+agree bit for bit."""
 
 import pytest
 import torch
 
+from kernels.cpu_extension import cpu_flags, cpu_kernels_available
 from tests.helpers.parity import chat_prompt_ids
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -85,3 +89,61 @@ def test_seeded_lines_are_bit_identical_however_they_are_batched(served_model_di
     ]:
         for rid in TARGETS:
             assert result[rid] == alone[rid], f"{label}: {rid} differs from the line alone"
+
+
+SEEDED = SamplingParams(temperature=1.0, seed=42, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def q4_bf16_engine(model_dir):
+    """A bfloat16 engine over the served model's Q4 GGUF blocks, prefix caching on; skips where q4-bf16 cannot run."""
+    if not cpu_kernels_available() or "avx512_bf16" not in cpu_flags():
+        pytest.skip("q4-bf16 needs the C++ kernels and a CPU with AVX512_BF16")
+    return make_engine(
+        model_dir,
+        dtype="bfloat16",
+        quantization="q4",
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=192 << 20,
+        max_model_len=512,
+    )
+
+
+def seeded_choices(engine, requests):
+    """Add ``(request_id, prompt, params)`` in order, step to the end; ``{request_id: (token_ids, logprobs,
+    cumulative_logprob)}`` of the seeded requests' single choices."""
+    seeded = {request_id for request_id, _, params in requests if params.seed is not None}
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished and output.request_id in seeded:
+                choice = output.outputs[0]
+                results[output.request_id] = (choice.token_ids, choice.logprobs, choice.cumulative_logprob)
+    return results
+
+
+@torch.inference_mode()
+def test_q4_bf16_identical_seeded_lines_submitted_together_agree(served_model_dir, prompts):
+    # The first prefills the whole prompt (a tall step); the second then computes its last token over the first's
+    # cached blocks (a short step): the same bits only if both steps run one numerics.
+    engine = q4_bf16_engine(served_model_dir)
+    assert len(prompts[2]) > 24
+    results = seeded_choices(engine, [("first", prompts[2], SEEDED), ("second", prompts[2], SEEDED)])
+
+    assert engine.make_stats().num_cached_tokens > 0  # the second line did start from the first's blocks
+    assert len(results["first"][0]) == 24
+    assert results["second"] == results["first"]
+
+
+@torch.inference_mode()
+def test_q4_bf16_seeded_line_alone_and_among_thirty_long_neighbours_agree(served_model_dir, served_tokenizer, prompts):
+    # Among 30 unseeded neighbours every decode step has 31 rows (above the kernel's 24-row exact range).
+    alone = seeded_choices(q4_bf16_engine(served_model_dir), [("target", prompts[2], SEEDED)])
+    questions = [f"Question {i}: {QUESTIONS[i % len(QUESTIONS)]} Answer at length." for i in range(30)]
+    neighbour = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True)
+    neighbours = [(f"neighbour-{i}", p, neighbour) for i, p in enumerate(chat_prompt_ids(served_tokenizer, questions))]
+
+    crowded = seeded_choices(q4_bf16_engine(served_model_dir), [*neighbours, ("target", prompts[2], SEEDED)])
+
+    assert crowded["target"] == alone["target"]

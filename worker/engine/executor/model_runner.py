@@ -35,6 +35,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.core.request import Sequence
 from worker.engine.core.scheduler import SchedulerOutput
+from worker.engine.executor.forward_context import batch_invariant_step
 from worker.engine.executor.kv_calibration import SMOOTHED_KV_CACHE_DTYPES, calibrate_key_smoothing
 from worker.engine.executor.layers.attention import (
     KVCache,
@@ -388,6 +389,7 @@ class ModelRunner:
         query_lens_list = scheduler_output.num_scheduled_tokens
         num_computed_list = [seq.num_computed_tokens for seq in seqs]
         seq_lens_list = [n + q for n, q in zip(num_computed_list, query_lens_list)]
+        batch_invariant = [seq.params.batch_invariant for seq in seqs]
         attn_metadata = build_attention_metadata(
             query_lens_list,
             seq_lens_list,
@@ -397,7 +399,7 @@ class ModelRunner:
             dtype=self.dtype,
             use_cpu_kernels=self.use_cpu_kernels,
             use_triton_kernels=self.use_triton_kernels,
-            batch_invariant=[seq.params.batch_invariant for seq in seqs],
+            batch_invariant=batch_invariant,
             device=self.device,
             sliding_window=self.sliding_window,
             tree_parents=(
@@ -436,19 +438,22 @@ class ModelRunner:
         device = self.device
         start_s = time.perf_counter()
         copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy, use_triton_kernels=self.use_triton_kernels)
-        hidden_states = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            self._rope_positions(seqs, query_lens_list, attn_metadata.positions),
-            self.kv_caches,
-            attn_metadata,
-        )
         rows = logits_rows + [row for rows_of_seq in prompt_rows for row in rows_of_seq] + verify_rows
-        if not rows:  # only prefill chunks that sample nothing yet
-            if self.hidden_states_sink is not None:
-                self.hidden_states_sink(seqs, num_computed_list, query_lens_list, hidden_states)
-            self._synchronize()
-            return ModelRunnerOutput([], None, [], forward_s=time.perf_counter() - start_s)
-        logits = self.model.compute_logits(hidden_states[torch.tensor(rows, dtype=torch.long, device=device)])
+        # A step holding a batch-invariant sequence runs every layer on its height-independent numerics, the LM head
+        # (which verification's rows also go through) included (forward_context).
+        with batch_invariant_step(any(batch_invariant)):
+            hidden_states = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                self._rope_positions(seqs, query_lens_list, attn_metadata.positions),
+                self.kv_caches,
+                attn_metadata,
+            )
+            if not rows:  # only prefill chunks that sample nothing yet
+                if self.hidden_states_sink is not None:
+                    self.hidden_states_sink(seqs, num_computed_list, query_lens_list, hidden_states)
+                self._synchronize()
+                return ModelRunnerOutput([], None, [], forward_s=time.perf_counter() - start_s)
+            logits = self.model.compute_logits(hidden_states[torch.tensor(rows, dtype=torch.long, device=device)])
         # NOTE: the matchers fill their bitmasks on the CPU while a device still computes the logits.
         grammar_start_s = time.perf_counter()
         vocab_size = logits.shape[-1]

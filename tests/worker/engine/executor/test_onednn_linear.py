@@ -98,6 +98,38 @@ def test_bfloat16_packed_linear_routes_tall_calls_to_onednn(monkeypatch):
     assert torch.equal(plain[0](x), linear_packed_bf16(x, plain[0].packed_weight, 96, plain[0].bias))
 
 
+def test_bfloat16_packed_linear_keeps_the_packed_kernel_in_a_batch_invariant_step(monkeypatch):
+    """In a step that must be batch invariant (forward_context) a layer holding oneDNN's copy runs its tall calls on
+    the C++ kernel (the bits of each row alone); outside one they go to oneDNN (here a stand-in that records them,
+    so the routing is checked on any CPU)."""
+    from kernels.cpu_extension import cpu_kernels_available
+    from kernels.cpu_gemm import linear_bf16_supported, linear_packed_bf16
+    from worker.engine.executor.forward_context import batch_invariant_step
+    from worker.engine.executor.layers import linear as linear_module
+
+    if not (cpu_kernels_available() and linear_bf16_supported()):
+        pytest.skip("the C++ bfloat16 kernel cannot run here")
+    layer = linear_module.PackedLinear(_bf16_linear(96, 160), onednn=True)
+    onednn_rows = []
+
+    def onednn_stand_in(rows, weight, bias):
+        onednn_rows.append(rows.shape[0])
+        return rows.new_zeros(rows.shape[0], 96)
+
+    monkeypatch.setattr(linear_module.onednn_linear, "packed_linear", onednn_stand_in)
+    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    with batch_invariant_step(True):
+        invariant = layer(x)
+    assert onednn_rows == []
+    assert torch.equal(invariant, linear_packed_bf16(x, layer.packed_weight, 96, layer.bias))
+    assert torch.equal(invariant[5], linear_packed_bf16(x[5:6], layer.packed_weight, 96, layer.bias)[0])
+    with batch_invariant_step(False):
+        layer(x)
+    layer(x)  # outside any step
+    assert onednn_rows == [48, 48]  # padded to a multiple of 16
+
+
 def test_bfloat16_routing_follows_the_cpu_flags(monkeypatch):
     """The oneDNN route is chosen from the CPU's flags at load: without ``amx_bf16`` a bfloat16 layer keeps the C++
     kernel alone (one weight copy, batch invariant), with it the layer also holds oneDNN's copy."""

@@ -10,8 +10,9 @@ available (``BATCHINFER_CPU_KERNELS=0`` keeps ``nn.Linear``; a bfloat16 model el
 On a CPU with AMX-BF16 a bfloat16 layer also holds its weight in oneDNN's layout and runs calls of
 :data:`ONEDNN_MIN_ROWS` rows or more on oneDNN's AMX kernels (4-14x the packed kernel per thread from 16 rows up;
 below 8 rows the packed kernel is as fast or faster, docs/engine.md "Packed-weight CPU GEMM"). oneDNN's result for a
-row can depend on the number of rows, so this routing gives up bfloat16's batch invariance;
-``BATCHINFER_BF16_ONEDNN=0`` keeps the packed kernel at every height (and one copy of each weight).
+row can depend on the number of rows, so a step that must be batch invariant (one holding a seeded sequence,
+:func:`~worker.engine.executor.forward_context.step_is_batch_invariant`) keeps the packed kernel at every height;
+``BATCHINFER_BF16_ONEDNN=0`` keeps it for every step (and one copy of each weight).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kernels.cpu_gemm import (
     pack_linear_weight,
     pack_linear_weight_bf16,
 )
+from worker.engine.executor.forward_context import step_is_batch_invariant
 from worker.engine.executor.layers import onednn_linear
 
 ONEDNN_BF16_ENV = "BATCHINFER_BF16_ONEDNN"
@@ -58,7 +60,8 @@ class PackedLinear(nn.Module):
     (see :func:`kernels.cpu_gemm.linear_packed`), except for a bfloat16 layer built with ``onednn=True``: it
     also keeps the weight in oneDNN's layout (a second copy) and runs calls of :data:`ONEDNN_MIN_ROWS` rows or
     more there (:func:`onednn_linear.packed_linear`, rows padded to a multiple of 16), whose results may depend
-    on the number of rows.
+    on the number of rows, unless the step must be batch invariant
+    (:func:`~worker.engine.executor.forward_context.step_is_batch_invariant`: the packed kernel then).
     """
 
     def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor | None = None, *, onednn: bool = False) -> None:
@@ -89,7 +92,7 @@ class PackedLinear(nn.Module):
         if self.packed_weight.dtype != torch.bfloat16:
             return linear_packed(x, self.packed_weight, self.out_features, bias)
         rows = x.reshape(-1, self.in_features)
-        if self.onednn_weight is None or rows.shape[0] < ONEDNN_MIN_ROWS:
+        if self.onednn_weight is None or rows.shape[0] < ONEDNN_MIN_ROWS or step_is_batch_invariant():
             return linear_packed_bf16(x, self.packed_weight, self.out_features, bias)
         num_rows = rows.shape[0]
         padding = onednn_linear.padded_rows(num_rows, _ONEDNN_ROW_MULTIPLE) - num_rows

@@ -30,6 +30,7 @@ from kernels.cpu_elementwise import (
     rotary_embedding_cpu_,
     silu_and_mul_cpu,
 )
+from worker.engine.executor.forward_context import step_is_batch_invariant
 from worker.engine.executor.layers.attention import AttentionMetadata, KVCache, paged_attention_forward
 from worker.engine.executor.models.checkpoint_copy import CheckpointLayout, copy_into_layout
 
@@ -404,9 +405,12 @@ class FusedCpuLayer:
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """:meth:`LlamaDecoderLayer.forward`, the attention itself through :meth:`LlamaAttention.attend`."""
+        """:meth:`LlamaDecoderLayer.forward`, the attention itself through :meth:`LlamaAttention.attend`; in a step
+        that must be batch invariant (:func:`~worker.engine.executor.forward_context.step_is_batch_invariant`) Q4
+        panels run their exact chain at every height, as ``GGUFLinearBF16`` does."""
         num_tokens, head_size, qkv = hidden_states.shape[0], self.head_size, self.qkv
         heads, kv_heads = self.num_heads, self.num_kv_heads
+        batch_invariant = step_is_batch_invariant()
         rotated = decoder_attention_input_cpu(
             hidden_states,
             self.input_norm,
@@ -420,6 +424,7 @@ class FusedCpuLayer:
             self.sin,
             heads + kv_heads,
             head_size,
+            batch_invariant,
         ).view(num_tokens, -1, head_size)
         out = attention.attend(
             rotated[:, :heads],
@@ -444,6 +449,7 @@ class FusedCpuLayer:
             down.weight,
             down.kind,
             down.bias,
+            batch_invariant,
         )
 
 

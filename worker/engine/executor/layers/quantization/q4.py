@@ -40,6 +40,7 @@ from kernels.cpu_q4 import (
     linear_gguf_bf16,
 )
 from kernels.reference import quantize_q4_1
+from worker.engine.executor.forward_context import step_is_batch_invariant
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types whose layers stay float32 (as the HF folder loaded them)
 
@@ -79,8 +80,11 @@ class GGUFLinearBF16(nn.Module):
 
     ``blocks`` uint8 ``[out_features, in_features / 32 * block_bytes]`` in ggml's layout are regrouped once
     (:func:`kernels.cpu_q4.gguf_pack_bf16`, the same bits a weight) into ``packed_blocks``; ``forward`` runs
-    :func:`kernels.cpu_q4.linear_gguf_bf16` (float32 accumulation, rounded to bfloat16 once, batch invariant).
-    The fused bfloat16 decoder layers run it too (``cpu_kernel_weight``).
+    :func:`kernels.cpu_q4.linear_gguf_bf16` (float32 accumulation, rounded to bfloat16 once; exact Q4 weights in
+    calls of up to 24 rows, bfloat16-rounded ones in taller calls, so batch invariant within each range only),
+    exact Q4 weights at every height in a step that must be batch invariant
+    (:func:`~worker.engine.executor.forward_context.step_is_batch_invariant`). The fused bfloat16 decoder layers run
+    it too (``cpu_kernel_weight``).
     """
 
     def __init__(self, blocks: torch.Tensor, block_type: int, in_features: int, bias: nn.Parameter | None) -> None:
@@ -99,7 +103,9 @@ class GGUFLinearBF16(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
-        return linear_gguf_bf16(x, self.packed_blocks, self.block_type, self.out_features, bias)
+        return linear_gguf_bf16(
+            x, self.packed_blocks, self.block_type, self.out_features, bias, step_is_batch_invariant()
+        )
 
 
 def _block_linear(
