@@ -31,6 +31,8 @@ Prints progress lines, then one JSON line: ``b1_{fp32,int8,q4,bf16}_tok_per_s`` 
 ``llamacpp_b1_tok_per_s``, ``mixed_{fp32,...}_tok_per_s``, ``mixed_best_tok_per_s`` (+ ``mixed_best_setting``),
 ``llamacpp_mixed_tok_per_s``, ``vllm_bf16_mixed_tok_per_s``,
 ``bytes_per_decode_step_*``, ``read_bandwidth_gb_per_s``, ``b1_fraction_of_bandwidth`` (q4's),
+``b1_q4_best_tok_per_s`` (+ ``b1_q4_best_setting``, ``b1_q4_best_fraction_of_bandwidth``: the faster of q4 on
+float32 activations and q4-bf16, the quantization in the dtype a user on that CPU runs it),
 ``*_top1_agreement``, ``*_perplexity`` and ``load_average_1m``.
 """
 
@@ -326,6 +328,19 @@ def main() -> None:
         result[f"mixed_{name.replace('-', '_')}_tok_per_s"] = tok_per_s
     quantized = {name: mixed_tok_per_s[name] for name in settings if name in QUANTIZED and mixed_tok_per_s.get(name)}
     best = max(quantized, key=lambda name: quantized[name]) if quantized else None
+    # q4 at batch 1 in the dtype a user would run it: float32 activations (q4) or bfloat16 ones (q4-bf16), the faster
+    b1_q4 = {name: result.get(f"b1_{name.replace('-', '_')}_tok_per_s") for name in ("q4", "q4-bf16")}
+    b1_q4 = {name: tok_per_s for name, tok_per_s in b1_q4.items() if tok_per_s}
+    b1_q4_best = max(b1_q4, key=lambda name: b1_q4[name]) if b1_q4 else None
+    result.update(
+        {
+            "b1_q4_best_setting": b1_q4_best,
+            "b1_q4_best_tok_per_s": b1_q4.get(b1_q4_best) if b1_q4_best else None,
+            "b1_q4_best_fraction_of_bandwidth": (
+                result.get(f"b1_{b1_q4_best.replace('-', '_')}_fraction_of_bandwidth") if b1_q4_best else None
+            ),
+        }
+    )
     result.update(
         {
             "llamacpp_b1_tok_per_s": result.pop("b1_llamacpp_tok_per_s", None),
