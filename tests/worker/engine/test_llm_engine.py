@@ -130,6 +130,16 @@ def test_a_kv_cache_too_small_for_one_sequence_names_the_settings_that_make_it_f
         make_engine(model_dir, kv_cache_memory_bytes=per_block, kv_cache_dtype="int8")
 
 
+def test_a_kv_cache_larger_than_the_available_memory_is_refused_at_start(model_dir):
+    import psutil
+
+    budget = 2 * psutil.virtual_memory().available
+    with pytest.raises(
+        ValueError, match=r"this machine has \d+ bytes of memory available: lower kv_cache_memory_bytes"
+    ):
+        make_engine(model_dir, kv_cache_memory_bytes=budget)
+
+
 def test_abort_frees_everything(model_dir, prompts):
     engine = make_engine(model_dir, max_num_batched_tokens=8)
     for i, prompt in enumerate(prompts):

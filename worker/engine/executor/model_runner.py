@@ -21,15 +21,18 @@ nothing is kept.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import math
 import mmap
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import psutil  # type: ignore[import-untyped]
 import torch
 
 from worker.engine.config import EngineConfig
@@ -230,6 +233,22 @@ def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: tor
     return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def check_kv_cache_fits(num_bytes: int) -> None:
+    """Refuse a CPU KV cache of ``num_bytes`` larger than the memory the machine has available now
+    (``psutil.virtual_memory().available``): such a cache would fail to map, or be killed by the kernel's OOM killer
+    when it is faulted in (docs/engine.md, "KV cache memory"), instead of failing at start with a setting to change.
+
+    Raises:
+        ValueError: naming the bytes needed and available and ``kv_cache_memory_bytes``.
+    """
+    available = psutil.virtual_memory().available
+    if num_bytes > available:
+        raise ValueError(
+            f"the KV cache needs {num_bytes} bytes but this machine has {available} bytes of memory available: "
+            "lower kv_cache_memory_bytes (BATCHINFER_KV_CACHE_MEMORY_BYTES)"
+        )
+
+
 _MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14); Python's mmap module names it from 3.13 only
 
 
@@ -241,6 +260,9 @@ def populate(tensor: torch.Tensor) -> None:
     workload on a fresh engine (docs/engine.md, "KV cache memory"). ``madvise(MADV_POPULATE_WRITE)`` faults the
     range in the kernel; where that is refused (a kernel before 5.14) each page gets one zero byte written
     (the pages hold zeros, so the values stay). Costs about 0.3-2 s per GiB, once.
+
+    Raises:
+        OSError: the kernel could not provide the pages (``ENOMEM``).
     """
     num_bytes = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu" or num_bytes == 0:
@@ -250,6 +272,9 @@ def populate(tensor: torch.Tensor) -> None:
     length = tensor.data_ptr() + num_bytes - start
     if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0:
         return
+    error = ctypes.get_errno()
+    if error != errno.EINVAL:  # EINVAL: a kernel without MADV_POPULATE_WRITE; anything else (ENOMEM) is real
+        raise OSError(error, f"faulting in {length} bytes of KV cache: {os.strerror(error)}")
     flat = tensor.view(torch.uint8).view(-1)
     first = (-tensor.data_ptr()) % page  # the first page boundary inside the tensor
     flat[first::page] = flat[first::page].clone()  # NOTE: a copy_ from itself would be skipped as a no-op
@@ -297,6 +322,8 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than one KV block ({bytes_per_block} bytes)"
             )
+        if self.device.type == "cpu":
+            check_kv_cache_fits(self.num_blocks * bytes_per_block)
         # NOTE: zeros, not empty: attention gathers whole blocks and masks, and 0 * NaN would poison a row.
         self.kv_caches: list[KVCache]
         if self.kv_cache_dtype == "auto":
