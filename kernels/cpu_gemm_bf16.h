@@ -49,6 +49,24 @@ struct PanelWeights {
   }
 };
 
+// MR rows of float32 accumulators (columns 0-15 in acc0, 16-31 in acc1) rounded once to bfloat16 (nearest even)
+// into y[r * ldy + 0 : ncols]; shared with the Q4 kernel's exact chain (cpu_q4_bf16.cpp).
+template <int MR>
+inline void store_rows(const __m512 (&acc0)[MR], const __m512 (&acc1)[MR], uint16_t* y, int64_t ldy, int64_t ncols) {
+  for (int r = 0; r < MR; ++r) {
+    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(acc0[r]), hi = (__m256i)_mm512_cvtneps_pbh(acc1[r]);
+    if (ncols == kNR) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16), hi);
+    } else {
+      uint16_t tail[kNR];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail + 16), hi);
+      std::memcpy(y + r * ldy, tail, ncols * sizeof(uint16_t));
+    }
+  }
+}
+
 // y[r, 0:ncols] = round_bf16(bias + sum_k x[r, k] * w[k, 0:ncols]) for r < MR; x packed [K2][MR] pairs, the panel's
 // pair rows from `weights` (PanelWeights, or a functor with its call that computes them). Prefetches prefetch_rows
 // pair rows of `prefetch` (the next panel) spread over the chain.
@@ -76,18 +94,7 @@ inline void micro_kernel(const uint32_t* __restrict x, const Weights& weights, i
       acc1[r] = _mm512_dpbf16_ps(acc1[r], w1, xs);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(acc0[r]), hi = (__m256i)_mm512_cvtneps_pbh(acc1[r]);
-    if (ncols == kNR) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16), hi);
-    } else {
-      uint16_t tail[kNR];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail + 16), hi);
-      std::memcpy(y + r * ldy, tail, ncols * sizeof(uint16_t));
-    }
-  }
+  store_rows<MR>(acc0, acc1, y, ldy, ncols);
 }
 
 // Rows [0, M) of x as pairs, the group of `rows` rows that starts at row m at xpack + m * K2, laid out [K2][rows].

@@ -288,18 +288,7 @@ inline void micro_kernel(const uint32_t* __restrict x, const float* __restrict s
       acc1[r] = _mm512_fmadd_ps(g1[r], d1, acc1[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(acc0[r]), hi = (__m256i)_mm512_cvtneps_pbh(acc1[r]);
-    if (ncols == kNR) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16), hi);
-    } else {
-      uint16_t tail[kNR];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail + 16), hi);
-      std::memcpy(y + r * ldy, tail, ncols * sizeof(uint16_t));
-    }
-  }
+  batchinfer_kernels::packed_bf16::store_rows<MR>(acc0, acc1, y, ldy, ncols);
 }
 
 template <int64_t T, typename Weights>
