@@ -29,6 +29,7 @@ from kernels.cpu_sampling import argmax_rows_cpu, exponential_race_cpu
 from kernels.reference import exponential_race_reference
 from worker.engine.sample.metadata import SamplerOutput, SamplingMetadata
 from worker.engine.sample.ops.penalties import apply_logit_bias, apply_min_tokens, apply_penalties, has_penalties
+from worker.engine.sample.ops.reductions import logsumexp_rows
 from worker.engine.sample.ops.topk_topp import truncated_logits
 from worker.engine.sampling_params import SamplingParams
 
@@ -93,7 +94,7 @@ def compute_prompt_logprobs(
         raise ValueError(f"got {logits.shape[0]} logits rows for {len(target_token_ids)} target tokens")
     if not target_token_ids:
         return []
-    lse = torch.logsumexp(logits, dim=-1)
+    lse = logsumexp_rows(logits)
     targets = torch.tensor(target_token_ids, dtype=torch.long, device=logits.device)
     target_logprobs = (logits.gather(1, targets[:, None]).squeeze(1) - lse).tolist()
     if num_top <= 0:
@@ -172,7 +173,7 @@ class Sampler:
 
         if not any(p.needs_sampled_logprobs for p in metadata.params):
             return SamplerOutput(sampled.tolist(), None, [None] * len(metadata.params))
-        raw_lse = torch.logsumexp(logits, dim=-1)
+        raw_lse = logsumexp_rows(logits)
         sampled_logprobs = logits.gather(1, sampled[:, None]).squeeze(1) - raw_lse
         return SamplerOutput(
             sampled_token_ids=sampled.tolist(),

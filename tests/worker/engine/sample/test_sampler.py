@@ -343,6 +343,38 @@ def test_logprobs_are_log_softmax_of_raw_logits():
         assert [lp for _, lp in out.top_logprobs[i]] == pytest.approx(values.tolist(), abs=1e-5)
 
 
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_rows_logprobs_and_top_p_support_do_not_depend_on_its_neighbours():
+    """At a real vocabulary and 2 threads, torch.logsumexp splits a lone row's sum over the threads but gives each
+    thread whole rows in a batch (its bits differed for 12 of 300 such rows): the sampler's normalisers are batch
+    invariant (worker/engine/sample/ops/reductions.py), so a seeded line's logprobs and top-p support are its own."""
+    vocab, num_rows = 49152, 48
+    logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(3)) * 4
+    lse = torch.logsumexp(logits, dim=-1)
+    hazards = [r for r in range(num_rows) if not torch.equal(torch.logsumexp(logits[r : r + 1], dim=-1)[0], lse[r])]
+    assert hazards  # the rows hold cases where a lone row's torch.logsumexp differs from the batch's
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=42, logprobs=2)] * num_rows
+    keys = [make_sampling_key(42, i, ()) for i in range(num_rows)]
+    batch = Sampler()(logits, metadata(params, keys=keys))
+    prompt = compute_prompt_logprobs(logits, list(range(num_rows)), num_top=2)
+    for r in range(num_rows):
+        alone = Sampler()(logits[r : r + 1], metadata(params[:1], keys=keys[r : r + 1]))
+        assert alone.sampled_token_ids == [batch.sampled_token_ids[r]]
+        assert alone.logprobs == [batch.logprobs[r]] and alone.top_logprobs == [batch.top_logprobs[r]]
+        assert compute_prompt_logprobs(logits[r : r + 1], [r], num_top=2) == [prompt[r]]
+    raw = torch.log_softmax(logits, dim=-1)
+    expected = [raw[i, t].item() for i, t in enumerate(batch.sampled_token_ids)]
+    assert batch.logprobs == pytest.approx(expected, abs=1e-5)
+
+
 def test_input_logits_are_not_mutated():
     logits = random_logits(3)
     before = logits.clone()

@@ -10,6 +10,7 @@ import math
 import torch
 
 from worker.engine.sample.ops.penalties import SAMPLING_EPS
+from worker.engine.sample.ops.reductions import logsumexp_rows
 from worker.engine.sampling_params import SamplingParams
 
 # First candidate-set size tried for the top-p nucleus (enough for the peaked distributions LLMs give).
@@ -72,11 +73,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     num_candidates = max(k_list)
     if top_p_without_k:
         num_candidates = max(num_candidates, min(vocab_size, _TOP_P_INITIAL_CANDIDATES))
-        row_lse = torch.logsumexp(sub, dim=-1)
+        row_lse = logsumexp_rows(sub)
     candidates, k_threshold = _top_k_candidates(sub, k, num_candidates)
     if any(pj < 1.0 for pj in p_list):
         # Normaliser of each row after top-k: over the candidates for top-k rows, the full row otherwise.
-        lse = torch.logsumexp(candidates, dim=-1)
+        lse = logsumexp_rows(candidates)
         if top_p_without_k:
             lse = torch.where(k > 0, lse, row_lse)
         candidate_probs = (candidates - lse[:, None]).exp_()
