@@ -176,7 +176,7 @@ class Heartbeat:
         try:
             self.beat()
         except Exception as exc:
-            logger.warning("heartbeat: could not write worker %s: %s", self.worker_id, exc)
+            logger.warning("heartbeat: could not write worker %s: %s", self.worker_id, database_problem(exc))
         return self.ready_s
 
     def start(self) -> None:
@@ -192,7 +192,7 @@ class Heartbeat:
             with session_scope(self.settings.database_url) as session:
                 workers.remove_worker(session, worker_id=self.worker_id)
         except Exception as exc:
-            logger.warning("heartbeat: could not remove worker %s: %s", self.worker_id, exc)
+            logger.warning("heartbeat: could not remove worker %s: %s", self.worker_id, database_problem(exc))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -200,8 +200,22 @@ class Heartbeat:
                 self.beat()
             except Exception as exc:
                 # NOTE: a database hiccup must not kill the thread; the row just ages until the next beat.
-                logger.warning("heartbeat: could not write worker %s: %s", self.worker_id, exc)
+                logger.warning("heartbeat: could not write worker %s: %s", self.worker_id, database_problem(exc))
             self._stop.wait(self.settings.worker_heartbeat_s)
+
+
+def database_problem(exc: Exception) -> str:
+    """``exc`` in one line: a database error as its driver's first line (SQLAlchemy's own message appends the
+    statement, its parameters and a link), with the fix where the tables are missing (a database never migrated:
+    SQLite's "no such table", PostgreSQL's undefined table); any other exception as ``str(exc)``."""
+    from sqlalchemy.exc import DBAPIError, ProgrammingError
+
+    if not isinstance(exc, DBAPIError) or exc.orig is None:
+        return str(exc)
+    message = (str(exc.orig).splitlines() or [type(exc.orig).__name__])[0]
+    if "no such table" in message or (isinstance(exc, ProgrammingError) and "does not exist" in message):
+        message += " (the database has no tables yet: run `batchinfer db upgrade` against it)"
+    return message
 
 
 def start_heartbeat(settings: Settings) -> Heartbeat:

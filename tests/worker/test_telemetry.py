@@ -207,6 +207,20 @@ def test_heartbeat_writes_then_removes_its_row(service):
         assert workers.list_live_workers(session, now=heartbeat.started_at, live_s=30) == []
 
 
+def test_a_heartbeat_on_a_database_without_tables_warns_in_one_line_with_the_fix(tmp_path, caplog):
+    from jobs.config import Settings
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'empty.db'}")
+    heartbeat = Heartbeat(settings, WorkerActivity(), model="m", device="cpu", host="h", pid=7)
+    with caplog.at_level("WARNING", logger="worker.telemetry"):
+        heartbeat.mark_ready()
+    [record] = [r for r in caplog.records if "heartbeat" in r.getMessage()]
+    assert record.getMessage() == (
+        "heartbeat: could not write worker h:7: no such table: workers "
+        "(the database has no tables yet: run `batchinfer db upgrade` against it)"
+    )
+
+
 def test_the_engines_kv_cache_size_is_its_dtype_blocks_and_bytes(tmp_path):
     from tests.helpers.tiny_llama import save_tiny_llama
     from worker.engine import EngineConfig, LLMEngine
