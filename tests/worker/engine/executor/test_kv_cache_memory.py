@@ -3,6 +3,8 @@ that cost nothing until touched, and faulted in as a whole where a worker asks (
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import os
 from pathlib import Path
@@ -73,6 +75,7 @@ def test_populate_writes_the_pages_where_the_kernel_refuses_madvise(monkeypatch)
     class OldKernel:  # before Linux 5.14: MADV_POPULATE_WRITE is EINVAL
         @staticmethod
         def madvise(*args):
+            ctypes.set_errno(errno.EINVAL)
             return -1
 
     monkeypatch.setattr(model_runner, "_libc", OldKernel)
@@ -83,3 +86,16 @@ def test_populate_writes_the_pages_where_the_kernel_refuses_madvise(monkeypatch)
     populate(cache)
     assert _resident_bytes() - before > num_bytes * 9 // 10
     assert float(cache[7]) == 2.0 and float(cache.sum()) == 2.0
+
+
+def test_populate_raises_where_the_kernel_cannot_back_the_pages(monkeypatch):
+    class OutOfMemory:
+        @staticmethod
+        def madvise(*args):
+            ctypes.set_errno(errno.ENOMEM)
+            return -1
+
+    monkeypatch.setattr(model_runner, "_libc", OutOfMemory)
+    with pytest.raises(OSError, match=r"faulting in \d+ bytes of KV cache") as excinfo:
+        populate(zeros_on_first_touch((1 << 20,), torch.float32, CPU))
+    assert excinfo.value.errno == errno.ENOMEM
